@@ -1,0 +1,9 @@
+"""tokenloom: an LLM serving engine with continuous batching and a paged KV cache."""
+
+from .config import EngineConfig
+from .llm import LLM
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,83 @@
+"""Every engine knob in one dataclass, with vLLM's names and defaults that work out of the box.
+
+`EngineConfig.validate()` rejects impossible combinations with a ValueError naming the field, so a
+bad command line fails at start-up instead of deep inside a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: ~46k tokens of SmolLM2-135M KV in float32
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # GGUF file, HF directory, or None for the bundled SmolLM2-135M-Instruct
+    dtype: Dtype = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None = all cores
+
+    # KV cache
+    block_size: int = 16
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
+    num_kv_blocks: int | None = None  # overrides the count derived from kv_cache_memory_bytes
+    enable_prefix_caching: bool = True
+    swap_space: float = 1.0  # GiB of host memory for swapped-out KV blocks
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+
+    # Scheduling
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None = the model's context length
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0 = a prefill may take the whole remaining budget
+    scheduling_policy: Literal["fcfs", "sjf", "priority"] = "fcfs"
+    priority_aging_s: float = 10.0  # a waiting request gains one priority level per this many seconds
+    batching: Literal["continuous", "dynamic", "static"] = "continuous"
+    max_wait_ms: float = 50.0  # dynamic batching: how long the first waiting request may wait for company
+
+    def validate(self) -> EngineConfig:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
+
+        choices = {
+            "dtype": ("float32", "bfloat16", "float16"),
+            "preemption_mode": ("recompute", "swap"),
+            "scheduling_policy": ("fcfs", "sjf", "priority"),
+            "batching": ("continuous", "dynamic", "static"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                fail(name, f"must be one of {', '.join(allowed)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            if int(getattr(self, name)) <= 0:
+                fail(name, "must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            fail("num_kv_blocks", "must be at least 2")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            fail("max_model_len", "must be positive")
+        if self.swap_space < 0:
+            fail("swap_space", "must be >= 0")
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            fail("swap_space", "preemption_mode=swap needs swap_space > 0")
+        if self.max_wait_ms < 0:
+            fail("max_wait_ms", "must be >= 0")
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            fail(
+                "max_num_batched_tokens",
+                f"without chunked prefill it must be >= max_model_len ({self.max_model_len}), "
+                "or a long prompt could never be scheduled",
+            )
+        return self
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

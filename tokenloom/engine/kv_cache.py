@@ -1,0 +1,254 @@
+"""Paged KV-cache bookkeeping: the block pool, per-sequence block tables, the prefix cache, swap.
+
+Only block *ids* live here; the K/V tensors belong to the runner. Every device block is in exactly
+one of three states, which `check_invariants()` verifies:
+
+- in use: `ref_cnt > 0`, referenced by that many block tables (shared prefix blocks have ref > 1);
+- free and cached: `ref_cnt == 0`, still holding a prefix-cache key, in the free queue (reusable
+  by a cache hit until it is evicted);
+- free and empty: `ref_cnt == 0`, no key, in the free queue.
+
+Prefix caching: a *full* block is identified by the key (parent block's key hash, its token ids,
+extra keys); a sequence's keys chain from its first block, so equal keys mean equal prefixes. Keys
+are registered when a block is allocated for the tokens that fill it (the forward that computes it
+runs before anything else can read it), and dropped only when a free block is taken for reuse
+(LRU eviction: the free queue hands out the least recently freed block first, and a sequence's
+blocks are freed tail first so its prefix stays longest).
+
+Only full blocks are ever shared, and block tables are append-only, so a shared block is never
+written again: no copy-on-write is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .sequence import Sequence
+
+BlockKey = tuple  # (parent key hash or None, token ids tuple, extra keys)
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "key", "prev", "next")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.key: BlockKey | None = None
+        self.prev: KVBlock | None = None
+        self.next: KVBlock | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list threaded through the blocks: O(1) pop-front, append and remove-from-middle
+    (a cache hit takes a free block out of the queue wherever it is)."""
+
+    def __init__(self, blocks: Iterable[KVBlock]):
+        self.head, self.tail = KVBlock(-1), KVBlock(-1)
+        self.head.next, self.tail.prev = self.tail, self.head
+        self.size = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVBlock) -> None:
+        last = self.tail.prev
+        last.next, block.prev, block.next, self.tail.prev = block, last, self.tail, block
+        self.size += 1
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.size -= 1
+
+    def popleft(self) -> KVBlock:
+        if self.size == 0:
+            raise RuntimeError("no free KV blocks")
+        block = self.head.next
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        b = self.head.next
+        while b is not self.tail:
+            yield b
+            b = b.next
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockKey, KVBlock] = {}
+        self.free_host_blocks = list(range(num_host_blocks - 1, -1, -1))
+        self.num_host_blocks = num_host_blocks
+        # Prefix-cache statistics, in tokens (as vLLM counts them).
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.num_evictions = 0
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free empty + free cached)."""
+        return self.free_queue.size
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use by sequences (cached-but-free blocks count as free, like vLLM)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ----------------------------------------------------------------------------
+
+    def _block_key(self, seq: Sequence, i: int) -> BlockKey:
+        parent = hash(seq.block_keys[i - 1]) if i else None
+        bs = self.block_size
+        return (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]), ())
+
+    def _keys_up_to(self, seq: Sequence, num_full_blocks: int) -> list[BlockKey]:
+        while len(seq.block_keys) < num_full_blocks:
+            seq.block_keys.append(self._block_key(seq, len(seq.block_keys)))
+        return seq.block_keys[:num_full_blocks]
+
+    def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
+        """Cached blocks holding the longest prefix of `seq`'s tokens. At least one token is always
+        left to compute, because its logits are needed to sample."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hits = []
+        for key in self._keys_up_to(seq, max_blocks):
+            block = self.cached.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted lookup (not the retries of a request that did not fit yet)."""
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    # -- allocation ------------------------------------------------------------------------------
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[KVBlock] = ()) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones (and after any prefix-cache
+        hits, which join the table). Returns False, changing nothing, when there are not enough blocks."""
+        num_hit_tokens = len(computed_blocks) * self.block_size
+        total = seq.num_computed_tokens + num_hit_tokens + num_new_tokens
+        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(computed_blocks)
+        # Hits that sit in the free queue stop being free once we take them.
+        free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.num_free_blocks - free_hits:
+            return False
+        for block in computed_blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+            seq.block_table.append(block.block_id)
+        for _ in range(max(num_new_blocks, 0)):
+            seq.block_table.append(self._take_free_block().block_id)
+        seq.num_computed_tokens += num_hit_tokens
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, total)
+        return True
+
+    def _take_free_block(self) -> KVBlock:
+        block = self.free_queue.popleft()
+        if block.key is not None:  # evict lazily: the cached content is overwritten only now
+            if self.cached.get(block.key) is block:
+                del self.cached[block.key]
+            block.key = None
+            self.num_evictions += 1
+        block.ref_cnt = 1
+        return block
+
+    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        keys = self._keys_up_to(seq, min(num_tokens, seq.num_tokens) // self.block_size)
+        for key, block_id in zip(keys, seq.block_table, strict=False):
+            block = self.blocks[block_id]
+            if block.key is None and key not in self.cached:
+                block.key = key
+                self.cached[key] = block
+
+    def free(self, seq: Sequence) -> None:
+        """The one release path: finish, abort, disconnect and recompute-preemption all come here."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block_id} freed twice"
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+        seq.block_table = []
+        self.free_host(seq)
+
+    def reset_prefix_cache(self) -> None:
+        for key, block in list(self.cached.items()):
+            if block.ref_cnt == 0:
+                block.key = None
+                del self.cached[key]
+
+    # -- swap ------------------------------------------------------------------------------------
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= len(self.free_host_blocks)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move `seq`'s blocks to the host pool; returns (device block, host block) copies to make
+        before the device blocks are reused."""
+        host = [self.free_host_blocks.pop() for _ in seq.block_table]
+        mapping = list(zip(seq.block_table, host, strict=True))
+        self.free(seq)  # frees the device blocks; the host blocks are attached only after
+        seq.host_blocks = host
+        return mapping
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """Bring a swapped sequence back; returns (host block, device block) copies, or None if the
+        device has no room."""
+        if len(seq.host_blocks) > self.num_free_blocks:
+            return None
+        device = [self._take_free_block().block_id for _ in seq.host_blocks]
+        mapping = list(zip(seq.host_blocks, device, strict=True))
+        self.free_host(seq)
+        seq.block_table = device
+        return mapping
+
+    def free_host(self, seq: Sequence) -> None:
+        self.free_host_blocks.extend(reversed(seq.host_blocks))
+        seq.host_blocks = []
+
+    # -- checking --------------------------------------------------------------------------------
+
+    def check_invariants(self, live: Iterable[Sequence] = ()) -> None:
+        """Raise AssertionError if the accounting is inconsistent; `live` = every unfinished sequence."""
+        in_queue = {b.block_id for b in self.free_queue}
+        assert len(in_queue) == self.free_queue.size, "free queue size is off"
+        refs = [0] * self.num_blocks
+        host_used = 0
+        for seq in live:
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+            host_used += len(seq.host_blocks)
+        for block in self.blocks:
+            assert block.ref_cnt == refs[block.block_id], f"block {block.block_id}: ref {block.ref_cnt} != tables {refs[block.block_id]}"
+            assert (block.ref_cnt == 0) == (block.block_id in in_queue), f"block {block.block_id} free state wrong"
+            if block.key is not None:
+                assert self.cached.get(block.key) is block, f"block {block.block_id} key not in cache map"
+        for key, block in self.cached.items():
+            assert block.key == key, "cache map points at a block with another key"
+        assert self.num_free_blocks + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks
+        assert host_used + len(self.free_host_blocks) == self.num_host_blocks, "host blocks leaked"
+        assert len(set(self.free_host_blocks)) == len(self.free_host_blocks), "host block freed twice"
+
+    def all_free(self) -> bool:
+        return self.num_free_blocks == self.num_blocks and len(self.free_host_blocks) == self.num_host_blocks

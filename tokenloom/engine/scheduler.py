@@ -1,0 +1,189 @@
+"""The scheduler: at every step, which sequences run and how many tokens each computes.
+
+There are no prefill and decode phases. Each step hands out a token budget
+(`max_num_batched_tokens`) so that every sequence's computed tokens catch up with its tokens:
+a decode needs 1, a prompt needs the rest of its prompt (a chunk of it, with chunked prefill), a
+sequence resumed after recompute-preemption needs everything again. Prefill chunks and decodes
+therefore share a step.
+
+1. Running sequences first, in policy order. If the KV cache cannot hold a sequence's new tokens,
+   the worst running sequence (by policy; the sequence itself if it is the worst) is preempted:
+   by recompute (blocks freed, back to waiting) or by swap (blocks copied to the host pool).
+2. Then, if nobody was preempted this step, waiting sequences in policy order while the budget,
+   `max_num_seqs` and the KV cache allow; prefix-cache hits are taken on first admission.
+
+The batching mode only decides who may be admitted: `continuous` admits at every step; `static`
+forms a batch of up to `max_num_seqs` only when nothing runs, and admits no one else until the
+whole batch has finished; `dynamic` does the same but forms the batch only once it is full or the
+oldest waiting request has waited `max_wait_ms`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..config import EngineConfig
+from .kv_cache import KVCacheManager
+from .policies import get_policy
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.policy = get_policy(config.scheduling_policy, config.priority_aging_s)
+        self.waiting: list[Sequence] = []  # WAITING and SWAPPED sequences
+        self.running: list[Sequence] = []
+        self.batch: set[str] | None = None  # members of the current static/dynamic batch
+        self.num_preemptions = 0
+        self.num_swaps = 0
+
+    # -- queue management ------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and release its KV (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+
+    @property
+    def num_swapped(self) -> int:
+        return sum(1 for s in self.waiting if s.status == SequenceStatus.SWAPPED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step plan ---------------------------------------------------------------------------
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        now = time.monotonic() if now is None else now
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda s: self.policy(s, now))
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, n):
+                victim = self.running.pop()  # the worst by policy; `seq` itself when it is the last
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+
+        if not out.preempted:
+            self._admit(out, budget, now)
+        assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+        assert len(self.running) <= self.config.max_num_seqs
+        return out
+
+    def _chunk(self, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            n = min(n, self.config.long_prefill_token_threshold)
+        return n
+
+    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        if not self._batch_open(now):
+            return
+        self.waiting.sort(key=lambda s: self.policy(s, now))
+        idx = 0
+        while idx < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[idx]
+            if self.batch is not None and seq.seq_id not in self.batch:
+                idx += 1
+                continue
+            n = self._admit_one(seq, budget, out)
+            if n == 0:
+                break  # no room in the KV cache (or the budget): keep the policy order, stop here
+            self.waiting.pop(idx)
+            self.running.append(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.times.first_scheduled is None:
+                seq.times.first_scheduled = now
+            out.scheduled.append((seq, n))
+            budget -= n
+
+    def _admit_one(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Allocate for a waiting sequence; returns the tokens it computes this step (0 = not admitted)."""
+        if seq.status == SequenceStatus.SWAPPED:
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            extra = self.kv.blocks_needed(seq.num_computed_tokens + n) - len(seq.host_blocks)
+            if len(seq.host_blocks) + max(extra, 0) > self.kv.num_free_blocks:
+                return 0
+            out.swap_in.extend(self.kv.swap_in(seq))
+            assert self.kv.allocate_slots(seq, n)
+            return n
+        hits = self.kv.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
+        remaining = seq.num_tokens - seq.num_computed_tokens - len(hits) * self.kv.block_size
+        if remaining > budget and not self.config.enable_chunked_prefill:
+            return 0
+        n = self._chunk(remaining, budget)
+        if not self.kv.allocate_slots(seq, n, hits):
+            return 0
+        if seq.times.first_scheduled is None:
+            seq.num_cached_prompt_tokens = len(hits) * self.kv.block_size
+            self.kv.record_prefix_lookup(seq.num_tokens, seq.num_cached_prompt_tokens)
+        return n
+
+    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
+        victim.num_preemptions += 1
+        out.preempted.append(victim)
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(victim):
+            out.swap_out.extend(self.kv.swap_out(victim))
+            victim.status = SequenceStatus.SWAPPED
+            self.num_swaps += 1
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = SequenceStatus.WAITING
+        self.waiting.append(victim)
+
+    # -- batching modes --------------------------------------------------------------------------
+
+    def _batch_open(self, now: float) -> bool:
+        """May waiting sequences be admitted now? Forms the next static/dynamic batch when due."""
+        mode = self.config.batching
+        if mode == "continuous":
+            return True
+        if self.batch is not None and any(s.seq_id in self.batch for s in self.running + self.waiting):
+            return True  # the current batch still has members to (re)admit or to finish
+        self.batch = None
+        if self.running or not self.waiting:
+            return False
+        size = self.config.max_num_seqs
+        if mode == "dynamic" and len(self.waiting) < size:
+            oldest = min(s.times.arrival for s in self.waiting)
+            if (now - oldest) * 1000 < self.config.max_wait_ms:
+                return False
+        self.waiting.sort(key=lambda s: self.policy(s, now))
+        self.batch = {s.seq_id for s in self.waiting[:size]}
+        return True

@@ -1,0 +1,206 @@
+"""A Llama-family decoder written for one flat, variable-length batch per step.
+
+Read top to bottom: config → RMSNorm → RoPE → attention over the paged KV cache → SwiGLU MLP →
+decoder layer → model. A forward takes the tokens of many sequences concatenated (prefill chunks and
+single decode tokens together) plus a `ForwardBatch` saying where each token's K/V goes in the paged
+cache (`slot_mapping`) and which cache slots each sequence attends to. Nothing is padded except the
+decode group's context, which is masked. The LM head runs only on `logits_indices`.
+
+The math mirrors Hugging Face's LlamaForCausalLM operation by operation (RMSNorm in float32,
+rotate-half RoPE, scaled-dot-product attention, SiLU-gated MLP), so float32 output matches it token
+for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    head_dim: int | None = None
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence whose query has more than one token (a prefill chunk) in this step."""
+
+    query_start: int  # index of its first token in the flat batch
+    query_len: int
+    context_slots: torch.Tensor  # [context_len] cache slots it attends to (earlier chunks + this one)
+    causal_mask: torch.Tensor | None  # [query_len, context_len] bool, None when context == query
+
+
+@dataclass
+class ForwardBatch:
+    """Everything attention needs to find the paged K/V of every sequence in the flat batch."""
+
+    positions: torch.Tensor  # [T] position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) each new K/V is written to
+    decode_token_indices: torch.Tensor  # [D] flat indices of single-token (decode) queries
+    decode_context_slots: torch.Tensor  # [D, L] slots each decode query attends to (padded)
+    decode_context_mask: torch.Tensor  # [D, 1, 1, L] True where the slot is within the context
+    prefills: list[PrefillSpan]
+    logits_indices: torch.Tensor  # [S] flat indices whose hidden state goes through the LM head
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with cos/sin precomputed for every position (looked up, never recomputed)."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.dim_per_head
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # Q, K and V in one matmul: one pass over the activations instead of three.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        rope: RotaryEmbedding,
+        k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim] (a view of this layer's blocks)
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rope(batch.positions, q, k)
+        # Write the new K/V first: every query then reads its whole context from the cache,
+        # including tokens of its own chunk and blocks shared with other sequences in this step.
+        k_cache.index_copy_(0, batch.slot_mapping, k)
+        v_cache.index_copy_(0, batch.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        if batch.decode_token_indices.numel():
+            slots = batch.decode_context_slots
+            qd = q[batch.decode_token_indices].unsqueeze(2)  # [D, H, 1, hd]
+            kd = k_cache[slots].transpose(1, 2)  # [D, KVH, L, hd]
+            vd = v_cache[slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(
+                qd, kd, vd, attn_mask=batch.decode_context_mask, scale=self.scale, enable_gqa=True
+            )
+            out[batch.decode_token_indices] = od.squeeze(2)
+        for span in batch.prefills:
+            qs = q[span.query_start : span.query_start + span.query_len].transpose(0, 1)  # [H, Q, hd]
+            ks = k_cache[span.context_slots].transpose(0, 1)  # [KVH, C, hd]
+            vs = v_cache[span.context_slots].transpose(0, 1)
+            os_ = F.scaled_dot_product_attention(
+                qs,
+                ks,
+                vs,
+                attn_mask=span.causal_mask,
+                is_causal=span.causal_mask is None,
+                scale=self.scale,
+                enable_gqa=True,
+            )
+            out[span.query_start : span.query_start + span.query_len] = os_.transpose(0, 1)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, batch, rope, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), batch, rope, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope = RotaryEmbedding(cfg.dim_per_head, cfg.max_position_embeddings, cfg.rope_theta)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+
+    def forward(
+        self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (hidden states of all tokens, float32 logits at `batch.logits_indices`)."""
+        x = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, batch, self.rope, k_cache, v_cache)
+        x = self.norm(x)
+        return x, self.compute_logits(x[batch.logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

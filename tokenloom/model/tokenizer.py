@@ -1,0 +1,151 @@
+"""Tokenizer, chat template and incremental detokenizer.
+
+The tokenizer is built with the `tokenizers` library from a GGUF file's metadata (GPT-2 style
+byte-level BPE: tokens, merges, token types) or loaded from a `tokenizer.json`. The chat template
+comes from the same metadata (or `tokenizer_config.json`) and is rendered with jinja2 in a sandbox,
+as Hugging Face renders it. `IncrementalDetokenizer` turns a growing list of token ids into text
+deltas that never split a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.decoders import DecodeStream
+
+_GGUF_CONTROL = 3  # tokenizer.ggml.token_type value for control (special) tokens
+_GGUF_USER_DEFINED = 4
+
+
+class TokenizerWrapper:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        eos_token_ids: Sequence[int],
+        bos_token_id: int | None = None,
+        chat_template: str | None = None,
+        add_bos_token: bool = False,
+    ):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self.bos_token_id = bos_token_id
+        self.add_bos_token = add_bos_token
+        self.chat_template = chat_template
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._template = _compile_template(chat_template) if chat_template else None
+
+    # -- construction --------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path: str) -> TokenizerWrapper:
+        from .loader import gguf_field, read_gguf_metadata
+
+        reader = read_gguf_metadata(path)
+        kind = gguf_field(reader, "tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is)")
+        tokens = list(gguf_field(reader, "tokenizer.ggml.tokens"))
+        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
+        types = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if gguf_field(reader, "tokenizer.ggml.pre") in ("smollm", "starcoder", "qwen2", "llama-bpe"):
+            # These pre-tokenizers split numbers into single digits before the GPT-2 regex.
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        special = [t for t, ty in zip(tokens, types, strict=True) if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)]
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+        eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+        bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+        eos_ids = [int(eos)] if eos is not None else []
+        # The end-of-text token also ends generation for chat models trained with a separate turn end.
+        eos_ids += [tokens.index(t) for t in ("<|endoftext|>", "<|im_end|>", "<|eot_id|>") if t in tokens]
+        return cls(
+            tok,
+            eos_ids,
+            bos_token_id=int(bos) if bos is not None else None,
+            chat_template=gguf_field(reader, "tokenizer.chat_template"),
+            add_bos_token=bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> TokenizerWrapper:
+        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        cfg: dict = {}
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+
+        def token_id(key: str) -> int | None:
+            value = cfg.get(key)
+            if isinstance(value, dict):
+                value = value.get("content")
+            return tok.token_to_id(value) if value else None
+
+        eos = [i for i in (token_id("eos_token"),) if i is not None]
+        eos += [i for t in ("<|endoftext|>", "<|im_end|>") if (i := tok.token_to_id(t)) is not None]
+        return cls(tok, eos, bos_token_id=token_id("bos_token"), chat_template=cfg.get("chat_template"))
+
+    # -- use -----------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str:
+        """The token's text as the OpenAI API shows it in logprobs (bytes decoded, not 'Ġ' form)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("messages: this model has no chat template; use a completion prompt instead")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m:
+                raise ValueError(f"messages[{i}] must be an object with a 'role'")
+        special = self.tokenizer.id_to_token
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=special(self.bos_token_id) if self.bos_token_id is not None else "",
+            eos_token=special(self.eos_token_ids[0]) if self.eos_token_ids else "",
+        )
+
+
+def load_tokenizer(model_path: str) -> TokenizerWrapper:
+    if os.path.isdir(model_path):
+        return TokenizerWrapper.from_hf_dir(model_path)
+    return TokenizerWrapper.from_gguf(model_path)
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    def raise_exception(message: str):
+        raise ValueError(f"messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing sequence of ids; a delta never ends inside a UTF-8 character."""
+
+    def __init__(self, tokenizer: TokenizerWrapper, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer.tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tokenizer, token_id) or ""

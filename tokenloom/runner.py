@@ -1,0 +1,178 @@
+"""ModelRunner: owns the model and the KV tensors; turns a `SchedulerOutput` into one forward.
+
+Per step: copy swapped blocks, build the flat batch (token ids, positions, slot mapping, the slots
+each sequence attends to), run the model with the LM head only on rows that sample (and on prompt
+rows of requests asking for prompt logprobs), then sample. Decode tokens of all sequences are
+handled as one group with vectorised index math; each prefill chunk is one span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .engine.scheduler import SchedulerOutput
+from .engine.sequence import Sequence, TokenLogprobs
+from .model.llama import ForwardBatch, LlamaModel, PrefillSpan
+from .model.sampler import Sampler, top_logprobs
+
+
+@dataclass
+class StepResult:
+    """What one forward produced for one scheduled sequence."""
+
+    seq: Sequence
+    num_tokens: int
+    token_id: int | None  # None: a prefill chunk that did not reach the end of the known tokens
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # for prompt tokens [start+1, start+n]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        stop_ids: tuple[int, ...] = (),
+        seed: int = 0,
+    ):
+        self.model = model
+        cfg = model.config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.block_size = block_size
+        shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.dim_per_head)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        host_shape = (cfg.num_layers, 2, num_host_blocks * block_size, cfg.num_kv_heads, cfg.dim_per_head)
+        self.host_cache = torch.zeros(host_shape, dtype=self.dtype, device="cpu") if num_host_blocks else None
+        self.stop_ids = stop_ids
+        self.sampler = Sampler(seed)
+
+    # -- swap ------------------------------------------------------------------------------------
+
+    def _block_slots(self, block_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
+
+    def copy_blocks(self, out: SchedulerOutput) -> None:
+        if out.swap_out:
+            dev, host = zip(*out.swap_out, strict=True)
+            self.host_cache[:, :, self._block_slots(list(host))] = self.kv_cache[:, :, self._block_slots(list(dev)).to(self.device)].cpu()
+        if out.swap_in:
+            host, dev = zip(*out.swap_in, strict=True)
+            self.kv_cache[:, :, self._block_slots(list(dev)).to(self.device)] = self.host_cache[:, :, self._block_slots(list(host))].to(self.device)
+
+    # -- one step --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[StepResult]:
+        self.copy_blocks(out)
+        if out.is_empty:
+            return []
+        input_ids, batch, sample_rows, prompt_rows = self._prepare(out)
+        _, logits = self.model(input_ids, batch, self.layer_caches)
+        return self._sample(out, logits, sample_rows, prompt_rows)
+
+    def _prepare(self, out: SchedulerOutput):
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        decode_idx, decode_tables, decode_ctx = [], [], []
+        prefills: list[PrefillSpan] = []
+        logits_rows: list[int] = []
+        sample_rows: dict[int, int] = {}  # scheduled index -> logits row
+        prompt_rows: dict[int, tuple[int, int]] = {}  # scheduled index -> (first logits row, count)
+        for k, (seq, n) in enumerate(out.scheduled):
+            start, ctx = seq.num_computed_tokens, seq.num_computed_tokens + n
+            q0 = len(tokens)
+            tokens.extend(seq.token_ids[start:ctx])
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            pos = np.arange(start, ctx)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_idx.append(q0)
+                decode_tables.append(table)
+                decode_ctx.append(ctx)
+            else:
+                ctx_pos = np.arange(ctx)
+                ctx_slots = torch.from_numpy(table[ctx_pos // bs] * bs + ctx_pos % bs).to(self.device)
+                mask = None
+                if start > 0:  # query i (at position start+i) sees context positions <= start+i
+                    mask = torch.from_numpy(ctx_pos[None, :] <= pos[:, None]).to(self.device)
+                prefills.append(PrefillSpan(q0, n, ctx_slots, mask))
+            if seq.wants_prompt_logprobs:
+                # Rows at prompt positions p predict prompt token p+1; the last prompt position samples.
+                last = min(ctx, seq.num_prompt_tokens - 1)
+                if last > start:
+                    prompt_rows[k] = (len(logits_rows), last - start)
+                    logits_rows.extend(range(q0, q0 + last - start))
+            if ctx == seq.num_tokens:
+                sample_rows[k] = len(logits_rows)
+                logits_rows.append(q0 + n - 1)
+
+        dev = self.device
+        if decode_idx:
+            max_blocks = max(len(t) for t in decode_tables)
+            padded = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
+            for r, t in enumerate(decode_tables):
+                padded[r, : len(t)] = t
+            ctx_slots = (padded[:, :, None] * bs + np.arange(bs)).reshape(len(decode_tables), -1)
+            ctx_mask = np.arange(max_blocks * bs)[None, :] < np.asarray(decode_ctx)[:, None]
+            decode_slots = torch.from_numpy(ctx_slots).to(dev)
+            decode_mask = torch.from_numpy(ctx_mask)[:, None, None, :].to(dev)
+        else:
+            decode_slots = torch.empty((0, 0), dtype=torch.long, device=dev)
+            decode_mask = torch.empty((0, 1, 1, 0), dtype=torch.bool, device=dev)
+        batch = ForwardBatch(
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            decode_token_indices=torch.tensor(decode_idx, dtype=torch.long, device=dev),
+            decode_context_slots=decode_slots,
+            decode_context_mask=decode_mask,
+            prefills=prefills,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )
+        return torch.tensor(tokens, dtype=torch.long, device=dev), batch, sample_rows, prompt_rows
+
+    def _sample(self, out, logits, sample_rows, prompt_rows) -> list[StepResult]:
+        logits = logits.cpu()
+        sampled = [out.scheduled[k][0] for k in sample_rows]
+        tokens, logprobs = [], []
+        if sampled:
+            tokens, logprobs = self.sampler(
+                logits[list(sample_rows.values())],
+                [s.params for s in sampled],
+                [s.prompt_token_ids for s in sampled],
+                [s.output_token_ids for s in sampled],
+                [s.generator for s in sampled],
+                [self._min_tokens_ban(s) for s in sampled],
+            )
+        by_index = {k: j for j, k in enumerate(sample_rows)}
+        results = []
+        for k, (seq, n) in enumerate(out.scheduled):
+            res = StepResult(seq, n, None)
+            if k in by_index:
+                res.token_id, res.logprobs = tokens[by_index[k]], logprobs[by_index[k]]
+            if k in prompt_rows:
+                first, count = prompt_rows[k]
+                lp = logits[first : first + count].log_softmax(dim=-1)
+                start = seq.num_computed_tokens
+                targets = seq.token_ids[start + 1 : start + 1 + count]
+                res.prompt_logprobs = [
+                    top_logprobs(lp[i], targets[i], seq.params.prompt_logprobs) for i in range(count)
+                ]
+            results.append(res)
+        return results
+
+    def _min_tokens_ban(self, seq: Sequence) -> tuple[int, ...]:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return ()
+        return tuple(p.stop_token_ids) + (() if p.ignore_eos else self.stop_ids)

@@ -1,0 +1,87 @@
+"""Per-request generation parameters, with vLLM's field names and validation.
+
+Every check raises ValueError naming the field, which the server turns into an HTTP 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None = up to the context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always added)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (for echo / eval harnesses)
+    skip_special_tokens: bool = True
+    priority: int = 0  # lower runs sooner (vLLM's convention)
+    predicted_output_len: int | None = None  # optional hint for shortest-job-first
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            fail("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            fail("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            fail("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            fail("top_k", "must be -1, 0 (disabled) or a positive integer")
+        if not 0 <= self.min_p <= 1:
+            fail("min_p", "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            fail("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            fail("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            fail("repetition_penalty", "must be > 0")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            fail("max_tokens", "must be an integer >= 1")
+        if self.min_tokens < 0:
+            fail("min_tokens", "must be >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            fail("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            fail("prompt_logprobs", "must be in [0, 20]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            fail("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self, **changes) -> SamplingParams:
+        values = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        values.update(changes)
+        return SamplingParams(**values)
