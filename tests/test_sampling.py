@@ -1,0 +1,154 @@
+"""Each sampling parameter, on the tiny random-weight model (same code path as the real one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenloom import SamplingParams
+
+PROMPTS = ["Hello, my name is", "The weather today", "In 1492, Columbus"]
+
+
+def gen(llm, prompts=PROMPTS, **params):
+    return llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+
+
+def tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_top_k_1_equals_greedy(make_llm):
+    llm = make_llm()
+    greedy = tokens(gen(llm, temperature=0, max_tokens=12, ignore_eos=True))
+    topk1 = tokens(gen(llm, temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True))
+    assert topk1 == greedy
+
+
+def test_tiny_top_p_and_full_min_p_equal_greedy(make_llm):
+    llm = make_llm()
+    greedy = tokens(gen(llm, temperature=0, max_tokens=10, ignore_eos=True))
+    assert tokens(gen(llm, temperature=0.8, top_p=1e-6, max_tokens=10, ignore_eos=True)) == greedy
+    assert tokens(gen(llm, temperature=0.8, min_p=1.0, max_tokens=10, ignore_eos=True)) == greedy
+
+
+def test_seed_reproduces_and_differs(make_llm):
+    llm = make_llm()
+    a = tokens(gen(llm, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True))
+    b = tokens(gen(llm, temperature=1.0, seed=7, max_tokens=16, ignore_eos=True))
+    c = tokens(gen(llm, temperature=1.0, seed=8, max_tokens=16, ignore_eos=True))
+    assert a == b
+    assert a != c
+
+
+def test_seeded_sample_independent_of_batch(make_llm):
+    llm = make_llm()
+    alone = tokens(gen(llm, prompts=[PROMPTS[0]], temperature=1.0, seed=3, max_tokens=16, ignore_eos=True))[0]
+    outs = llm.generate(
+        PROMPTS,
+        [SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)]
+        + [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)] * 2,
+        use_tqdm=False,
+    )
+    assert outs[0].outputs[0].token_ids == alone
+
+
+def test_max_tokens_and_finish_reason(make_llm):
+    out = gen(make_llm(), temperature=0, max_tokens=5, ignore_eos=True)
+    for o in out:
+        assert len(o.outputs[0].token_ids) == 5
+        assert o.outputs[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_text_exactly(make_llm):
+    llm = make_llm()
+    full = gen(llm, prompts=[PROMPTS[0]], temperature=0, max_tokens=24, ignore_eos=True)[0].outputs[0]
+    stop = full.text[8:11]  # a piece from the middle of the text
+    assert stop.strip(), "need a visible stop string"
+    cut = gen(llm, prompts=[PROMPTS[0]], temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])[0].outputs[0]
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    kept = gen(
+        llm, prompts=[PROMPTS[0]], temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+        include_stop_str_in_output=True,
+    )[0].outputs[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids(make_llm):
+    llm = make_llm()
+    full = gen(llm, prompts=[PROMPTS[1]], temperature=0, max_tokens=20, ignore_eos=True)[0].outputs[0]
+    target = full.token_ids[6]
+    first = full.token_ids.index(target)
+    out = gen(llm, prompts=[PROMPTS[1]], temperature=0, max_tokens=20, stop_token_ids=[target])[0].outputs[0]
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_bans_it(make_llm, tokenizer):
+    llm = make_llm()
+    full = gen(llm, prompts=[PROMPTS[2]], temperature=0, max_tokens=20, ignore_eos=True)[0].outputs[0]
+    # Pretend the 5th generated token is an end-of-sequence token by making it a stop token id:
+    eos_like = full.token_ids[4]
+    out = gen(
+        llm, prompts=[PROMPTS[2]], temperature=0, max_tokens=20, stop_token_ids=[eos_like],
+        min_tokens=full.token_ids.index(eos_like) + 2,
+    )[0].outputs[0]
+    assert len(out.token_ids) >= full.token_ids.index(eos_like) + 2
+    assert eos_like not in out.token_ids[: full.token_ids.index(eos_like) + 2]
+
+
+def test_logprobs_top_n_include_chosen(make_llm):
+    out = gen(make_llm(), prompts=[PROMPTS[0]], temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)[0]
+    lps = out.outputs[0].logprobs
+    assert len(lps) == 6
+    for token, lp in zip(out.outputs[0].token_ids, lps, strict=True):
+        assert token in lp and len(lp) == 3  # greedy: the chosen token is the top one
+        assert lp[token] == pytest.approx(max(lp.values()))
+        assert all(v <= 0 for v in lp.values())
+
+
+def test_prompt_logprobs(make_llm):
+    out = gen(make_llm(max_num_batched_tokens=4), prompts=[PROMPTS[2]], temperature=0, max_tokens=2, prompt_logprobs=1)[0]
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    for tok, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True):
+        assert tok in lp
+
+
+def test_n_greater_than_one_shares_prompt_blocks(make_llm):
+    llm = make_llm(block_size=4)
+    prompt = "one two three four five six seven eight nine ten eleven twelve"
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # Children 1 and 2 reused the full prompt blocks computed for child 0.
+    assert llm.engine.kv.prefix_hits >= 2 * ((len(out.prompt_token_ids) - 1) // 4) * 4
+
+
+def test_penalties_change_output(make_llm):
+    llm = make_llm()
+    base = tokens(gen(llm, temperature=0, max_tokens=16, ignore_eos=True))
+    for kw in ({"repetition_penalty": 1.8}, {"presence_penalty": 1.5}, {"frequency_penalty": 1.5}):
+        changed = tokens(gen(llm, temperature=0, max_tokens=16, ignore_eos=True, **kw))
+        assert changed != base, kw
+
+
+def test_frequency_penalty_discourages_repeats(make_llm):
+    llm = make_llm()
+    plain = gen(llm, temperature=0, max_tokens=30, ignore_eos=True)
+    penal = gen(llm, temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=2.0)
+
+    def repeats(outs):
+        return sum(len(o.outputs[0].token_ids) - len(set(o.outputs[0].token_ids)) for o in outs)
+
+    assert repeats(penal) <= repeats(plain)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", -1), ("top_p", 0), ("top_k", -2), ("min_p", 2), ("max_tokens", 0), ("n", 0),
+     ("repetition_penalty", 0), ("presence_penalty", 3), ("logprobs", 21), ("stop", [""])],
+)
+def test_invalid_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

@@ -1,0 +1,98 @@
+"""`tokenloom` command line: serve | generate | bench | kv-calc (and more as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from .config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field as --kebab-case option (vLLM's names)."""
+    defaults = EngineConfig()
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = type(default) if default is not None else (str if f.name == "model" else int)
+            parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .llm import LLM
+    from .sampling_params import SamplingParams
+
+    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed_sampling,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
+    )
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
+    else:
+        out = llm.generate(args.prompt, params, use_tqdm=False)[0]
+    choice = out.outputs[0]
+    if args.json:
+        print(json.dumps({"token_ids": choice.token_ids, "text": choice.text, "finish_reason": choice.finish_reason}))
+    else:
+        print(args.prompt + choice.text if not args.chat else choice.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenloom", description="LLM serving with continuous batching")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt on the engine (offline)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed-sampling", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print token_ids, text and finish_reason as JSON")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    for register in _optional_commands():
+        register(sub)
+    return parser
+
+
+def _optional_commands():
+    """Subcommands that live in their own packages (server, bench lab, simulator)."""
+    from .bench.serve_cli import add_bench_parser
+    from .server.cli import add_serve_parser
+    from .sim.kv_calc import add_kv_calc_parser
+
+    return [add_serve_parser, add_bench_parser, add_kv_calc_parser]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
