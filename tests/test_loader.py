@@ -1,0 +1,159 @@
+"""Model loading: GGUF files written here with each supported tensor type, the Q/K un-permutation,
+a Hugging Face safetensors directory, and clear errors for unsupported or broken files."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tokenloom.model.llama import ForwardBatch, LlamaConfig
+from tokenloom.model.loader import ModelSource, load_model, random_model
+
+CFG = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                  num_kv_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
+
+
+def hf_state(model) -> dict[str, torch.Tensor]:
+    """The random model's weights under Hugging Face Llama names (separate q/k/v, gate/up)."""
+    sd, out = model.state_dict(), {}
+    q, kv = CFG.num_heads * CFG.dim_per_head, CFG.num_kv_heads * CFG.dim_per_head
+    out["model.embed_tokens.weight"] = sd["embed_tokens.weight"]
+    out["model.norm.weight"] = sd["norm.weight"]
+    for i in range(CFG.num_layers):
+        p, hp = f"layers.{i}.", f"model.layers.{i}."
+        wq, wk, wv = sd[p + "self_attn.qkv_proj.weight"].split([q, kv, kv])
+        out[hp + "self_attn.q_proj.weight"], out[hp + "self_attn.k_proj.weight"] = wq, wk
+        out[hp + "self_attn.v_proj.weight"] = wv
+        out[hp + "self_attn.o_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
+        gate, up = sd[p + "mlp.gate_up_proj.weight"].chunk(2)
+        out[hp + "mlp.gate_proj.weight"], out[hp + "mlp.up_proj.weight"] = gate, up
+        out[hp + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"]
+        out[hp + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
+        out[hp + "post_attention_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
+    return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Q/K rows (the loader must undo it)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, model, qtype=gguf.GGMLQuantizationType.F32, arch="llama"):
+    hf = {k: v.numpy() for k, v in hf_state(model).items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(CFG.num_layers)
+    w.add_context_length(CFG.max_position_embeddings)
+    w.add_embedding_length(CFG.hidden_size)
+    w.add_feed_forward_length(CFG.intermediate_size)
+    w.add_head_count(CFG.num_heads)
+    w.add_head_count_kv(CFG.num_kv_heads)
+    w.add_rope_freq_base(CFG.rope_theta)
+    w.add_layer_norm_rms_eps(CFG.rms_norm_eps)
+
+    def add(name, array, quantize=True):
+        if quantize and qtype != gguf.GGMLQuantizationType.F32:
+            data = gguf.quants.quantize(array.astype(np.float32), qtype)
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(name, array.astype(np.float32))
+
+    add("token_embd.weight", hf["model.embed_tokens.weight"])
+    add("output_norm.weight", hf["model.norm.weight"], quantize=False)
+    for i in range(CFG.num_layers):
+        hp, b = f"model.layers.{i}.", f"blk.{i}."
+        add(b + "attn_q.weight", llama_cpp_permute(hf[hp + "self_attn.q_proj.weight"], CFG.num_heads))
+        add(b + "attn_k.weight", llama_cpp_permute(hf[hp + "self_attn.k_proj.weight"], CFG.num_kv_heads))
+        add(b + "attn_v.weight", hf[hp + "self_attn.v_proj.weight"])
+        add(b + "attn_output.weight", hf[hp + "self_attn.o_proj.weight"])
+        add(b + "ffn_gate.weight", hf[hp + "mlp.gate_proj.weight"])
+        add(b + "ffn_up.weight", hf[hp + "mlp.up_proj.weight"])
+        add(b + "ffn_down.weight", hf[hp + "mlp.down_proj.weight"])
+        add(b + "attn_norm.weight", hf[hp + "input_layernorm.weight"], quantize=False)
+        add(b + "ffn_norm.weight", hf[hp + "post_attention_layernorm.weight"], quantize=False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Logits of every position for one sequence in a fresh paged cache of one big block."""
+    n = len(tokens)
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    shape = (n, cfg.num_kv_heads, cfg.dim_per_head)
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+    from tokenloom.model.llama import PrefillSpan
+
+    batch = ForwardBatch(
+        positions=torch.arange(n), slot_mapping=torch.arange(n),
+        decode_token_indices=torch.empty(0, dtype=torch.long),
+        decode_context_slots=torch.empty((0, 0), dtype=torch.long),
+        decode_context_mask=torch.empty((0, 1, 1, 0), dtype=torch.bool),
+        prefills=[PrefillSpan(0, n, torch.arange(n), None)], logits_indices=torch.arange(n),
+    )
+    with torch.inference_mode():
+        return model(torch.tensor(tokens), batch, caches)[1]
+
+
+TOKENS = [3, 17, 42, 5, 63, 8, 1, 29]
+
+
+def test_gguf_f32_round_trip_undoes_the_rope_permutation(tmp_path):
+    ref = random_model(CFG, seed=1)
+    write_gguf(tmp_path / "m.gguf", ref)
+    loaded = load_model(ModelSource("gguf", str(tmp_path / "m.gguf")))
+    assert loaded.config.tie_word_embeddings and loaded.config.num_kv_heads == 2
+    torch.testing.assert_close(prefill_logits(loaded, TOKENS), prefill_logits(ref, TOKENS), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16"])
+def test_gguf_quantized_types_dequantize_close_to_the_original(tmp_path, qtype):
+    ref = random_model(CFG, seed=2)
+    write_gguf(tmp_path / "q.gguf", ref, gguf.GGMLQuantizationType[qtype])
+    loaded = load_model(ModelSource("gguf", str(tmp_path / "q.gguf")))
+    original = ref.state_dict()["layers.0.mlp.down_proj.weight"]
+    got = loaded.state_dict()["layers.0.mlp.down_proj.weight"]
+    tolerance = {"Q4_0": 0.03, "Q4_1": 0.02, "Q8_0": 0.002, "F16": 1e-4}[qtype]
+    assert (got - original).abs().max() < tolerance
+
+
+def test_hf_directory_loads_the_same_model(tmp_path):
+    ref = random_model(CFG, seed=3)
+    save_file(hf_state(ref), str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": CFG.vocab_size, "hidden_size": CFG.hidden_size,
+        "intermediate_size": CFG.intermediate_size, "num_hidden_layers": CFG.num_layers,
+        "num_attention_heads": CFG.num_heads, "num_key_value_heads": CFG.num_kv_heads,
+        "max_position_embeddings": CFG.max_position_embeddings, "tie_word_embeddings": True,
+    }))
+    loaded = load_model(ModelSource.resolve(str(tmp_path)))
+    torch.testing.assert_close(prefill_logits(loaded, TOKENS), prefill_logits(ref, TOKENS), rtol=0, atol=0)
+
+
+def test_bfloat16_load_is_close_to_float32(tmp_path):
+    ref = random_model(CFG, seed=4)
+    bf = random_model(CFG, seed=4, dtype="bfloat16")
+    assert next(bf.parameters()).dtype == torch.bfloat16
+    exact, approx = prefill_logits(ref, TOKENS), prefill_logits(bf, TOKENS)
+    assert approx.dtype == torch.float32  # logits are always float32 for sampling
+    assert (approx - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_unsupported_architecture_and_bad_files(tmp_path):
+    ref = random_model(CFG, seed=5)
+    write_gguf(tmp_path / "gpt2.gguf", ref, arch="gpt2")
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        load_model(ModelSource("gguf", str(tmp_path / "gpt2.gguf")))
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        load_model(ModelSource("gguf", str(tmp_path / "junk.gguf")))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
+        load_model(ModelSource.resolve(str(tmp_path / "hf")))
