@@ -1,0 +1,44 @@
+"""The tokenizer built from the GGUF metadata, the chat template, and incremental detokenization."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenloom.model.tokenizer import IncrementalDetokenizer
+
+TEXTS = ["Hello world 12345 Café 東京\n\n  x", "emoji 🎉🚀 and ünïcödé", "def f(x):\n\treturn x**2  # ok"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tokenizer, text):
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_digits_are_split_one_by_one(tokenizer):
+    # SmolLM2's pre-tokenizer ("smollm") splits numbers into single digits.
+    assert len(tokenizer.encode("12345")) == 5
+
+
+def test_special_tokens_are_single_ids(tokenizer):
+    assert tokenizer.encode("<|im_start|>user\nhi<|im_end|>")[0] == 1
+    assert tokenizer.encode("<|im_end|>") == [2]
+    assert set(tokenizer.eos_token_ids) == {0, 2}
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_detokenizer_never_emits_broken_utf8(tokenizer, text):
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.step(t) for t in tokenizer.encode(text)]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # A 4-byte emoji spans several byte-level tokens: some steps must hold text back.
+    if "🎉" in text:
+        assert "" in pieces
+
+
+def test_chat_template_renders_with_default_system_prompt(tokenizer):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="messages"):
+        tokenizer.apply_chat_template([{"content": "no role"}])
