@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+
 import numpy as np
 import torch
 
@@ -52,6 +54,7 @@ class ModelRunner:
         self.host_cache = torch.zeros(host_shape, dtype=self.dtype, device="cpu") if num_host_blocks else None
         self.stop_ids = stop_ids
         self.sampler = Sampler(seed)
+        self.last_forward_time = 0.0
 
     # -- swap ------------------------------------------------------------------------------------
 
@@ -75,7 +78,9 @@ class ModelRunner:
         if out.is_empty:
             return []
         input_ids, batch, sample_rows, prompt_rows = self._prepare(out)
+        start = time.perf_counter()
         _, logits = self.model(input_ids, batch, self.layer_caches)
+        self.last_forward_time = time.perf_counter() - start
         return self._sample(out, logits, sample_rows, prompt_rows)
 
     def _prepare(self, out: SchedulerOutput):

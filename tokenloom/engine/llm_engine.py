@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..config import EngineConfig
+from ..model.llama import LlamaConfig
 from ..model.loader import ModelSource, kv_bytes_per_block_for, load_model, torch_dtype
 from ..model.tokenizer import IncrementalDetokenizer, TokenizerWrapper, load_tokenizer
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -39,6 +41,7 @@ class StepStats:
     num_decode_tokens: int
     num_preempted: int
     seq_ids: list[str]
+    forward_time: float = 0.0  # inside the model forward (the rest of `duration` is engine overhead)
 
 
 class RequestState:
@@ -61,36 +64,50 @@ class LLMEngine:
         *,
         model: torch.nn.Module | None = None,
         tokenizer: TokenizerWrapper | None = None,
+        runner=None,
+        model_config: LlamaConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        """Pass `model`/`tokenizer` to run an already-built model (tests use a random-weight one)."""
+        """Pass `model`/`tokenizer` to run an already-built model (tests use a random-weight one).
+        The simulator passes a `runner` (a cost model in place of the forward) with the `model_config`
+        it pretends to run, and a virtual `clock`."""
         self.config = config = (config or EngineConfig()).validate()
+        self.clock = clock
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if model is None:
+        if model is None and runner is None:
             source = ModelSource.resolve(config.model)
             model = load_model(source, dtype=config.dtype, device=config.device)
             tokenizer = tokenizer or load_tokenizer(source.path)
         if tokenizer is None:
-            raise ValueError("tokenizer: required when a model object is passed")
+            raise ValueError("tokenizer: required when a model or runner object is passed")
         self.model, self.tokenizer = model, tokenizer
-        model_len = model.config.max_position_embeddings
+        model_config = model_config or model.config
+        self.model_config = model_config
         if config.max_model_len is None:
-            config.max_model_len = model_len
-        elif config.max_model_len > model_len:
-            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's context length {model_len}")
+            config.max_model_len = model_config.max_position_embeddings
+        elif config.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len: {config.max_model_len} exceeds the model's context length "
+                f"{model_config.max_position_embeddings}"
+            )
         config.validate()
 
-        block_bytes = kv_bytes_per_block_for(model.config, config.block_size, torch_dtype(config.dtype))
+        block_bytes = kv_bytes_per_block_for(model_config, config.block_size, torch_dtype(config.dtype))
         num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // block_bytes
         if num_blocks < 2:
-            raise ValueError(f"kv_cache_memory_bytes: {config.kv_cache_memory_bytes} holds fewer than 2 blocks of {block_bytes} bytes")
+            raise ValueError(
+                f"kv_cache_memory_bytes: {config.kv_cache_memory_bytes} holds fewer than 2 blocks of {block_bytes} bytes"
+            )
         num_host_blocks = int(config.swap_space * (1 << 30)) // block_bytes if config.preemption_mode == "swap" else 0
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, num_host_blocks, tokenizer.eos_token_ids, config.seed)
+        self.runner = runner or ModelRunner(
+            model, num_blocks, config.block_size, num_host_blocks, tokenizer.eos_token_ids, config.seed
+        )
         self.requests: dict[str, RequestState] = {}
         self.last_step: StepStats | None = None
-        self.step_listeners: list = []  # callables(StepStats, finished RequestOutputs); metrics and the lab
+        self.step_listeners: list = []  # callables(StepStats, RequestOutputs of the step): metrics, the lab
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         logger.info(
@@ -117,7 +134,7 @@ class LLMEngine:
             gen = None
             if params.seed is not None:
                 gen = torch.Generator().manual_seed(params.seed + i)
-            seq = Sequence(request_id, i, ids, params, arrival_time, gen)
+            seq = Sequence(request_id, i, ids, params, self.clock() if arrival_time is None else arrival_time, gen)
             seqs.append(seq)
         state = RequestState(request_id, text, ids, seqs)
         state.detokenizers = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
@@ -183,10 +200,10 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        start = time.monotonic()
+        start = self.clock()
         plan = self.scheduler.schedule(start)
         results = self.runner.execute(plan)
-        now = time.monotonic()
+        now = self.clock()
         changed: dict[str, RequestState] = {}
         for res in results:
             seq = res.seq
@@ -203,7 +220,7 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 del self.requests[out.request_id]
-        self._record_step(plan, start, time.monotonic(), outputs)
+        self._record_step(plan, start, self.clock(), outputs)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> None:
@@ -255,7 +272,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         seq.status = status
-        seq.times.finished = time.monotonic()
+        seq.times.finished = self.clock()
         self.scheduler.remove(seq)
 
     def _visible_text(self, seq: Sequence) -> str:
@@ -310,6 +327,7 @@ class LLMEngine:
             num_decode_tokens=decode,
             num_preempted=len(plan.preempted),
             seq_ids=[s.seq_id for s, _ in plan.scheduled],
+            forward_time=getattr(self.runner, "last_forward_time", 0.0),
         )
         self.last_step = stats
         for listener in self.step_listeners:
