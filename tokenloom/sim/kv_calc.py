@@ -1,0 +1,250 @@
+"""KV-cache memory calculator: pre-allocated (max_model_len per sequence) vs paged (block-granular).
+
+Definitions:
+- KV bytes per token = 2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes
+  (Llama-3-8B in fp16: 2 * 32 * 8 * 128 * 2 = 131072 B = 128 KiB).
+- Pre-allocated: every sequence reserves max_model_len token slots.
+- Paged: a sequence of L tokens holds ceil(L / block_size) blocks = ceil(L / block_size) * block_size
+  slots; internal fragmentation = slots - tokens (unused tail of each last block).
+- Sequence lengths are drawn (seeded) from --length-dist and clipped to [1, max_model_len]:
+  ``fixed:L``, ``uniform:a,b`` (inclusive integers), ``normal:mean,std`` (rounded), ``mixed:short,long``
+  (half/half).
+- Budget (--memory-gb, GiB = 2**30 bytes): pre-allocated holds floor(budget / (max_model_len * per_token))
+  sequences; paged has floor(budget / (block_size * per_token)) blocks and holds
+  floor(blocks * num_seqs / total_blocks_of_the_sample) sequences of the sampled mix (mean blocks/seq).
+
+Model shapes come from a preset name, a HF ``config.json`` or a ``.gguf`` file (read with `gguf`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+    name: str = "custom"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+PRESETS: dict[str, tuple[int, int, int]] = {  # name -> (layers, kv heads, head_dim)
+    "llama-3-8b": (32, 8, 128),
+    "llama-3-70b": (80, 8, 128),
+    "mistral-7b": (32, 8, 128),
+    "smollm2-135m": (30, 3, 64),
+    "llama-2-7b": (32, 32, 128),
+    "qwen2.5-7b": (28, 4, 128),
+}
+
+
+def shape_from_hf_config(cfg: dict[str, Any], dtype_bytes: int = 2, name: str = "hf") -> ModelShape:
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    return ModelShape(int(cfg["num_hidden_layers"]), kv_heads, head_dim, dtype_bytes, name)
+
+
+def _gguf_value(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    if hasattr(field, "contents"):
+        return field.contents()
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def shape_from_gguf(path: str, dtype_bytes: int = 2) -> ModelShape:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = _gguf_value(reader, "general.architecture") or "llama"
+
+    def get(key: str) -> Any:
+        value = _gguf_value(reader, f"{arch}.{key}")
+        return max(value) if isinstance(value, list) else value  # per-layer arrays: take the largest
+
+    layers, heads, width = get("block_count"), get("attention.head_count"), get("embedding_length")
+    if layers is None or heads is None:
+        raise ValueError(f"{path}: no {arch}.block_count / {arch}.attention.head_count in the GGUF metadata")
+    kv_heads = get("attention.head_count_kv") or heads
+    head_dim = get("attention.key_length") or int(width) // int(heads)
+    return ModelShape(int(layers), int(kv_heads), int(head_dim), dtype_bytes, Path(path).name)
+
+
+def load_model_shape(model: str, dtype: str = "fp16") -> ModelShape:
+    """A preset name, a HF config.json (or a directory holding one), or a .gguf file."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}: choose from {sorted(DTYPE_BYTES)}")
+    nbytes = DTYPE_BYTES[dtype]
+    if model.lower() in PRESETS:
+        return ModelShape(*PRESETS[model.lower()], nbytes, model.lower())
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".gguf" and path.is_file():
+        return shape_from_gguf(str(path), nbytes)
+    if path.suffix == ".json" and path.is_file():
+        return shape_from_hf_config(json.loads(path.read_text()), nbytes, model)
+    raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json/.gguf")
+
+
+def sample_lengths(spec: str, n: int, max_model_len: int, seed: int = 0) -> list[int]:
+    """`n` sequence lengths from `spec` (see module docstring), clipped to [1, max_model_len]."""
+    rng = random.Random(seed)
+    kind, _, rest = spec.partition(":")
+    try:
+        nums = [float(x) for x in rest.split(",")] if rest else []
+        if kind == "fixed" and len(nums) == 1:
+            lens = [round(nums[0])] * n
+        elif kind == "uniform" and len(nums) == 2 and nums[0] <= nums[1]:
+            lens = [rng.randint(int(nums[0]), int(nums[1])) for _ in range(n)]
+        elif kind == "normal" and len(nums) == 2 and nums[1] >= 0:
+            lens = [round(rng.gauss(nums[0], nums[1])) for _ in range(n)]
+        elif kind == "mixed" and len(nums) == 2:
+            lens = [int(nums[0])] * (n // 2) + [int(nums[1])] * (n - n // 2)
+        else:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"bad --length-dist {spec!r}: use fixed:L, uniform:a,b, normal:mean,std or mixed:short,long"
+        ) from None
+    return [min(max(1, int(x)), max_model_len) for x in lens]
+
+
+@dataclass
+class KVReport:
+    model: str
+    kv_bytes_per_token: int
+    block_size: int
+    max_model_len: int
+    num_seqs: int
+    total_tokens: int
+    mean_len: float
+    preallocated_bytes: int
+    paged_bytes: int
+    paged_blocks: int
+    saving_pct: float  # (preallocated - paged) / preallocated
+    fragmentation_slots: int  # paged slots not holding a token
+    fragmentation_pct: float  # of paged slots
+    memory_gib: float | None = None
+    budget_blocks: int | None = None
+    concurrent_preallocated: int | None = None
+    concurrent_paged: int | None = None
+
+
+def compute_kv(
+    shape: ModelShape, lengths: list[int], max_model_len: int, block_size: int, memory_gb: float | None = None
+) -> KVReport:
+    if block_size <= 0 or max_model_len <= 0 or not lengths:
+        raise ValueError("block size, max model len and the number of sequences must be positive")
+    per_tok = shape.kv_bytes_per_token
+    blocks = sum(math.ceil(length / block_size) for length in lengths)
+    tokens = sum(lengths)
+    slots = blocks * block_size
+    prealloc = len(lengths) * max_model_len * per_tok
+    report = KVReport(
+        model=shape.name,
+        kv_bytes_per_token=per_tok,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        num_seqs=len(lengths),
+        total_tokens=tokens,
+        mean_len=tokens / len(lengths),
+        preallocated_bytes=prealloc,
+        paged_bytes=slots * per_tok,
+        paged_blocks=blocks,
+        saving_pct=100.0 * (prealloc - slots * per_tok) / prealloc,
+        fragmentation_slots=slots - tokens,
+        fragmentation_pct=100.0 * (slots - tokens) / slots,
+    )
+    if memory_gb is not None:
+        budget = int(memory_gb * GIB)
+        report.memory_gib = memory_gb
+        report.budget_blocks = budget // (block_size * per_tok)
+        report.concurrent_preallocated = budget // (max_model_len * per_tok)
+        report.concurrent_paged = report.budget_blocks * len(lengths) // blocks
+    return report
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return str(nbytes)
+
+
+def format_report(r: KVReport) -> str:
+    rows = [
+        ("model", r.model),
+        ("KV per token", f"{r.kv_bytes_per_token} B ({_human(r.kv_bytes_per_token)})"),
+        (
+            "sequences / mean length",
+            f"{r.num_seqs} / {r.mean_len:.1f} tokens (max_model_len {r.max_model_len})",
+        ),
+        ("pre-allocated total", _human(r.preallocated_bytes)),
+        ("paged total", f"{_human(r.paged_bytes)} ({r.paged_blocks} blocks of {r.block_size})"),
+        ("paged saving", f"{r.saving_pct:.1f} %"),
+        ("paged internal fragmentation", f"{r.fragmentation_slots} slots ({r.fragmentation_pct:.2f} %)"),
+    ]
+    if r.memory_gib is not None:
+        rows += [
+            (f"budget {r.memory_gib:g} GiB", f"{r.budget_blocks} blocks"),
+            ("concurrent seqs, pre-allocated", str(r.concurrent_preallocated)),
+            ("concurrent seqs, paged", str(r.concurrent_paged)),
+        ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def add_kv_calc_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "kv-calc", help="KV-cache memory: pre-allocated vs paged, and what a budget holds"
+    )
+    p.add_argument(
+        "--model", default="llama-3-8b", help=f"preset ({', '.join(PRESETS)}) or config.json/.gguf"
+    )
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp16")
+    p.add_argument(
+        "--length-dist",
+        default=None,
+        help="fixed:L | uniform:a,b | normal:mean,std | mixed:short,long (default uniform:1,MAX_MODEL_LEN)",
+    )
+    p.add_argument("--memory-gb", type=float, default=None, help="KV budget in GiB")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_kv_calc)
+    return p
+
+
+def cmd_kv_calc(args: argparse.Namespace) -> int:
+    shape = load_model_shape(args.model, args.dtype)
+    if args.num_seqs <= 0:
+        raise ValueError("--num-seqs must be positive")
+    dist = args.length_dist or f"uniform:1,{args.max_model_len}"
+    lengths = sample_lengths(dist, args.num_seqs, args.max_model_len, args.seed)
+    report = compute_kv(shape, lengths, args.max_model_len, args.block_size, args.memory_gb)
+    if args.json:
+        print(json.dumps({**asdict(report), "length_dist": dist, "dtype": args.dtype}, indent=2))
+    else:
+        print(format_report(report))
+    return 0
