@@ -197,3 +197,20 @@ def test_config_validation_names_the_field(make_engine):
         make_engine(preemption_mode="swap", swap_space=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_engine(enable_chunked_prefill=False, max_num_batched_tokens=16, max_model_len=64)
+
+
+def test_prefix_cache_hits_blocks_of_a_prompt_still_in_chunked_prefill(make_engine):
+    shared = prompt(7, 100)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine = make_engine(block_size=8, max_num_batched_tokens=24, long_prefill_token_threshold=16)
+    engine.add_request("a", shared + [11], sp)
+    engine.step()
+    engine.step()  # "a" has 32 of 101 tokens computed (two chunks of 16)
+    engine.add_request("b", shared + [12], sp)
+    engine.step()  # "a" computes tokens 32..47 while "b" is admitted in the same step
+    seq_b = engine.requests["b"].seqs[0]
+    # "b" reuses the blocks "a" computed before and the ones it is computing in this very step.
+    assert seq_b.num_cached_prompt_tokens == 48
+    outputs = run_all(engine, [])
+    plain = run_all(make_engine(enable_prefix_caching=False), [("a", shared + [11], sp), ("b", shared + [12], sp)])
+    assert outputs == plain
