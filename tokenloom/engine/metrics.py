@@ -1,0 +1,217 @@
+"""Engine metrics: a Prometheus registry with vLLM's metric names under `tokenloom:`, plus logs.
+
+`EngineMetrics` is fed on the engine thread (by AsyncLLM after every step and after aborts) and is
+read by `/metrics` through `render()`. It owns its own `CollectorRegistry`, so several engines (or
+tests) in one process never collide on the global registry. Besides the metrics it writes one log
+line per finished request (id, prompt/output tokens, TTFT, total time) and, while the engine is
+busy, a status line every `log_interval_s` (running, waiting, KV usage, throughput, prefix hits).
+
+Definitions follow vLLM: TTFT = first token time - arrival; inter-token latency is one sample per
+generated token (gap since the same sequence's previous token); e2e = finish - arrival; queue time
+= first scheduled - arrival; prefix-cache queries and hits are counted in tokens; the KV usage
+gauge is a 0-1 fraction.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..outputs import RequestOutput
+
+logger = logging.getLogger("tokenloom.metrics")
+
+__all__ = ["CONTENT_TYPE", "EngineMetrics"]
+
+# Bucket edges as vLLM uses them, so dashboards built for vLLM read the same.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class _Tracked:
+    """Per-request state between steps: tokens seen and last token time per choice."""
+
+    seen: dict[int, int] = field(default_factory=dict)
+    last_time: dict[int, float] = field(default_factory=dict)
+    first_token_seen: bool = False
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str = "tokenloom", log_interval_s: float = 10.0, log_requests: bool = True):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.log_interval_s = log_interval_s
+        self.log_requests = log_requests
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenloom:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tokenloom:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"tokenloom:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Sequences running (in the batch).")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.swapped = gauge("num_requests_swapped", "Sequences whose KV cache is swapped out to host memory.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage as a 0-1 fraction of blocks in use.")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hit rate in tokens since start (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prefilled prompt tokens (counted once per request).")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.preemptions = counter("num_preemptions", "Sequence preemptions.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
+        self._success = Counter(
+            "tokenloom:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.req_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.req_gen_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request (all choices).", TOKEN_BUCKETS
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens computed per engine step.", ITERATION_TOKEN_BUCKETS
+        )
+        self.batch_size = histogram("iteration_num_seqs", "Sequences per engine step (batch size).", BATCH_SIZE_BUCKETS)
+
+        self._tracked: dict[str, _Tracked] = {}
+        self._last_prefix = (0, 0)
+        self._last_preemptions = 0
+        # Totals for the status line's throughput (kept here: prometheus children are write-mostly).
+        self._totals = {"prompt": 0, "gen": 0}
+        self._last_log = time.monotonic()
+        self._last_log_totals = dict(self._totals)
+
+    # -- feeding (engine thread) -----------------------------------------------------------------
+
+    def on_step(self, engine, stats, outputs: list[RequestOutput]) -> None:
+        if stats is not None and stats.num_seqs:
+            self.iteration_tokens.observe(stats.num_batched_tokens)
+            self.batch_size.observe(stats.num_seqs)
+        now = stats.start + stats.duration if stats is not None else time.monotonic()
+        for out in outputs:
+            self._on_output(out, now)
+        self._update_gauges(engine)
+        self._maybe_log_status(engine)
+
+    def on_idle(self, engine) -> None:
+        """After aborts with no step to follow: refresh the gauges so /metrics shows freed blocks."""
+        self._update_gauges(engine)
+
+    def on_abort(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+        self._success.labels(self.model_name, "abort").inc()
+        if self.log_requests:
+            logger.info("request %s aborted", request_id)
+
+    def _on_output(self, out: RequestOutput, now: float) -> None:
+        track = self._tracked.setdefault(out.request_id, _Tracked())
+        new_total = 0
+        for choice in out.outputs:
+            n = len(choice.token_ids)
+            new = n - track.seen.get(choice.index, 0)
+            if new <= 0:
+                continue
+            new_total += new
+            prev = track.last_time.get(choice.index)
+            if prev is not None:
+                gap = (now - prev) / new
+                for _ in range(new):
+                    self.itl.observe(gap)
+            track.seen[choice.index] = n
+            track.last_time[choice.index] = now
+        self.generation_tokens.inc(new_total)
+        self._totals["gen"] += new_total
+        m = out.metrics
+        if not track.first_token_seen and new_total:
+            track.first_token_seen = True
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self._totals["prompt"] += len(out.prompt_token_ids)
+            if m is not None and m.first_token_time is not None:
+                self.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))
+        if out.finished:
+            self._on_finished(out, now)
+
+    def _on_finished(self, out: RequestOutput, now: float) -> None:
+        self._tracked.pop(out.request_id, None)
+        m = out.metrics
+        gen = sum(len(c.token_ids) for c in out.outputs)
+        reason = out.outputs[0].finish_reason or "unknown"
+        self._success.labels(self.model_name, reason).inc()
+        self.req_prompt_tokens.observe(len(out.prompt_token_ids))
+        self.req_gen_tokens.observe(gen)
+        ttft = total = None
+        if m is not None:
+            finished = m.finished_time or now
+            total = max(finished - m.arrival_time, 0.0)
+            self.e2e.observe(total)
+            if m.first_scheduled_time is not None:
+                self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
+            if m.first_token_time is not None:
+                ttft = m.first_token_time - m.arrival_time
+        if self.log_requests:
+            logger.info(
+                "request %s finished (%s): prompt %d tokens, output %d tokens, TTFT %s, total %s",
+                out.request_id, reason, len(out.prompt_token_ids), gen, _ms(ttft), _ms(total),
+            )
+
+    def _update_gauges(self, engine) -> None:
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.swapped.set(engine.scheduler.num_swapped)
+        self.kv_usage.set(engine.kv.usage)
+        queries, hits = engine.kv.prefix_queries, engine.kv.prefix_hits
+        last_q, last_h = self._last_prefix
+        if queries > last_q:
+            self.prefix_queries.inc(queries - last_q)
+        if hits > last_h:
+            self.prefix_hits.inc(hits - last_h)
+        self._last_prefix = (queries, hits)
+        self.prefix_hit_rate.set(hits / queries if queries else 0.0)
+        preemptions = engine.scheduler.num_preemptions
+        if preemptions > self._last_preemptions:
+            self.preemptions.inc(preemptions - self._last_preemptions)
+        self._last_preemptions = preemptions
+
+    def _maybe_log_status(self, engine) -> None:
+        now = time.monotonic()
+        elapsed = now - self._last_log
+        if elapsed < self.log_interval_s:
+            return
+        prompt = self._totals["prompt"] - self._last_log_totals["prompt"]
+        gen = self._totals["gen"] - self._last_log_totals["gen"]
+        self._last_log, self._last_log_totals = now, dict(self._totals)
+        logger.info(
+            "engine: running %d, waiting %d, swapped %d, KV usage %.1f%%, prompt %.1f tok/s, "
+            "generation %.1f tok/s, prefix hit rate %.1f%%",
+            engine.num_running, engine.num_waiting, engine.scheduler.num_swapped, 100 * engine.kv.usage,
+            prompt / elapsed, gen / elapsed, 100 * engine.kv.prefix_hit_rate,
+        )
+
+    # -- reading (event loop) --------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"

@@ -1,0 +1,133 @@
+"""The FastAPI application: `build_app(async_llm, served_model_name, api_key, ...)`.
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /tokenize,
+/detokenize, /metrics. The app's lifespan starts the AsyncLLM's engine thread and, on shutdown,
+lets in-flight requests finish (up to `shutdown_timeout`) before stopping it. Auth and the body
+limit are pure-ASGI middleware (see middleware.py); every error is OpenAI-shaped (errors.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from .. import __version__
+from ..engine.async_llm import AsyncLLM
+from .chat import create_chat_completion, render_prompt
+from .completions import create_completion
+from .errors import APIError, error_response, install_error_handlers
+from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
+)
+from .state import ServerState, now_s
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 503)}
+_GENERATION_RESPONSES = {
+    200: {
+        "description": "A JSON completion, or with `stream: true` a server-sent event stream of chunks "
+        "(`data: {...}` lines ending with `data: [DONE]`).",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string", "description": "data: {chunk}\\n\\n ... data: [DONE]"}},
+        },
+    },
+    **_ERRORS,
+}
+
+
+def build_app(
+    async_llm: AsyncLLM,
+    served_model_name: str | list[str] | None = None,
+    api_key: str | None = None,
+    *,
+    metrics=None,
+    model_path: str | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    shutdown_timeout: float = 30.0,
+) -> FastAPI:
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    state = ServerState(async_llm, names or ["tokenloom"], model_path, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_llm.start()
+        yield
+        await async_llm.shutdown(shutdown_timeout)
+
+    app = FastAPI(title="tokenloom", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible LLM server with continuous batching")
+    app.state.tokenloom = state
+    install_error_handlers(app)
+
+    @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(body, request, state)
+
+    @app.post("/v1/chat/completions", responses=_GENERATION_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(body, request, state)
+
+    @app.get("/v1/models")
+    async def models():
+        data = [
+            {"id": name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
+             "root": model_path or name, "max_model_len": async_llm.config.max_model_len}
+            for name in state.served_model_names
+        ]
+        return {"object": "list", "data": data}
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health():
+        if async_llm.is_healthy:
+            return Response(status_code=200)
+        reason = f"the engine stopped: {async_llm.error!r}" if async_llm.error else "the engine is not running"
+        return error_response(503, reason, "server_error", code="engine_dead")
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest):
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give exactly one of 'prompt' or 'messages'", param="prompt")
+        if body.messages is not None:
+            text = render_prompt(state, ChatCompletionRequest(messages=body.messages,
+                                                              add_generation_prompt=body.add_generation_prompt))
+        else:
+            text = body.prompt
+        tokens = state.tokenizer.encode(text)
+        return {"count": len(tokens), "max_model_len": async_llm.config.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest):
+        state.check_model(body.model)
+        vocab = state.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens: every id must be in [0, {vocab})", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        if metrics is None:
+            return JSONResponse({"error": {"message": "metrics are disabled", "type": "invalid_request_error",
+                                           "param": None, "code": None}}, status_code=404)
+        from ..engine.metrics import CONTENT_TYPE
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    # Outermost first: the size limit runs before auth reads anything, auth before the app.
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    return app

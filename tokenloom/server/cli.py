@@ -1,0 +1,100 @@
+"""`tokenloom serve`: load the engine, start the AsyncLLM thread and uvicorn, exit 0 on SIGTERM/Ctrl-C.
+
+On SIGTERM or Ctrl-C uvicorn stops accepting connections, waits up to --shutdown-timeout for the
+in-flight responses, then the app's lifespan stops the engine thread. uvicorn re-raises a captured
+signal after a graceful shutdown (so the exit status would say "killed"); `_Server` keeps the
+graceful path but returns normally, so a clean shutdown exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+import uvicorn
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from ..cli import add_engine_args
+
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                        "(default: $TOKENLOOM_API_KEY; unset = no auth)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use as `model` (default: the model file's name)")
+    p.add_argument("--max-queue-len", type=int, default=None,
+                   help="reject new requests with 503 + Retry-After while this many sequences wait (default: no limit)")
+    p.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM/Ctrl-C")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
+    p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _default_served_name(model: str | None) -> str:
+    from ..model.loader import ModelSource
+
+    path = model or ModelSource.resolve(None).path
+    name = Path(path).name
+    return name.removesuffix(".gguf")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..cli import engine_config_from_args
+    from ..engine.async_llm import AsyncLLM, default_num_threads
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.metrics import EngineMetrics
+    from .app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config_from_args(args)
+    if config.num_threads is None:
+        config.num_threads = default_num_threads()
+    engine = LLMEngine(config)
+    names = args.served_model_name or [_default_served_name(config.model)]
+    metrics = EngineMetrics(names[0], log_interval_s=args.log_interval, log_requests=not args.disable_log_requests)
+    async_llm = AsyncLLM(engine, max_queue_len=args.max_queue_len, metrics=metrics, num_threads=config.num_threads)
+    app = build_app(
+        async_llm, names, args.api_key, metrics=metrics, model_path=config.model,
+        max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
+    )
+    logging.getLogger("tokenloom.server").info(
+        "serving %s on http://%s:%d (torch threads %d, auth %s)",
+        names[0], args.host, args.port, config.num_threads, "on" if args.api_key else "off",
+    )
+    server = _Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    ))
+    server.run()
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server whose signal handling does not re-raise the signal after a clean shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)

@@ -1,0 +1,113 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+`APIError` is raised by handlers; `install_error_handlers` maps everything else onto it: FastAPI's
+422 validation errors become 400s (OpenAI's status for a malformed body), engine ValueErrors become
+400s whose `param` is the field the message names, a full queue or a dead engine become 503s.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.async_llm import EngineDeadError, EngineStoppingError, QueueFullError
+
+logger = logging.getLogger("tokenloom.server")
+
+RETRY_AFTER_S = 1  # a full queue usually drains within a few decode steps
+_FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::| must| is| needs| every)")
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """The API error for an exception raised while adding or running a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), "server_error", None, "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineStoppingError):
+        return APIError(503, str(exc), "server_error", None, "shutting_down", {"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "server_error", None, "engine_dead")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), param=param_of(str(exc)))
+    logger.exception("internal error", exc_info=exc)
+    return APIError(500, f"internal error: {exc!r}", "server_error")
+
+
+def param_of(message: str) -> str | None:
+    """The field a validation message starts with ("temperature must be >= 0" -> "temperature")."""
+    m = _FIELD.match(message)
+    return m.group(1) if m else None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors()[:3]:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # Union members show up in the location as type names; keep the field path only.
+        loc = [x for x in loc if not any(c in x for c in "[]")]
+        where = ".".join(loc) or "body"
+        param = param or (loc[0] if loc else None)  # the top-level field, as OpenAI reports it
+        parts.append(f"{where}: {err.get('msg', 'invalid value')}")
+    return "; ".join(parts) or "invalid request body", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
+
+    async def _mapped(request: Request, exc: Exception):
+        return from_exception(exc).response()
+
+    # Registered per class: Starlette re-raises whatever reaches a catch-all `Exception` handler.
+    for kind in (ValueError, QueueFullError, EngineStoppingError, EngineDeadError):
+        app.add_exception_handler(kind, _mapped)
