@@ -155,7 +155,7 @@ class LLMEngine:
             text = prompt
         else:
             ids, text = list(prompt), None
-            vocab = self.model.config.vocab_size
+            vocab = self.model_config.vocab_size
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompt_token_ids: every id must be an integer in [0, {vocab})")
         if not ids:
