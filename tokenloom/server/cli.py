@@ -45,12 +45,15 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _default_served_name(model: str | None) -> str:
+def _default_served_names(model: str | None) -> list[str]:
+    """The file name without `.gguf`, first without its quantization suffix: `SmolLM2-135M-Instruct`
+    and `SmolLM2-135M-Instruct.Q4_1` both name the bundled model."""
     from ..model.loader import ModelSource
 
     path = model or ModelSource.resolve(None).path
-    name = Path(path).name
-    return name.removesuffix(".gguf")
+    name = Path(path).name.removesuffix(".gguf")
+    short = name.rsplit(".", 1)[0] if "." in name else name
+    return list(dict.fromkeys([short, name]))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -65,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if config.num_threads is None:
         config.num_threads = default_num_threads()
     engine = LLMEngine(config)
-    names = args.served_model_name or [_default_served_name(config.model)]
+    names = args.served_model_name or _default_served_names(config.model)
     metrics = EngineMetrics(names[0], log_interval_s=args.log_interval, log_requests=not args.disable_log_requests)
     async_llm = AsyncLLM(engine, max_queue_len=args.max_queue_len, metrics=metrics, num_threads=config.num_threads)
     app = build_app(
