@@ -152,3 +152,19 @@ def test_frequency_penalty_discourages_repeats(make_llm):
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_prompt_logprobs_survive_recompute_preemption(make_llm):
+    """A tight KV cache preempts some of these mid-prompt; each still reports one logprob per prompt token."""
+    llm = make_llm(num_kv_blocks=10, block_size=8, max_num_batched_tokens=16)
+    prompts = [{"prompt_token_ids": list(range(100 + 40 * i, 140 + 40 * i))} for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    alone = [llm.generate(p, sp, use_tqdm=False)[0] for p in prompts]
+    for out, ref in zip(outs, alone, strict=True):
+        assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        assert out.prompt_logprobs[0] is None
+        for got, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
+            assert got.keys() == want.keys()
+            assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)

@@ -92,7 +92,7 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         logits_rows: list[int] = []
         sample_rows: dict[int, int] = {}  # scheduled index -> logits row
-        prompt_rows: dict[int, tuple[int, int]] = {}  # scheduled index -> (first logits row, count)
+        prompt_rows: dict[int, tuple[int, int, int]] = {}  # scheduled index -> (logits row, position, count)
         for k, (seq, n) in enumerate(out.scheduled):
             start, ctx = seq.num_computed_tokens, seq.num_computed_tokens + n
             q0 = len(tokens)
@@ -113,11 +113,13 @@ class ModelRunner:
                     mask = torch.from_numpy(ctx_pos[None, :] <= pos[:, None]).to(self.device)
                 prefills.append(PrefillSpan(q0, n, ctx_slots, mask))
             if seq.wants_prompt_logprobs:
-                # Rows at prompt positions p predict prompt token p+1; the last prompt position samples.
+                # The row at prompt position p predicts prompt token p+1; the last prompt position samples.
+                # After a recompute-preemption, positions whose logprobs exist are not done again.
+                first = max(start, len(seq.prompt_logprobs) - 1)
                 last = min(ctx, seq.num_prompt_tokens - 1)
-                if last > start:
-                    prompt_rows[k] = (len(logits_rows), last - start)
-                    logits_rows.extend(range(q0, q0 + last - start))
+                if last > first:
+                    prompt_rows[k] = (len(logits_rows), first, last - first)
+                    logits_rows.extend(range(q0 + first - start, q0 + last - start))
             if ctx == seq.num_tokens:
                 sample_rows[k] = len(logits_rows)
                 logits_rows.append(q0 + n - 1)
@@ -166,10 +168,9 @@ class ModelRunner:
             if k in by_index:
                 res.token_id, res.logprobs = tokens[by_index[k]], logprobs[by_index[k]]
             if k in prompt_rows:
-                first, count = prompt_rows[k]
-                lp = logits[first : first + count].log_softmax(dim=-1)
-                start = seq.num_computed_tokens
-                targets = seq.token_ids[start + 1 : start + 1 + count]
+                row, position, count = prompt_rows[k]
+                lp = logits[row : row + count].log_softmax(dim=-1)
+                targets = seq.token_ids[position + 1 : position + 1 + count]
                 res.prompt_logprobs = [
                     top_logprobs(lp[i], targets[i], seq.params.prompt_logprobs) for i in range(count)
                 ]
