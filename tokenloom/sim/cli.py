@@ -1,0 +1,102 @@
+"""`tokenloom simulate` and `tokenloom calibrate` (registered into the main parser by `tokenloom.cli`).
+
+    tokenloom calibrate --out calibration.json [--quick] [engine knobs]
+    tokenloom simulate (--cost-model calibration.json | --preset llama-3-8b@h100) --workload poisson \
+        --num-prompts 200 --request-rate 8 --input-len 512 --output-len 128 [engine knobs] [--json]
+
+With a preset, the simulated engine keeps KV in bfloat16 and, unless --kv-cache-memory-bytes or
+--num-kv-blocks is given, gets 90% of the GPUs' memory minus the weights for the KV cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+
+from ..config import DEFAULT_KV_CACHE_MEMORY_BYTES
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from ..cli import engine_config_from_args
+    from .cost_model import MODELS, load_cost_model, preset
+    from .simulator import simulate
+    from .workloads import make_workload
+
+    if (args.cost_model is None) == (args.preset is None):
+        raise ValueError("simulate: give exactly one of --cost-model PATH or --preset MODEL@GPU")
+    cost = load_cost_model(args.cost_model) if args.cost_model else preset(args.preset)
+    config = engine_config_from_args(args)
+    model_config = None
+    if args.sim_model:
+        if args.sim_model not in MODELS:
+            raise ValueError(f"sim_model: must be one of {', '.join(MODELS)}, got {args.sim_model!r}")
+        model_config = MODELS[args.sim_model]
+    if args.preset:
+        config.dtype = "bfloat16"
+        if config.num_kv_blocks is None and config.kv_cache_memory_bytes == DEFAULT_KV_CACHE_MEMORY_BYTES:
+            config.kv_cache_memory_bytes = cost.kv_memory_bytes()
+    workload = make_workload(args.workload, args.num_prompts, args.input_len, args.output_len,
+                             args.request_rate, args.workload_seed)
+    result = simulate(cost, workload, config, model_config)
+    summary = result.summary()
+    report = {
+        "workload": args.workload, "num_prompts": args.num_prompts, "request_rate": args.request_rate,
+        "input_len": args.input_len, "output_len": args.output_len, "cost_model": cost.to_dict(),
+        "engine": dataclasses.asdict(config), **summary,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+        return 0
+    print(f"simulated {args.workload}: {args.num_prompts} requests, cost model {cost.kind} ({cost.source})")
+    for key, value in summary.items():
+        print(f"  {key:<20} {value:12.3f}")
+    return 0
+
+
+def add_simulate_parser(subparsers) -> None:
+    from ..cli import add_engine_args
+    from .cost_model import MODELS, PRESETS
+    from .workloads import WORKLOADS
+
+    p = subparsers.add_parser("simulate", help="simulate the scheduler and KV cache with a step-time cost model")
+    p.add_argument("--cost-model", help="JSON written by `tokenloom calibrate`")
+    p.add_argument("--preset", help=f"MODEL@GPU[xN] from published FLOPs/bandwidth: {', '.join(PRESETS)}")
+    p.add_argument("--sim-model", help=f"model shape for KV sizing with --cost-model: {', '.join(MODELS)}")
+    p.add_argument("--workload", choices=WORKLOADS, default="uniform")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (Poisson); inf = all at 0")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_simulate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from ..cli import engine_config_from_args
+    from ..engine.llm_engine import LLMEngine
+    from .calibrate import calibrate, calibration_record
+    from .cost_model import save_cost_model
+
+    engine = LLMEngine(engine_config_from_args(args))
+    model, _ = calibrate(engine, quick=args.quick)
+    save_cost_model(model, args.out, calibration_record(model, engine, args.quick))
+    stats = model.fit_stats
+    print(f"wrote {args.out}: intercept {model.intercept * 1000:.2f} ms, "
+          + ", ".join(f"{k} {v * 1e6:.3g} us" for k, v in model.coef.items()))
+    print(f"fit over {stats['samples']} steps: r2 {stats['r2']:.3f}, median error "
+          f"{stats['median_rel_error']:.1%}, p90 {stats['p90_rel_error']:.1%}")
+    return 0
+
+
+def add_calibrate_parser(subparsers) -> None:
+    from ..cli import add_engine_args
+
+    p = subparsers.add_parser("calibrate", help="measure real step times and fit the simulator's cost model")
+    p.add_argument("--out", default="calibration.json")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_calibrate)
