@@ -168,6 +168,17 @@ def test_static_batching_admits_only_when_the_batch_is_done(make_engine):
     assert steps_with_c[0] == b_done + 1  # c waited for the longest member of the first batch
 
 
+def test_static_batch_pads_finished_slots_without_changing_outputs(make_engine):
+    reqs = [(f"r{i}", prompt(i, 5), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            for i, n in enumerate([2, 9, 4, 9])]
+    continuous = run_all(make_engine(), reqs)
+    static = make_engine(batching="static", max_num_seqs=4)
+    paddings = []
+    static.step_listeners.append(lambda stats, outputs: paddings.append(stats.num_padding))
+    assert run_all(static, reqs) == continuous
+    assert max(paddings) == 2  # r0 and r2 finished early: their slots are computed as padding
+
+
 def test_dynamic_batching_waits_for_a_full_batch_or_the_window(make_engine):
     engine = make_engine(batching="dynamic", max_num_seqs=3, max_wait_ms=80)
     sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

@@ -88,7 +88,7 @@ class ModelRunner:
         tokens: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
-        decode_idx, decode_tables, decode_ctx = [], [], []
+        decode_idx, decode_tables, decode_ctx, decode_seq_index = [], [], [], []
         prefills: list[PrefillSpan] = []
         logits_rows: list[int] = []
         sample_rows: dict[int, int] = {}  # scheduled index -> logits row
@@ -102,6 +102,7 @@ class ModelRunner:
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             if n == 1:
+                decode_seq_index.append(k)
                 decode_idx.append(q0)
                 decode_tables.append(table)
                 decode_ctx.append(ctx)
@@ -123,6 +124,19 @@ class ModelRunner:
             if ctx == seq.num_tokens:
                 sample_rows[k] = len(logits_rows)
                 logits_rows.append(q0 + n - 1)
+
+        if out.num_padding and decode_idx:
+            # Padding rows repeat a live decode row: same token, position and slot, so they rewrite the
+            # identical K/V and change nothing, but cost what a padded slot of a static batch costs.
+            src = decode_idx[0]
+            src_pos, src_slot = positions[decode_seq_index[0]], slots[decode_seq_index[0]]
+            for _ in range(out.num_padding):
+                decode_idx.append(len(tokens))
+                tokens.append(tokens[src])
+                positions.append(src_pos)
+                slots.append(src_slot)
+                decode_tables.append(decode_tables[0])
+                decode_ctx.append(decode_ctx[0])
 
         dev = self.device
         if decode_idx:

@@ -42,6 +42,7 @@ class StepStats:
     num_preempted: int
     seq_ids: list[str]
     forward_time: float = 0.0  # inside the model forward (the rest of `duration` is engine overhead)
+    num_padding: int = 0  # static/dynamic batching: finished members' slots computed as padding
 
 
 class RequestState:
@@ -328,6 +329,7 @@ class LLMEngine:
             num_preempted=len(plan.preempted),
             seq_ids=[s.seq_id for s, _ in plan.scheduled],
             forward_time=getattr(self.runner, "last_forward_time", 0.0),
+            num_padding=plan.num_padding,
         )
         self.last_step = stats
         for listener in self.step_listeners:

@@ -14,7 +14,8 @@ therefore share a step.
 
 The batching mode only decides who may be admitted: `continuous` admits at every step; `static`
 forms a batch of up to `max_num_seqs` only when nothing runs, and admits no one else until the
-whole batch has finished; `dynamic` does the same but forms the batch only once it is full or the
+whole batch has finished, computing the slots of finished members as padding the way a padded static
+batch does; `dynamic` does the same but forms the batch only once it is full or the
 oldest waiting request has waited `max_wait_ms`.
 """
 
@@ -35,6 +36,9 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Static/dynamic batching: slots of the batch whose request already finished. A static server still
+    # computes them (padding); the runner does so by repeating a live decode row.
+    num_padding: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
@@ -100,6 +104,8 @@ class Scheduler:
 
         if not out.preempted:
             self._admit(out, budget, now)
+        if self.batch is not None:
+            out.num_padding = max(len(self.batch) - len(out.scheduled), 0)
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
         return out
