@@ -1,0 +1,143 @@
+"""Engine overhead per step on the real model with 32 running sequences (issue 4 acceptance).
+
+    .venv/bin/python benchmarks/scheduler_overhead.py [--num-seqs 32] [--steps 40]
+
+32 requests (32-token prompts, greedy, ignore_eos) are prefilled, a few decode steps warm up, then
+`--steps` steady-state decode steps (every step: 32 sequences, 1 token each) are measured. Overhead
+per step = StepStats.duration - StepStats.forward_time: scheduling, input preparation, sampling and
+bookkeeping (appending tokens, detokenizing, stop checks, outputs). For a breakdown the benchmark also
+times the scheduler's `schedule`, the runner's `_prepare` and `_sample` by wrapping them on this engine
+instance (no engine change). Target: median overhead < 10% of the step. Writes
+benchmarks/results/scheduler_overhead.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+from tokenloom import EngineConfig, SamplingParams
+from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.lab.cli import load_real_model
+from tokenloom.lab.output import environment
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def timed(obj, name: str, sink: dict[str, float]) -> None:
+    """Replace obj.name by a wrapper adding its wall time to sink[name] (this instance only)."""
+    inner = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            sink[name] = sink.get(name, 0.0) + time.perf_counter() - t
+
+    setattr(obj, name, wrapper)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--num-seqs", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "scheduler_overhead"))
+    args = ap.parse_args()
+
+    model, tokenizer = load_real_model()
+    engine = LLMEngine(EngineConfig(max_num_seqs=args.num_seqs), model=model, tokenizer=tokenizer)
+    rng = random.Random(0)
+    max_tokens = args.warmup + args.steps + 8
+    for i in range(args.num_seqs):
+        prompt = [rng.randrange(200, 40000) for _ in range(32)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        engine.add_request(f"s{i}", {"prompt_token_ids": prompt}, params)
+    while engine.last_step is None or engine.last_step.num_decode_tokens < args.num_seqs:
+        engine.step()  # prefill until every sequence decodes
+    for _ in range(args.warmup):
+        engine.step()
+
+    parts: dict[str, float] = {}
+    timed(engine.scheduler, "schedule", parts)
+    timed(engine.runner, "_prepare", parts)
+    timed(engine.runner, "_sample", parts)
+    rows = []
+    for _ in range(args.steps):
+        before = dict(parts)
+        engine.step()
+        st = engine.last_step
+        assert st.num_seqs == args.num_seqs and st.num_decode_tokens == args.num_seqs, st
+        delta = {k: parts[k] - before.get(k, 0.0) for k in parts}
+        rows.append(
+            {
+                "step_ms": st.duration * 1e3,
+                "forward_ms": st.forward_time * 1e3,
+                **{f"{k.strip('_')}_ms": v * 1e3 for k, v in delta.items()},
+            }
+        )
+    while engine.has_unfinished_requests():
+        engine.step()
+
+    for r in rows:
+        r["overhead_ms"] = r["step_ms"] - r["forward_ms"]
+        r["other_ms"] = r["overhead_ms"] - r["schedule_ms"] - r["prepare_ms"] - r["sample_ms"]
+        r["overhead_frac"] = r["overhead_ms"] / r["step_ms"]
+    fracs = [r["overhead_frac"] for r in rows]
+    keys = ("step_ms", "forward_ms", "overhead_ms", "schedule_ms", "prepare_ms", "sample_ms", "other_ms")
+    med = {k: statistics.median(r[k] for r in rows) for k in keys}
+    mean = {k: statistics.fmean(r[k] for r in rows) for k in keys}
+    result = {
+        "command": "python benchmarks/scheduler_overhead.py"
+        + (f" --num-seqs {args.num_seqs}" if args.num_seqs != 32 else "")
+        + (f" --steps {args.steps}" if args.steps != 40 else ""),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "environment": environment(),
+        "num_running_seqs": args.num_seqs,
+        "measured_steps": len(rows),
+        "overhead_fraction": {
+            "median": statistics.median(fracs),
+            "mean": statistics.fmean(fracs),
+            "max": max(fracs),
+        },
+        "median_ms": {k: round(v, 3) for k, v in med.items()},
+        "mean_ms": {k: round(v, 3) for k, v in mean.items()},
+        "target": "< 10% of the step",
+        "steps": [{k: round(v, 4) for k, v in r.items()} for r in rows],
+    }
+    of = result["overhead_fraction"]
+    print(f"{args.num_seqs} running sequences, {len(rows)} decode steps")
+    print(
+        f"step {med['step_ms']:.1f} ms median, forward {med['forward_ms']:.1f} ms, overhead "
+        f"{med['overhead_ms']:.2f} ms (schedule {med['schedule_ms']:.2f}, prepare {med['prepare_ms']:.2f}, "
+        f"sample {med['sample_ms']:.2f}, other {med['other_ms']:.2f})"
+    )
+    print(
+        f"overhead fraction: median {of['median']:.1%}, mean {of['mean']:.1%}, max {of['max']:.1%} "
+        "(target < 10%)"
+    )
+
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    with open(args.out + ".md", "w") as f:
+        f.write(
+            "# Scheduler overhead at 32 running sequences\n\n"
+            f"Command: `{result['command']}` ({result['date']}). {result['environment']}\n\n"
+            f"{args.num_seqs} sequences in decode steady state (32-token prompts, greedy, ignore_eos), "
+            f"{len(rows)} measured steps after {args.warmup} warm-up steps. Overhead = StepStats.duration - "
+            "forward_time (scheduling, input preparation, sampling, bookkeeping).\n\n"
+            f"**Overhead: median {of['median']:.1%}, mean {of['mean']:.1%} of the step** "
+            f"(max {of['max']:.1%}; target < 10%).\n\n| ms per step | median | mean |\n|---|---|---|\n"
+            + "".join(f"| {k[:-3]} | {med[k]:.2f} | {mean[k]:.2f} |\n" for k in keys)
+            + "\n`other` = appending tokens, detokenizing, stop checks, building outputs, step listeners.\n"
+        )
+
+
+if __name__ == "__main__":
+    main()

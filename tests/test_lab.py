@@ -1,0 +1,156 @@
+"""The batching lab on the tiny random model: ideal-ratio math, slot assignment, report files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenloom.lab import (
+    LabRequest,
+    LabRun,
+    ideal_ratio,
+    make_workload,
+    run_workload,
+    run_workloads,
+    static_batch_steps,
+)
+from tokenloom.lab.output import write_lab_outputs
+from tokenloom.lab.recorder import StepRecord
+from tokenloom.lab.slots import assign_slots
+from tokenloom.lab.summary import summarize, workload_ideal_ratio
+
+TINY_ENGINE = {"max_model_len": 1024, "num_kv_blocks": 256}
+
+
+def test_ideal_ratio_hand_computed():
+    # B = 2: batches [16, 256] and [16, 16] -> 256 + 16 = 272 static steps; 304 tokens / 2 = 152.
+    assert static_batch_steps([16, 256, 16, 16], 2) == 272
+    assert ideal_ratio([16, 256, 16, 16], 2) == pytest.approx(272 / 152)
+    # Equal lengths: static is already ideal.
+    assert ideal_ratio([128] * 16, 8) == pytest.approx(1.0)
+    # The issue's workload shape: every batch of 8 holds a 256 -> 8 * 256 / (64 * 136 / 8) = 1.882.
+    lens = [16, 256] * 32
+    assert ideal_ratio(lens, 8) == pytest.approx(2048 / 1088)
+
+
+def test_ideal_ratio_follows_admission_order():
+    reqs = [LabRequest(f"r{i}", [1, 2], n) for i, n in enumerate([256, 16, 256, 16])]
+    assert workload_ideal_ratio(reqs, 2, "fcfs") == pytest.approx(512 / 272)
+    assert workload_ideal_ratio(reqs, 2, "sjf") == pytest.approx(272 / 272)  # SJF groups the short ones
+
+
+def _step(i, running, finished=()):
+    return StepRecord(i, float(i), 1.0, 0.5, len(running), len(running), 0, list(running), list(finished))
+
+
+def test_slots_static_keeps_finished_slots_idle():
+    steps = [
+        _step(0, ["a", "b"]),
+        _step(1, ["a", "b"], ["a"]),
+        _step(2, ["b"]),
+        _step(3, ["b"], ["b"]),
+        _step(4, ["c", "d"]),
+    ]
+    tl = assign_slots(steps, hold_until_batch_end=True)
+    assert tl.slot_of == {"a": 0, "b": 1, "c": 0, "d": 1}
+    assert tl.owners[2] == ["a", "b"] and tl.active[2] == [False, True]  # a's slot held idle (padding)
+    assert tl.idle_slot_steps() == 2
+    assert tl.active[4] == [True, True]
+
+
+def test_slots_continuous_reuses_lowest_free_slot():
+    steps = [
+        _step(0, ["a", "b"], ["a"]),
+        _step(1, ["b", "c"]),
+        _step(2, ["b", "c", "d"], ["b"]),
+        _step(3, ["c", "d", "e"]),
+    ]
+    tl = assign_slots(steps, hold_until_batch_end=False)
+    assert tl.slot_of == {"a": 0, "b": 1, "c": 0, "d": 2, "e": 1}
+    assert tl.num_slots == 3 and tl.idle_slot_steps() == 0
+
+
+def test_workloads_are_seeded_and_shaped():
+    reqs = make_workload("mixed", 8, seed=1)
+    assert sorted(r.max_tokens for r in reqs) == [16] * 4 + [256] * 4
+    assert reqs == make_workload("mixed", 8, seed=1)
+    assert all(len(r.prompt_token_ids) >= 384 for r in make_workload("long-prompt", 4))
+    with pytest.raises(ValueError, match="workload"):
+        make_workload("bursty", 4)
+
+
+def test_lab_run_writes_report(tiny_model, tokenizer, tmp_path):
+    reqs = make_workload("mixed", 6, seed=0, output_lens=(2, 9))
+    runs = [LabRun(mode, 2, max_wait_ms=5.0) for mode in ("static", "dynamic", "continuous")]
+    runs.append(LabRun("static", 2, pad=True))
+    results = run_workloads(tiny_model, tokenizer, reqs, runs, **TINY_ENGINE)
+    summaries = [summarize(r) for r in results]
+    for s in summaries:
+        assert s["num_requests"] == 6 and s["output_tokens"] == sum(r.max_tokens for r in reqs)
+        assert 0 < s["occupancy"] <= 1 and s["max_running"] <= 2
+    static, continuous, padded = summaries[0], summaries[2], summaries[3]
+    assert static["num_steps"] == padded["num_steps"] == static_batch_steps([r.max_tokens for r in reqs], 2)
+    assert static["idle_slot_steps"] > 0 and continuous["idle_slot_steps"] == 0
+    assert (
+        padded["idle_slot_steps"] == static["idle_slot_steps"] and padded["occupancy"] == static["occupancy"]
+    )
+    assert all(s.num_computed_seqs == 2 for s in results[3].steps)  # padding rows are computed
+    assert continuous["num_steps"] < static["num_steps"]
+
+    data = write_lab_outputs(
+        str(tmp_path), "tokenloom lab --workload mixed", {"name": "mixed"}, reqs, results
+    )
+    report = (tmp_path / "report.md").read_text()
+    assert "tokenloom lab --workload mixed" in report and "ideal ratio" in report
+    for png in ("throughput.png", "latency_cdf.png", "occupancy.png", "slot_timeline.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["cat"] for e in spans} == {"step", "request"}
+    assert sum(e["cat"] == "request" for e in spans) == 4 * 6
+    assert [c["static"] for c in data["comparisons"]] == ["static", "static (padded)"]
+    assert data["comparisons"][0]["ideal_ratio"] == pytest.approx(workload_ideal_ratio(reqs, 2))
+
+
+def test_lab_parser_registers_command():
+    import argparse
+
+    from tokenloom.lab import add_lab_parser
+
+    parser = argparse.ArgumentParser()
+    add_lab_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["lab", "--workload", "uniform", "--policies", "fcfs,sjf", "--out", "x"])
+    assert args.policies == ["fcfs", "sjf"] and callable(args.func)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["lab", "--policies", "lifo", "--out", "x"])
+
+
+def test_engine_clock_runs_only_during_turns():
+    import time
+
+    from tokenloom.lab.runner import EngineClock
+
+    clock = EngineClock()
+    assert clock() == 0.0
+    clock.resume()
+    time.sleep(0.01)
+    clock.pause()
+    paused_at = clock()
+    assert paused_at >= 0.01
+    time.sleep(0.01)
+    assert clock() == paused_at
+    clock.skip(1.5)
+    assert clock() == pytest.approx(paused_at + 1.5)
+
+
+def test_dynamic_batch_waits_for_its_timer(tiny_model, tokenizer):
+    # Two requests 0.2 s apart on the engine clock, B = 4: dynamic waits max_wait_ms for company.
+    reqs = [
+        LabRequest("a", [300, 301], 3, arrival_offset=0.0),
+        LabRequest("b", [302, 303], 3, arrival_offset=0.2),
+    ]
+    res = run_workload(tiny_model, tokenizer, reqs, LabRun("dynamic", 4, max_wait_ms=50.0), **TINY_ENGINE)
+    a, b = res.requests["a"], res.requests["b"]
+    assert a.first_scheduled == pytest.approx(0.05, abs=0.01)  # alone after its 50 ms wait
+    assert b.first_scheduled >= max(0.25, a.finished) - 1e-9

@@ -1,0 +1,72 @@
+"""Writes everything a lab run set produces into one directory: report.md, PNGs, trace.json, summary.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+
+import torch
+
+from .plots import write_plots
+from .report import write_report
+from .runner import RunResult
+from .summary import compare, explain, summarize, workload_ideal_ratio
+from .trace import write_trace
+from .workloads import LabRequest
+
+
+def environment() -> str:
+    return (
+        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__} with "
+        f"{torch.get_num_threads()} threads."
+    )
+
+
+def pick(summaries: list[dict], mode: str, padded: bool = False) -> dict | None:
+    """The fcfs run of `mode` if there is one, else its first run."""
+    runs = [s for s in summaries if s["mode"] == mode and s["padded"] == padded]
+    return next((s for s in runs if s["policy"] == "fcfs"), runs[0] if runs else None)
+
+
+def comparisons(summaries: list[dict], requests: list[LabRequest]) -> list[dict]:
+    """Continuous vs each static variant (as the engine runs it, and padded when present)."""
+    continuous = pick(summaries, "continuous")
+    out = []
+    for padded in (False, True):
+        static = pick(summaries, "static", padded)
+        if static and continuous:
+            cmp = compare(
+                static, continuous, workload_ideal_ratio(requests, static["batch_size"], static["policy"])
+            )
+            cmp["static"] = static["label"]
+            cmp["explanation"] = explain(static, continuous, cmp, static["batch_size"])
+            out.append(cmp)
+    return out
+
+
+def write_lab_outputs(
+    out_dir: str, command: str, workload: dict, requests: list[LabRequest], results: list[RunResult]
+) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    summaries = [summarize(r) for r in results]
+    cmps = comparisons(summaries, requests)
+    plots = write_plots(results, summaries, out_dir)
+    trace_path = os.path.join(out_dir, "trace.json")
+    write_trace(results, trace_path)
+    write_report(
+        os.path.join(out_dir, "report.md"),
+        command,
+        workload,
+        summaries,
+        cmps,
+        plots,
+        trace_path,
+        environment(),
+    )
+    data = {"command": command, "workload": workload, "runs": summaries}
+    if cmps:
+        data["comparisons"] = cmps
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(data, f, indent=2)
+    return data
