@@ -5,7 +5,7 @@
 Scenario 1 -- one mixed workload (64 requests, short prompts of 16-32 tokens, output lengths half 16
 and half 256, greedy, ignore_eos, all queued at t = 0) through static (B = 8), dynamic (B = 8,
 max_wait_ms 50) and continuous (max_num_seqs = 8) batching, in the engine's own modes (a static batch
-skips the rows of its finished members; `tokenloom lab` also shows a padded static run).
+computes its finished members' slots as padding until the batch ends, as a padded static server does).
 Prints throughput, mean/p99 latency, batch occupancy, the measured continuous/static throughput ratio
 and the workload's ideal ratio (sum over static batches of their longest output / (total output
 tokens / B)). Target: >= 85% of ideal.

@@ -6,8 +6,8 @@
                   --out DIR
 
 The model is loaded once; each mode x policy gets its own engine with max_num_seqs = B, and the runs
-are interleaved step by step. `static-padded` is static batching that computes finished rows until the
-batch ends, as a padding server does (see `runner`). Writes
+are interleaved step by step. `static-padded` cross-checks the engine's own padding of finished slots
+with padding emulated through the requests' lengths (see `runner`). Writes
 DIR/report.md, DIR/*.png, DIR/trace.json and DIR/summary.json.
 """
 

@@ -8,10 +8,11 @@ during that engine's turns, so its step times, TTFTs and latencies are what it w
 Requests are added at their arrival offsets on the engine's clock (all at 0 for an offline workload);
 an idle engine skips its clock ahead to the next arrival instead of sleeping.
 
-`LabRun(pad=True)` emulates a static server that pads: the engine skips finished rows, but a padded
-batch computes all B rows until its longest member ends. Every request of a static batch (B consecutive
-requests in admission order; offline workloads only) then asks for the batch's longest output, and
-only its own tokens count (the recorder treats the rest as padding).
+`LabRun(pad=True)` emulates padding from the outside: every request of a static batch (B consecutive
+requests in admission order; offline workloads only) asks for the batch's longest output, and only its
+own tokens count (the recorder treats the rest as padding). The engine's static mode now computes the
+slots of finished members as padding itself, so both variants cost the same per step; the emulation
+stays as a cross-check.
 """
 
 from __future__ import annotations
