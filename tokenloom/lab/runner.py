@@ -1,9 +1,10 @@
 """Drives engines over a lab workload in-process and returns what happened (`RunResult` per run).
 
 The model and tokenizer are passed in, so a caller loads the weights once; each run gets its own
-engine (and KV cache). Several runs are **interleaved step by step** (round robin) so that every mode
+engine (and KV cache). Several runs are **interleaved step by step** so that every mode
 sees the same machine conditions -- on a shared CPU, runs taken one after another measure the
-neighbours as much as the batching. Each engine gets its own `EngineClock`, which advances only
+neighbours as much as the batching. Turns go to the run least far through its output tokens, so all
+runs progress together and finish together. Each engine gets its own `EngineClock`, which advances only
 during that engine's turns, so its step times, TTFTs and latencies are what it would measure alone.
 Requests are added at their arrival offsets on the engine's clock (all at 0 for an offline workload);
 an idle engine skips its clock ahead to the next arrival instead of sleeping.
@@ -126,6 +127,12 @@ class _Driver:
         self.engine.step_listeners.append(self.recorder)
         self.pending = sorted(requests, key=lambda r: r.arrival_offset)
         self.next = 0
+        self.total_tokens = max(sum(r.max_tokens for r in self.pending), 1)
+
+    @property
+    def progress(self) -> float:
+        """Fraction of the run's output tokens (padding included) generated so far."""
+        return self.engine.num_generation_tokens / self.total_tokens
 
     @property
     def done(self) -> bool:
@@ -174,13 +181,15 @@ class _Driver:
 def run_workloads(
     model, tokenizer, requests: list[LabRequest], runs: list[LabRun], interleave: bool = True, **engine_kwargs
 ) -> list[RunResult]:
-    """Run `requests` through one engine per run (interleaved step by step unless `interleave=False`);
-    `engine_kwargs` are extra EngineConfig fields shared by all runs."""
+    """Run `requests` through one engine per run; `engine_kwargs` are extra EngineConfig fields shared by
+    all runs. Interleaved (the default), the next turn always goes to the run that is least far through its
+    output tokens, so runs needing fewer steps take fewer turns and all runs end together: every run
+    is measured over the same stretch of machine conditions (plain round robin would leave the slow
+    runs to finish alone, under whatever load arrives late)."""
     drivers = [_Driver(model, tokenizer, requests, run, engine_kwargs) for run in runs]
     if interleave:
         while active := [d for d in drivers if not d.done]:
-            for d in active:
-                d.turn()
+            min(active, key=lambda d: d.progress).turn()
     else:
         for d in drivers:
             while not d.done:

@@ -98,16 +98,16 @@ def explain(static: dict, continuous: dict, cmp: dict, batch_size: int) -> str:
         )
     elif cost < 0.97:
         why = (
-            "a static batch with finished members computes only its live sequences, and on this CPU a step "
-            "with fewer sequences is cheaper, so static's idle slots cost less time than their step count "
-            "suggests"
+            "static's steps were cheaper on average (a step computing fewer rows is cheaper on this CPU, "
+            "and continuous steps also carry the prefills of requests admitted mid-run), so static's idle "
+            "slots cost less time than their step count suggests"
         )
     elif cost > 1.03:
         why = "continuous steps were cheaper on average, which adds to its step-count advantage"
     else:
         why = (
-            "a decode step costs about the same with 4 or 8 sequences here (reading the weights dominates), "
-            "so static's idle slots cost full steps and the ratio is decided by step counts"
+            "static and continuous steps cost about the same (idle slots computed as padding, or nearly "
+            "free rows when weight reads dominate), so the ratio is decided by step counts"
         )
     return (
         f"Continuous batching took {continuous['num_steps']} steps where perfect packing needs "
