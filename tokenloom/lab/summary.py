@@ -98,9 +98,9 @@ def explain(static: dict, continuous: dict, cmp: dict, batch_size: int) -> str:
         )
     elif cost < 0.97:
         why = (
-            "static's steps were cheaper on average (a step computing fewer rows is cheaper on this CPU, "
-            "and continuous steps also carry the prefills of requests admitted mid-run), so static's idle "
-            "slots cost less time than their step count suggests"
+            "static's steps were cheaper on average: its padded slots are plain decode rows, while "
+            "continuous steps also carry the prefill chunks of the requests admitted mid-run, so static's "
+            "idle slots cost less time than their step count suggests"
         )
     elif cost > 1.03:
         why = "continuous steps were cheaper on average, which adds to its step-count advantage"
