@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-TokenLogprobs = dict[int, float]
+TokenLogprobs = dict[int, float]  # token id -> logprob, highest first, the chosen token always present
 
 
 @dataclass
@@ -42,4 +42,3 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from .engine.scheduler import SchedulerOutput
-from .engine.sequence import Sequence, TokenLogprobs
+from .engine.sequence import Sequence
 from .model.llama import ForwardBatch, LlamaModel, PrefillSpan
 from .model.sampler import Sampler, top_logprobs
+from .outputs import TokenLogprobs
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..outputs import TokenLogprobs
 from ..sampling_params import SamplingParams
 
 
@@ -37,7 +38,6 @@ FINISH_REASONS = {
     SequenceStatus.FINISHED_ABORTED: "abort",
 }
 
-TokenLogprobs = dict[int, float]  # token id -> logprob, highest first, the chosen token always present
 
 
 @dataclass

@@ -13,9 +13,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from ..outputs import TokenLogprobs
 from ..sampling_params import SamplingParams
-
-TokenLogprobs = dict[int, float]
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int]) -> None:
