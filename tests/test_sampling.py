@@ -154,6 +154,17 @@ def test_invalid_values_name_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+def test_params_are_normalised_once():
+    """The offline API and the server share these: None = default, stop str or list, top_k off values."""
+    sp = SamplingParams(temperature=None, top_p=None, min_p=None, repetition_penalty=None, top_k=None,
+                        stop="##", stop_token_ids=None)
+    assert (sp.temperature, sp.top_p, sp.min_p, sp.repetition_penalty, sp.top_k) == (1.0, 1.0, 0.0, 1.0, 0)
+    assert sp.stop == ["##"] and sp.stop_token_ids == []
+    assert SamplingParams(top_k=-1).top_k == SamplingParams(top_k=0).top_k == 0
+    assert SamplingParams(stop=None).stop == [] and SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(max_tokens=None).max_tokens is None  # None is a value here: up to the context
+
+
 def test_prompt_logprobs_survive_recompute_preemption(make_llm):
     """A tight KV cache preempts some of these mid-prompt; each still reports one logprob per prompt token."""
     llm = make_llm(num_kv_blocks=10, block_size=8, max_num_batched_tokens=16)

@@ -1,6 +1,9 @@
-"""Per-request generation parameters, with vLLM's field names and validation.
+"""Per-request generation parameters, with vLLM's field names, normalisation and validation.
 
-Every check raises ValueError naming the field, which the server turns into an HTTP 400.
+Normalisation happens here once, for the offline `LLM` API and the server alike: `stop` may be a
+string or a list, `None` stands for a field's default (temperature, top_p, top_k, min_p, the
+penalties, stop lists, ...), and top_k 0, -1 or None all mean "off" (stored as 0). Every check
+raises ValueError naming the field, which the server turns into an HTTP 400.
 """
 
 from __future__ import annotations
@@ -8,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_TOP_K_OFF = (None, 0, -1)
+# Fields whose None means "the default" (for max_tokens, seed, logprobs, ... None is a value).
+_NONE_IS_DEFAULT = ("n", "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "min_tokens", "priority")
 
 
 @dataclass
@@ -15,7 +22,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 = disabled
+    top_k: int = 0  # 0 = disabled (-1 and None are accepted and stored as 0)
     min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -23,7 +30,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     max_tokens: int | None = 16  # None = up to the context length
     min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # a single string is accepted too
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
@@ -34,13 +41,17 @@ class SamplingParams:
     predicted_output_len: int | None = None  # optional hint for shortest-job-first
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
-            self.top_k = 0
+        self._normalise()
         self._validate()
+
+    def _normalise(self) -> None:
+        for name in _NONE_IS_DEFAULT:
+            if getattr(self, name) is None:
+                setattr(self, name, self.__dataclass_fields__[name].default)
+        if self.top_k in _TOP_K_OFF:
+            self.top_k = 0
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
 
     def _validate(self) -> None:
         def fail(name: str, why: str) -> None:

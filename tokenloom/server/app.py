@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from .. import __version__
 from ..engine.async_llm import AsyncLLM
 from .chat import create_chat_completion, render_prompt
 from .completions import create_completion
-from .errors import APIError, error_response, install_error_handlers
+from .errors import APIError, install_error_handlers
 from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from .protocol import (
     ChatCompletionRequest,
@@ -90,7 +90,7 @@ def build_app(
         if async_llm.is_healthy:
             return Response(status_code=200)
         reason = f"the engine stopped: {async_llm.error!r}" if async_llm.error else "the engine is not running"
-        return error_response(503, reason, "server_error", code="engine_dead")
+        return APIError(503, reason, "server_error", code="engine_dead").response()
 
     @app.get("/version")
     async def version():
@@ -120,8 +120,7 @@ def build_app(
     @app.get("/metrics")
     async def prometheus_metrics():
         if metrics is None:
-            return JSONResponse({"error": {"message": "metrics are disabled", "type": "invalid_request_error",
-                                           "param": None, "code": None}}, status_code=404)
+            return APIError(404, "metrics are disabled").response()
         from ..engine.metrics import CONTENT_TYPE
 
         return Response(metrics.render(), media_type=CONTENT_TYPE)

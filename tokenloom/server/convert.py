@@ -1,6 +1,6 @@
 """Pure conversions between the OpenAI protocol and the engine (no I/O, unit-testable).
 
-- request fields -> `SamplingParams` (OpenAI defaults, vLLM extras; value errors name the field);
+- request fields -> `SamplingParams` (a name mapping: it applies defaults and checks values);
 - completion `prompt` -> list of engine prompts; chat `messages` -> template-ready dicts;
 - engine logprobs -> OpenAI's completions format (`tokens`, `token_logprobs`, `top_logprobs`,
   `text_offset`, with `echo` putting the prompt first and its first token's logprob null, as
@@ -14,31 +14,19 @@ from ..sampling_params import SamplingParams
 from .errors import APIError
 from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
+# Request fields that `SamplingParams` takes under the same name; it normalises their values
+# (None = default, stop as str or list, top_k 0/-1/None = off) and checks them.
+_SAME_NAME = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output",
+    "ignore_eos", "skip_special_tokens", "priority",
+)
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """Raises ValueError naming the field for values out of range."""
-    return SamplingParams(
-        n=req.n,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
-        seed=req.seed,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        max_tokens=max_tokens,
-        min_tokens=req.min_tokens,
-        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-        stop_token_ids=list(req.stop_token_ids or []),
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens,
-        priority=req.priority,
-    )
+
+def sampling_params(req: _SamplingFields, **fields) -> SamplingParams:
+    """The shared fields by name plus the endpoint's own (`fields`); raises ValueError naming the
+    field for values out of range."""
+    return SamplingParams(**{name: getattr(req, name) for name in _SAME_NAME}, **fields)
 
 
 def completion_params(req: CompletionRequest) -> SamplingParams:
@@ -46,7 +34,7 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
         prompt_logprobs = req.logprobs  # echo + logprobs = score the prompt too (eval harnesses)
     else:
         prompt_logprobs = req.prompt_logprobs
-    return sampling_params(req, req.max_tokens, req.logprobs, prompt_logprobs)
+    return sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 def chat_params(req: ChatCompletionRequest) -> SamplingParams:
@@ -54,7 +42,7 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return sampling_params(req, max_tokens, logprobs)
+    return sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:

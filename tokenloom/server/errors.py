@@ -1,6 +1,6 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
 
-`APIError` is raised by handlers; `install_error_handlers` maps everything else onto it: FastAPI's
+`APIError` is raised by handlers (or built and turned into a response with `.response()`); `install_error_handlers` maps everything else onto it: FastAPI's
 422 validation errors become 400s (OpenAI's status for a malformed body), engine ValueErrors become
 400s whose `param` is the field the message names, a full queue or a dead engine become 503s.
 """
@@ -37,23 +37,11 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.type, self.param, self.code, self.headers)
-
-
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def error_response(
-    status: int,
-    message: str,
-    type: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status, headers=headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def from_exception(exc: BaseException) -> APIError:
@@ -98,12 +86,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return error_response(400, message, param=param)
+        return APIError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return error_response(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None))
+        return APIError(exc.status_code, str(exc.detail), kind, headers=getattr(exc, "headers", None)).response()
 
     async def _mapped(request: Request, exc: Exception):
         return from_exception(exc).response()

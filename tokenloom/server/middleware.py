@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hmac
 
-from .errors import error_response
+from .errors import APIError
 
 # Open without a key, like vLLM: probes and scrapers (/health, /metrics) and API discovery.
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
@@ -23,15 +23,9 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                response = error_response(
-                    401,
-                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                    "invalid_request_error",
-                    None,
-                    "invalid_api_key",
-                    {"WWW-Authenticate": "Bearer"},
-                )
-                await response(scope, receive, send)
+                error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -73,11 +67,5 @@ class BodySizeLimitMiddleware:
 
     async def _reject(self, scope, receive, send, length: int | None) -> None:
         got = f"{length} bytes" if length is not None else "more than that"
-        response = error_response(
-            413,
-            f"request body too large: the limit is {self.max_bytes} bytes (--max-request-body-bytes), got {got}",
-            "invalid_request_error",
-            None,
-            "request_too_large",
-        )
-        await response(scope, receive, send)
+        message = f"request body too large: the limit is {self.max_bytes} bytes (--max-request-body-bytes), got {got}"
+        await APIError(413, message, code="request_too_large").response()(scope, receive, send)

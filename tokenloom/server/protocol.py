@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI-compatible API as pydantic models (they also feed /openapi.json).
 
 Types are strict (a string where a number belongs is a 400, not a silent coercion) and unknown
-fields are ignored, as OpenAI clients send fields this server does not use. Value checks
-(temperature >= 0, top_p in (0, 1], ...) are left to `SamplingParams`, whose errors name the field.
+fields are ignored, as OpenAI clients send fields this server does not use. Defaults for
+null fields and value checks (temperature >= 0, top_p in (0, 1], ...) are left to `SamplingParams`,
+whose errors name the field.
 vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, priority, stop_token_ids,
 ...) are accepted on both generation endpoints.
 """

@@ -1,0 +1,110 @@
+"""One generation request over HTTP, for /v1/completions and /v1/chat/completions alike.
+
+`GenerationView` adds the engine requests, then either aggregates their final outputs into one
+JSON response (abandoned if the client disconnects) or streams SSE chunks of the parts not sent
+yet, ending with the optional usage chunk and `data: [DONE]`; either way it aborts whatever is
+unfinished when it exits. An endpoint subclasses it and says only how a choice is rendered
+(`render`), from a `ChoiceDelta` that is the whole choice in a response or its new part in a stream.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..engine.async_llm import EngineDeadError
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from . import convert
+from .errors import APIError, from_exception
+from .protocol import _SamplingFields
+from .state import ServerState, new_id, now_s
+from .streams import (
+    DONE,
+    SSE_HEADERS,
+    SSE_MEDIA_TYPE,
+    ChoiceDelta,
+    DeltaTracker,
+    RequestGroup,
+    sse,
+    until_disconnect,
+)
+
+
+class GenerationView:
+    id_prefix: str  # "cmpl", "chatcmpl"
+    object: str  # the response's "object"
+    chunk_object: str  # a stream chunk's "object"
+
+    def __init__(self, state: ServerState, req: _SamplingFields, model: str):
+        self.state, self.req, self.model = state, req, model
+        self.id = new_id(self.id_prefix)
+        self.created = now_s()
+        self.tok = state.tokenizer
+
+    def engine_inputs(self) -> tuple[SamplingParams, list]:
+        """The sampling params and the engine prompts (raises APIError/ValueError for bad input)."""
+        raise NotImplementedError
+
+    def render(self, d: ChoiceDelta, streaming: bool) -> dict:
+        """The endpoint's fields of one choice (text or message/delta, logprobs)."""
+        raise NotImplementedError
+
+    def _choice(self, d: ChoiceDelta, streaming: bool) -> dict:
+        c = d.choice
+        return {"index": d.index, **self.render(d, streaming), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    @classmethod
+    async def create(cls, req: _SamplingFields, request: Request, state: ServerState):
+        """The route handler: a JSON response or a StreamingResponse."""
+        arrival = time.monotonic()
+        view = cls(state, req, state.check_model(req.model))
+        params, prompts = view.engine_inputs()
+        group = RequestGroup(state.async_llm, view.id)
+        await group.add_all(prompts, params, arrival)  # validation errors surface here, as 400s
+        if req.stream:
+            return StreamingResponse(view.stream(group), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+        return await until_disconnect(request, view.collect(group))
+
+    # -- one JSON response -----------------------------------------------------------------------
+
+    async def collect(self, group: RequestGroup) -> JSONResponse:
+        try:
+            return JSONResponse(self.response(await group.final_outputs()))
+        finally:
+            group.abort_unfinished()
+
+    def response(self, outputs: dict[int, RequestOutput]) -> dict:
+        if not outputs:
+            raise APIError(503, "the request was aborted (server shutting down)", "server_error", code="aborted")
+        choices = [self._choice(ChoiceDelta.whole(self.req.n, p, out, c), False)
+                   for p, out in outputs.items() for c in out.outputs]
+        choices.sort(key=lambda ch: ch["index"])
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs.values())
+        completion_tokens = sum(len(c.token_ids) for out in outputs.values() for c in out.outputs)
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": convert.usage(prompt_tokens, completion_tokens)}
+
+    # -- an SSE stream ---------------------------------------------------------------------------
+
+    def _chunk(self, choices: list[dict], **extra) -> str:
+        return sse({"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                    "choices": choices, **extra})
+
+    async def stream(self, group: RequestGroup):
+        tracker = DeltaTracker(self.req.n)
+        try:
+            async for p, out in group.outputs():
+                for d in tracker.deltas(p, out):
+                    yield self._chunk([self._choice(d, True)])
+            if self.req.stream_options is not None and self.req.stream_options.include_usage:
+                usage = convert.usage(sum(tracker.prompt_tokens.values()), sum(tracker.completion_tokens.values()))
+                yield self._chunk([], usage=usage)
+        except EngineDeadError as exc:
+            yield sse(from_exception(exc).body())
+        finally:
+            group.abort_unfinished()  # client gone or error: free the engine's blocks now
+        yield DONE
