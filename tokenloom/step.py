@@ -1,4 +1,8 @@
-"""A `Sequence` is one generated completion: the unit the scheduler, the KV cache and the runner see.
+"""The runner seam: the step plan the scheduler makes, the step result the runner returns, the
+`Runner` protocol both runners (`ModelRunner`, the simulator's `SimRunner`) implement, and the
+`Sequence` they all read. A leaf module: it imports no engine, runner or model code.
+
+A `Sequence` is one generated completion: the unit the scheduler, the KV cache and the runner see.
 
 A request with `n > 1` becomes n sequences with the same prompt; they share the prompt's full KV
 blocks through the prefix cache. Invariant: `num_computed_tokens <= num_tokens`; the KV of the first
@@ -11,11 +15,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol
 
 import torch
 
-from ..outputs import TokenLogprobs
-from ..sampling_params import SamplingParams
+from .outputs import TokenLogprobs
+from .sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):
@@ -37,7 +43,6 @@ FINISH_REASONS = {
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
 }
-
 
 
 @dataclass
@@ -113,3 +118,75 @@ class Sequence:
             f"Sequence({self.seq_id}, {self.status.name}, computed={self.num_computed_tokens}/{self.num_tokens},"
             f" blocks={self.block_table})"
         )
+
+
+def samples(seq: Sequence, n: int) -> bool:
+    """Does a row of `n` tokens sample? Yes when it brings the computed tokens up to the known ones."""
+    return seq.num_computed_tokens + n == seq.num_tokens
+
+
+def is_decode(n: int) -> bool:
+    """A one-token row: one query (a decode, or a one-token prefill chunk), run as a decode."""
+    return n == 1
+
+
+@dataclass
+class RowConstraint:
+    """What a sampling row may not produce (extensible: logits processors, token bitmasks)."""
+
+    banned_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class StepShape:
+    """The batch shape of a step: per row (tokens computed, context length after the step)."""
+
+    rows: list[tuple[int, int]]
+    num_sampled: int
+    num_swap_blocks: int
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Static/dynamic batching: slots of the batch whose request already finished. A static server still
+    # computes them (padding); the runner does so by repeating a live decode row.
+    num_padding: int = 0
+    constraints: dict[int, RowConstraint] = field(default_factory=dict)  # scheduled index -> constraint
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @cached_property
+    def shape(self) -> StepShape:
+        """Read before the step advances the sequences (cached from the first read)."""
+        rows = [(n, s.num_computed_tokens + n) for s, n in self.scheduled]
+        sampled = sum(samples(s, n) for s, n in self.scheduled)
+        return StepShape(rows, sampled, len(self.swap_in) + len(self.swap_out))
+
+
+@dataclass
+class StepResult:
+    """What one forward produced for one scheduled sequence."""
+
+    seq: Sequence
+    num_tokens: int
+    token_id: int | None  # None: a prefill chunk that did not reach the end of the known tokens
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # for prompt tokens [start+1, start+n]
+
+
+class Runner(Protocol):
+    """Turns a step plan into one forward (or its simulated cost)."""
+
+    last_forward_time: float  # seconds inside the forward in the last `execute`
+
+    def execute(self, plan: StepPlan) -> list[StepResult]: ...
