@@ -1,9 +1,5 @@
-"""The runner seam: the step plan the scheduler makes, the step result the runner returns, the
-`Runner` protocol both runners (`ModelRunner`, the simulator's `SimRunner`) implement, and the
-`Sequence` they all read. A leaf module: it imports no engine, runner or model code.
-
-A `Sequence` is one generated completion: the unit the scheduler, the KV cache and the runner see.
-
+"""The runner seam (a leaf module): the `Sequence`, the `StepPlan` the scheduler makes, the `StepResult`s
+a `Runner` (`ModelRunner`, the simulator's `SimRunner`) returns. A `Sequence` is one generated completion.
 A request with `n > 1` becomes n sequences with the same prompt; they share the prompt's full KV
 blocks through the prefix cache. Invariant: `num_computed_tokens <= num_tokens`; the KV of the first
 `num_computed_tokens` tokens lives in the blocks of `block_table` (or in `host_blocks` when swapped).
@@ -38,11 +34,8 @@ class SequenceStatus(enum.IntEnum):
         return self >= SequenceStatus.FINISHED_STOPPED
 
 
-FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-}
+FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
+                  SequenceStatus.FINISHED_ABORTED: "abort"}
 
 
 @dataclass
@@ -55,15 +48,8 @@ class SequenceTimes:
 
 
 class Sequence:
-    def __init__(
-        self,
-        request_id: str,
-        index: int,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-        generator: torch.Generator | None = None,
-    ):
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None, generator: torch.Generator | None = None):
         self.request_id = request_id
         self.index = index
         self.seq_id = f"{request_id}#{index}"

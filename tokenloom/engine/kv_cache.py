@@ -116,10 +116,6 @@ class KVCacheManager:
         """Fraction of blocks in use by sequences (cached-but-free blocks count as free, like vLLM)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
-
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -158,7 +154,8 @@ class KVCacheManager:
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[KVBlock] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and after any prefix-cache
-        hits, which join the table; the caller counts them as computed). Returns False, changing nothing, when there are not enough blocks."""
+        hits, which join the table; the caller counts them as computed). Returns False, changing nothing,
+        when there are not enough blocks."""
         num_hit_tokens = len(computed_blocks) * self.block_size
         total = seq.num_computed_tokens + num_hit_tokens + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(computed_blocks)

@@ -59,17 +59,19 @@ class EngineStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int
     num_preemptions: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
+@dataclass
 class RequestState:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: list[Sequence]):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.seqs = seqs
-        self.detokenizers: list[IncrementalDetokenizer] = []
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
 
     @property
     def finished(self) -> bool:
@@ -145,9 +147,8 @@ class LLMEngine:
                 gen = torch.Generator().manual_seed(params.seed + i)
             seq = Sequence(request_id, i, ids, params, self.clock() if arrival_time is None else arrival_time, gen)
             seqs.append(seq)
-        state = RequestState(request_id, text, ids, seqs)
-        state.detokenizers = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
-        self.requests[request_id] = state
+        detok = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
+        self.requests[request_id] = RequestState(request_id, text, ids, seqs, detok)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -203,18 +204,9 @@ class LLMEngine:
         return bool(self.requests)
 
     def stats(self) -> EngineStats:
-        sched, kv = self.scheduler, self.kv
-        return EngineStats(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting) - sched.num_swapped,
-            num_swapped=sched.num_swapped,
-            kv_usage=kv.usage,
-            prefix_queries=kv.prefix_queries,
-            prefix_hits=kv.prefix_hits,
-            num_preemptions=sched.num_preemptions,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-        )
+        sched, kv, swapped = self.scheduler, self.kv, self.scheduler.num_swapped
+        return EngineStats(len(sched.running), len(sched.waiting) - swapped, swapped, kv.usage, kv.prefix_queries,
+                           kv.prefix_hits, sched.num_preemptions)
 
     # -- the step --------------------------------------------------------------------------------
 

@@ -187,7 +187,7 @@ class EngineMetrics:
         if hits > last_h:
             self.prefix_hits.inc(hits - last_h)
         self._last_prefix = (queries, hits)
-        self.prefix_hit_rate.set(hits / queries if queries else 0.0)
+        self.prefix_hit_rate.set(st.prefix_hit_rate)
         preemptions = st.num_preemptions
         if preemptions > self._last_preemptions:
             self.preemptions.inc(preemptions - self._last_preemptions)
@@ -206,7 +206,7 @@ class EngineMetrics:
             "engine: running %d, waiting %d, swapped %d, KV usage %.1f%%, prompt %.1f tok/s, "
             "generation %.1f tok/s, prefix hit rate %.1f%%",
             st.num_running, st.num_waiting, st.num_swapped, 100 * st.kv_usage, prompt / elapsed, gen / elapsed,
-            100 * (st.prefix_hits / st.prefix_queries if st.prefix_queries else 0.0),
+            100 * st.prefix_hit_rate,
         )
 
     # -- reading (event loop) --------------------------------------------------------------------

@@ -57,9 +57,6 @@ class Scheduler:
     def num_swapped(self) -> int:
         return sum(1 for s in self.waiting if s.status == SequenceStatus.SWAPPED)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # -- the step plan ---------------------------------------------------------------------------
 
     def schedule(self, now: float | None = None) -> StepPlan:

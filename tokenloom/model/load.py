@@ -1,5 +1,5 @@
-"""Loading has one home: `load(source, dtype, device)` resolves where the model comes from and returns
-the model, its tokenizer and its config; `set_num_threads` is the one place torch's threads are set."""
+"""Loading has one home: `load(source, dtype, device)` returns the model, its tokenizer and its config;
+`set_num_threads` is the one place torch's thread count is set."""
 
 from __future__ import annotations
 
@@ -31,9 +31,7 @@ def load(source: str | None = None, dtype: str = "float32", device: str = "cpu")
 
 
 def default_num_threads() -> int:
-    """torch intra-op threads for serving: leave a core to the event loop when there are cores to
-    spare (HTTP, tokenising, SSE); on one or two cores a model thread is worth more than the loop's
-    mostly-idle core, and the kernel still gives the loop its slice (same session, see DESIGN.md)."""
+    """Serving: leave a core to the event loop when there are more than two (see DESIGN.md)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return cores - 1 if cores > 2 else cores
 

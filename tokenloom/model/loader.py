@@ -50,11 +50,10 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass
 class ModelSource:
-    """Where a model comes from; `kind` is gguf, hf or random."""
+    """Where a model comes from; `kind` is gguf or hf."""
 
     kind: str
-    path: str | None = None
-    config: LlamaConfig | None = None
+    path: str
 
     @classmethod
     def resolve(cls, path: str) -> ModelSource:
@@ -66,9 +65,6 @@ class ModelSource:
 
 
 def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu") -> LlamaModel:
-    if source.kind == "random":
-        assert source.config is not None
-        return random_model(source.config, dtype=dtype, device=device)
     if source.kind == "gguf":
         config, state = _read_gguf(source.path)
     elif source.kind == "hf":
