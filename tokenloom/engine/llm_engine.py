@@ -194,9 +194,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
-        if state is None:
-            return
-        for seq in state.seqs:
+        for seq in state.seqs if state is not None else ():
             if not seq.finished:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
 
@@ -303,25 +301,18 @@ class LLMEngine:
         return seq.output_text[: len(seq.output_text) - hold] if hold else seq.output_text
 
     def _make_output(self, state: RequestState) -> RequestOutput:
-        first = state.seqs[0]
+        first, times = state.seqs[0], [s.times for s in state.seqs]
         outputs = [
-            CompletionOutput(
-                index=s.index,
-                text=self._visible_text(s),
-                token_ids=s.output_token_ids,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                logprobs=s.logprobs if s.params.logprobs is not None else None,
-            )
+            CompletionOutput(s.index, self._visible_text(s), s.output_token_ids, s.finish_reason, s.stop_reason,
+                             s.logprobs if s.params.logprobs is not None else None)
             for s in state.seqs
         ]
-        t = first.times
         metrics = RequestMetrics(
-            arrival_time=t.arrival,
-            first_scheduled_time=min((s.times.first_scheduled for s in state.seqs if s.times.first_scheduled), default=None),
-            first_token_time=min((s.times.first_token for s in state.seqs if s.times.first_token), default=None),
-            last_token_time=max((s.times.last_token or 0 for s in state.seqs), default=None),
-            finished_time=max((s.times.finished or 0 for s in state.seqs), default=None) if state.finished else None,
+            arrival_time=first.times.arrival,
+            first_scheduled_time=min((t.first_scheduled for t in times if t.first_scheduled), default=None),
+            first_token_time=min((t.first_token for t in times if t.first_token), default=None),
+            last_token_time=max((t.last_token or 0 for t in times), default=None),
+            finished_time=max((t.finished or 0 for t in times), default=None) if state.finished else None,
             num_cached_tokens=first.num_cached_prompt_tokens,
             num_preemptions=sum(s.num_preemptions for s in state.seqs),
         )
