@@ -67,7 +67,7 @@ def test_prefix_cache_computes_only_new_tokens_and_matches_uncached(make_engine)
     computed_b = cached.last_step.num_batched_tokens
     assert computed_b == len(b) - 256  # only its own 7 tokens were computed
     out_b = run_all(cached, [])
-    assert cached.kv.prefix_hit_rate > 0
+    assert cached.stats().prefix_hit_rate > 0
     plain = make_engine(block_size=16, enable_prefix_caching=False)
     assert run_all(plain, [("a", a, sp), ("b", b, sp)]) == {**out_a, "b": out_b["b"]}
 

@@ -58,10 +58,11 @@ def test_max_num_seqs_caps_running(make_engine):
     for i in range(6):
         engine.add_request(f"r{i}", ids(4, 100 + 10 * i), GREEDY)
     engine.step()
-    assert engine.num_running == 3 and engine.num_waiting == 3
+    st = engine.stats()
+    assert st.num_running == 3 and st.num_waiting == 3
     while engine.has_unfinished_requests():
         engine.step()
-        assert engine.num_running <= 3
+        assert engine.stats().num_running <= 3
 
 
 def test_finished_leave_and_waiting_join_at_once(make_engine):

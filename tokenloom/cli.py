@@ -7,24 +7,7 @@ import dataclasses
 import json
 import sys
 
-from .config import EngineConfig
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every EngineConfig field as --kebab-case option (vLLM's names)."""
-    defaults = EngineConfig()
-    for f in dataclasses.fields(EngineConfig):
-        flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            kind = type(default) if default is not None else (str if f.name == "model" else int)
-            parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+from .config import add_engine_args, engine_config_from_args
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -6,10 +6,12 @@ bad command line fails at start-up instead of deep inside a step.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Literal, get_args
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: ~46k tokens of SmolLM2-135M KV in float32
 
 
@@ -45,7 +47,7 @@ class EngineConfig:
             raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
 
         choices = {
-            "dtype": ("float32", "bfloat16", "float16"),
+            "dtype": DTYPES,
             "preemption_mode": ("recompute", "swap"),
             "scheduling_policy": ("fcfs", "sjf", "priority"),
             "batching": ("continuous", "dynamic", "static"),
@@ -81,3 +83,20 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field as --kebab-case option (vLLM's names)."""
+    defaults = EngineConfig()
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = type(default) if default is not None else (str if f.name == "model" else int)
+            parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})

@@ -1,47 +1,25 @@
-"""ModelRunner: owns the model and the KV tensors; turns a `SchedulerOutput` into one forward.
+"""ModelRunner (a `step.Runner`): owns the model and the KV tensors; turns a `StepPlan` into one forward.
 
 Per step: copy swapped blocks, build the flat batch (token ids, positions, slot mapping, the slots
 each sequence attends to), run the model with the LM head only on rows that sample (and on prompt
-rows of requests asking for prompt logprobs), then sample. Decode tokens of all sequences are
+rows of requests asking for prompt logprobs), then sample under each row's constraint from the plan. Decode tokens of all sequences are
 handled as one group with vectorised index math; each prefill chunk is one span.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .engine.scheduler import SchedulerOutput
-from .engine.sequence import Sequence
 from .model.llama import ForwardBatch, LlamaModel, PrefillSpan
 from .model.sampler import Sampler, top_logprobs
-from .outputs import TokenLogprobs
+from .step import Runner, StepPlan, StepResult, is_decode, samples
 
 
-@dataclass
-class StepResult:
-    """What one forward produced for one scheduled sequence."""
-
-    seq: Sequence
-    num_tokens: int
-    token_id: int | None  # None: a prefill chunk that did not reach the end of the known tokens
-    logprobs: TokenLogprobs | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None  # for prompt tokens [start+1, start+n]
-
-
-class ModelRunner:
-    def __init__(
-        self,
-        model: LlamaModel,
-        num_blocks: int,
-        block_size: int,
-        num_host_blocks: int = 0,
-        stop_ids: tuple[int, ...] = (),
-        seed: int = 0,
-    ):
+class ModelRunner(Runner):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_host_blocks: int = 0, seed: int = 0):
         self.model = model
         cfg = model.config
         param = next(model.parameters())
@@ -52,7 +30,6 @@ class ModelRunner:
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         host_shape = (cfg.num_layers, 2, num_host_blocks * block_size, cfg.num_kv_heads, cfg.dim_per_head)
         self.host_cache = torch.zeros(host_shape, dtype=self.dtype, device="cpu") if num_host_blocks else None
-        self.stop_ids = stop_ids
         self.sampler = Sampler(seed)
         self.last_forward_time = 0.0
 
@@ -62,7 +39,7 @@ class ModelRunner:
         ids = torch.tensor(block_ids, dtype=torch.long)
         return (ids[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
 
-    def copy_blocks(self, out: SchedulerOutput) -> None:
+    def copy_blocks(self, out: StepPlan) -> None:
         if out.swap_out:
             dev, host = zip(*out.swap_out, strict=True)
             self.host_cache[:, :, self._block_slots(list(host))] = self.kv_cache[:, :, self._block_slots(list(dev)).to(self.device)].cpu()
@@ -73,7 +50,7 @@ class ModelRunner:
     # -- one step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[StepResult]:
+    def execute(self, out: StepPlan) -> list[StepResult]:
         self.copy_blocks(out)
         if out.is_empty:
             return []
@@ -83,7 +60,7 @@ class ModelRunner:
         self.last_forward_time = time.perf_counter() - start
         return self._sample(out, logits, sample_rows, prompt_rows)
 
-    def _prepare(self, out: SchedulerOutput):
+    def _prepare(self, out: StepPlan):
         bs = self.block_size
         tokens: list[int] = []
         positions: list[np.ndarray] = []
@@ -101,7 +78,7 @@ class ModelRunner:
             pos = np.arange(start, ctx)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            if n == 1:
+            if is_decode(n):
                 decode_seq_index.append(k)
                 decode_idx.append(q0)
                 decode_tables.append(table)
@@ -121,7 +98,7 @@ class ModelRunner:
                 if last > first:
                     prompt_rows[k] = (len(logits_rows), first, last - first)
                     logits_rows.extend(range(q0 + first - start, q0 + last - start))
-            if ctx == seq.num_tokens:
+            if samples(seq, n):
                 sample_rows[k] = len(logits_rows)
                 logits_rows.append(q0 + n - 1)
 
@@ -173,7 +150,7 @@ class ModelRunner:
                 [s.prompt_token_ids for s in sampled],
                 [s.output_token_ids for s in sampled],
                 [s.generator for s in sampled],
-                [self._min_tokens_ban(s) for s in sampled],
+                [out.constraints.get(k) for k in sample_rows],
             )
         by_index = {k: j for j, k in enumerate(sample_rows)}
         results = []
@@ -190,9 +167,3 @@ class ModelRunner:
                 ]
             results.append(res)
         return results
-
-    def _min_tokens_ban(self, seq: Sequence) -> tuple[int, ...]:
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            return ()
-        return tuple(p.stop_token_ids) + (() if p.ignore_eos else self.stop_ids)

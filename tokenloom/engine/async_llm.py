@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import torch
-
+from ..model.load import default_num_threads, set_num_threads
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
@@ -92,14 +90,6 @@ class _Abort:
 @dataclass
 class _Stop:
     aborted: list[str] = field(default_factory=list)
-
-
-def default_num_threads() -> int:
-    """torch intra-op threads for serving: leave a core to the event loop when there are cores to
-    spare (HTTP, tokenising, SSE); on one or two cores a model thread is worth more than the loop's
-    mostly-idle core, and the kernel still gives the loop its slice (same session, see DESIGN.md)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cores - 1 if cores > 2 else cores
 
 
 class AsyncLLM:
@@ -208,7 +198,7 @@ class AsyncLLM:
 
     def _run(self) -> None:
         # torch's intra-op thread count is per calling thread for OpenMP: set it where the model runs.
-        torch.set_num_threads(self.num_threads or self.config.num_threads or default_num_threads())
+        set_num_threads(self.num_threads or self.config.num_threads or default_num_threads())
         engine = self.engine
         try:
             while True:
@@ -254,9 +244,9 @@ class AsyncLLM:
         try:
             if self._stopping:
                 raise EngineStoppingError("the server is shutting down")
-            if self.max_queue_len is not None and self.engine.num_waiting >= self.max_queue_len:
+            if self.max_queue_len is not None and (waiting := self.engine.stats().num_waiting) >= self.max_queue_len:
                 raise QueueFullError(
-                    f"the queue is full ({self.engine.num_waiting} requests waiting, max_queue_len "
+                    f"the queue is full ({waiting} requests waiting, max_queue_len "
                     f"{self.max_queue_len}); retry later"
                 )
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)

@@ -23,9 +23,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .sequence import Sequence
+from ..config import EngineConfig
+from ..model.llama import LlamaConfig
+from ..model.loader import kv_bytes_per_block_for, torch_dtype
+from ..step import Sequence
 
 BlockKey = tuple  # (parent key hash or None, token ids tuple, extra keys)
+
+
+def kv_cache_size(config: EngineConfig, model_config: LlamaConfig) -> tuple[int, int, int]:
+    """(device blocks, host blocks for swap, bytes per block) that the config's memory budget holds."""
+    block_bytes = kv_bytes_per_block_for(model_config, config.block_size, torch_dtype(config.dtype))
+    num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // block_bytes
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv_cache_memory_bytes: {config.kv_cache_memory_bytes} holds fewer than 2 blocks of {block_bytes} bytes"
+        )
+    num_host_blocks = int(config.swap_space * (1 << 30)) // block_bytes if config.preemption_mode == "swap" else 0
+    return num_blocks, num_host_blocks, block_bytes
 
 
 class KVBlock:
@@ -101,10 +116,6 @@ class KVCacheManager:
         """Fraction of blocks in use by sequences (cached-but-free blocks count as free, like vLLM)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
-
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -143,7 +154,8 @@ class KVCacheManager:
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[KVBlock] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and after any prefix-cache
-        hits, which join the table). Returns False, changing nothing, when there are not enough blocks."""
+        hits, which join the table; the caller counts them as computed). Returns False, changing nothing,
+        when there are not enough blocks."""
         num_hit_tokens = len(computed_blocks) * self.block_size
         total = seq.num_computed_tokens + num_hit_tokens + num_new_tokens
         num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(computed_blocks)
@@ -158,7 +170,6 @@ class KVCacheManager:
             seq.block_table.append(block.block_id)
         for _ in range(max(num_new_blocks, 0)):
             seq.block_table.append(self._take_free_block().block_id)
-        seq.num_computed_tokens += num_hit_tokens
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, total)
         return True

@@ -1,9 +1,10 @@
 """LLMEngine: requests in, `RequestOutput`s out, one `step()` at a time.
 
-step() = schedule → (swap copies) → forward → sample → append tokens, detokenize, check stop
-conditions → free finished sequences → return outputs of the requests that changed. Every way a
-sequence ends (stop, length, abort) goes through `_finish`, which calls the scheduler's one release
-path, so no KV block can leak.
+step() = schedule → per-row constraints → (swap copies) → forward → sample → `_advance` each
+sequence (the one place a step moves a sequence on: computed tokens, new token, detokenize, every stop
+decision in `_check_stop`) → return outputs of the requests that changed. Every way a sequence ends
+(stop, length, abort) goes through `_finish`, which calls the scheduler's one release path, so no KV
+block can leak.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import step as steps
 from ..config import EngineConfig
 from ..model.llama import LlamaConfig
-from ..model.loader import ModelSource, kv_bytes_per_block_for, load_model, torch_dtype
-from ..model.tokenizer import IncrementalDetokenizer, TokenizerWrapper, load_tokenizer
+from ..model.load import load, set_num_threads
+from ..model.tokenizer import IncrementalDetokenizer, TokenizerWrapper
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..runner import ModelRunner
 from ..sampling_params import SamplingParams
-from .kv_cache import KVCacheManager
-from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Sequence, SequenceStatus
+from ..step import RowConstraint, Runner, Sequence, SequenceStatus, StepPlan, StepResult, StepShape
+from .kv_cache import KVCacheManager, kv_cache_size
+from .scheduler import Scheduler
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -41,17 +43,35 @@ class StepStats:
     num_decode_tokens: int
     num_preempted: int
     seq_ids: list[str]
+    shape: StepShape  # per-row (tokens, context) of the step: what calibration fits against
     forward_time: float = 0.0  # inside the model forward (the rest of `duration` is engine overhead)
     num_padding: int = 0  # static/dynamic batching: finished members' slots computed as padding
 
 
+@dataclass
+class EngineStats:
+    """The engine's state at one moment, for metrics, logs, the lab and admission control."""
+
+    num_running: int
+    num_waiting: int  # waiting to be (re)admitted, not counting swapped-out sequences
+    num_swapped: int
+    kv_usage: float
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int
+    num_preemptions: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+@dataclass
 class RequestState:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: list[Sequence]):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.seqs = seqs
-        self.detokenizers: list[IncrementalDetokenizer] = []
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detokenizers: list[IncrementalDetokenizer]
 
     @property
     def finished(self) -> bool:
@@ -65,7 +85,7 @@ class LLMEngine:
         *,
         model: torch.nn.Module | None = None,
         tokenizer: TokenizerWrapper | None = None,
-        runner=None,
+        runner: Runner | None = None,
         model_config: LlamaConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -74,12 +94,10 @@ class LLMEngine:
         it pretends to run, and a virtual `clock`."""
         self.config = config = (config or EngineConfig()).validate()
         self.clock = clock
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        set_num_threads(config.num_threads)
         if model is None and runner is None:
-            source = ModelSource.resolve(config.model)
-            model = load_model(source, dtype=config.dtype, device=config.device)
-            tokenizer = tokenizer or load_tokenizer(source.path)
+            model, loaded_tokenizer, _ = load(config.model, config.dtype, config.device)
+            tokenizer = tokenizer or loaded_tokenizer
         if tokenizer is None:
             raise ValueError("tokenizer: required when a model or runner object is passed")
         self.model, self.tokenizer = model, tokenizer
@@ -94,18 +112,10 @@ class LLMEngine:
             )
         config.validate()
 
-        block_bytes = kv_bytes_per_block_for(model_config, config.block_size, torch_dtype(config.dtype))
-        num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // block_bytes
-        if num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory_bytes: {config.kv_cache_memory_bytes} holds fewer than 2 blocks of {block_bytes} bytes"
-            )
-        num_host_blocks = int(config.swap_space * (1 << 30)) // block_bytes if config.preemption_mode == "swap" else 0
+        num_blocks, num_host_blocks, block_bytes = kv_cache_size(config, model_config)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = runner or ModelRunner(
-            model, num_blocks, config.block_size, num_host_blocks, tokenizer.eos_token_ids, config.seed
-        )
+        self.runner: Runner = runner or ModelRunner(model, num_blocks, config.block_size, num_host_blocks, config.seed)
         self.requests: dict[str, RequestState] = {}
         self.last_step: StepStats | None = None
         self.step_listeners: list = []  # callables(StepStats, RequestOutputs of the step): metrics, the lab
@@ -137,9 +147,8 @@ class LLMEngine:
                 gen = torch.Generator().manual_seed(params.seed + i)
             seq = Sequence(request_id, i, ids, params, self.clock() if arrival_time is None else arrival_time, gen)
             seqs.append(seq)
-        state = RequestState(request_id, text, ids, seqs)
-        state.detokenizers = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
-        self.requests[request_id] = state
+        detok = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
+        self.requests[request_id] = RequestState(request_id, text, ids, seqs, detok)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -167,56 +176,48 @@ class LLMEngine:
         max_len = self.config.max_model_len
         if len(ids) >= max_len:
             raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len is {max_len} (room is needed to generate)")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
+        worst = len(ids) + self.max_tokens(len(ids), params)
+        if worst > max_len:
             raise ValueError(
-                f"max_tokens: this model's maximum context length is {max_len} tokens, but {len(ids) + params.max_tokens} "
+                f"max_tokens: this model's maximum context length is {max_len} tokens, but {worst} "
                 f"were requested ({len(ids)} in the prompt, {params.max_tokens} in the completion)"
             )
-        worst = len(ids) + (params.max_tokens or max_len - len(ids))
         if self.kv.blocks_needed(worst) > self.kv.num_blocks:
             raise ValueError(
                 f"max_tokens: a sequence of {worst} tokens needs {self.kv.blocks_needed(worst)} KV blocks but the cache "
                 f"has {self.kv.num_blocks}; raise kv_cache_memory_bytes or lower max_tokens"
             )
 
+    def max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """The completion's token limit: `max_tokens`, or (None) up to the context length."""
+        return params.max_tokens if params.max_tokens is not None else self.config.max_model_len - num_prompt_tokens
+
     def abort_request(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
-        if state is None:
-            return
-        for seq in state.seqs:
+        for seq in state.seqs if state is not None else ():
             if not seq.finished:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) - self.scheduler.num_swapped
+    def stats(self) -> EngineStats:
+        sched, kv, swapped = self.scheduler, self.kv, self.scheduler.num_swapped
+        return EngineStats(len(sched.running), len(sched.waiting) - swapped, swapped, kv.usage, kv.prefix_queries,
+                           kv.prefix_hits, sched.num_preemptions)
 
     # -- the step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         start = self.clock()
         plan = self.scheduler.schedule(start)
+        for k, (seq, n) in enumerate(plan.scheduled):
+            if not self._may_stop(seq) and steps.samples(seq, n):
+                plan.constraints[k] = self._min_tokens_constraint(seq)
+        plan.shape  # noqa: B018 -- cache the shape before the sequences advance
         results = self.runner.execute(plan)
         now = self.clock()
-        changed: dict[str, RequestState] = {}
-        for res in results:
-            seq = res.seq
-            seq.num_computed_tokens += res.num_tokens
-            if res.prompt_logprobs is not None:
-                if not seq.prompt_logprobs:
-                    seq.prompt_logprobs.append(None)  # the first prompt token has no logprob
-                seq.prompt_logprobs.extend(res.prompt_logprobs)
-            if res.token_id is None:
-                continue
-            self._append_token(seq, res.token_id, res.logprobs, now)
-            changed[seq.request_id] = self.requests[seq.request_id]
+        changed = {res.seq.request_id: self.requests[res.seq.request_id] for res in results if self._advance(res, now)}
         outputs = [self._make_output(state) for state in changed.values()]
         for out in outputs:
             if out.finished:
@@ -224,25 +225,43 @@ class LLMEngine:
         self._record_step(plan, start, self.clock(), outputs)
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> None:
+    def _advance(self, res: StepResult, now: float) -> bool:
+        """Move a sequence on after a step; returns whether it produced a token."""
+        seq, token = res.seq, res.token_id
+        seq.num_computed_tokens += res.num_tokens
+        if res.prompt_logprobs is not None:
+            if not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)  # the first prompt token has no logprob
+            seq.prompt_logprobs.extend(res.prompt_logprobs)
+        if token is None:
+            return False
         seq.token_ids.append(token)
         self.num_generation_tokens += 1
         if seq.times.first_token is None:
             seq.times.first_token = now
             self.num_prompt_tokens += seq.num_prompt_tokens
         seq.times.last_token = now
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-        state = self.requests[seq.request_id]
-        delta = state.detokenizers[seq.index].step(token)
+        if res.logprobs is not None:
+            seq.logprobs.append(res.logprobs)
+        delta = self.requests[seq.request_id].detokenizers[seq.index].step(token)
         seq.output_text += delta
         status = self._check_stop(seq, token, len(delta))
         if status is not None:
             self._finish(seq, status)
+        return True
+
+    @staticmethod
+    def _may_stop(seq: Sequence) -> bool:
+        """The `min_tokens` gate: before it, no stop token may be sampled and no stop condition ends it."""
+        return seq.num_output_tokens >= seq.params.min_tokens
+
+    def _min_tokens_constraint(self, seq: Sequence) -> RowConstraint:
+        p = seq.params
+        return RowConstraint(tuple(p.stop_token_ids) + (() if p.ignore_eos else self.tokenizer.eos_token_ids))
 
     def _check_stop(self, seq: Sequence, token: int, delta_len: int) -> SequenceStatus | None:
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        if self._may_stop(seq):
             if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
                 seq.stop_reason = None
                 return SequenceStatus.FINISHED_STOPPED
@@ -251,9 +270,7 @@ class LLMEngine:
                 return SequenceStatus.FINISHED_STOPPED
             if p.stop and self._cut_at_stop_string(seq, delta_len):
                 return SequenceStatus.FINISHED_STOPPED
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.config.max_model_len:
+        if seq.num_output_tokens >= self.max_tokens(seq.num_prompt_tokens, p):
             return SequenceStatus.FINISHED_LENGTH
         return None
 
@@ -284,25 +301,18 @@ class LLMEngine:
         return seq.output_text[: len(seq.output_text) - hold] if hold else seq.output_text
 
     def _make_output(self, state: RequestState) -> RequestOutput:
-        first = state.seqs[0]
+        first, times = state.seqs[0], [s.times for s in state.seqs]
         outputs = [
-            CompletionOutput(
-                index=s.index,
-                text=self._visible_text(s),
-                token_ids=s.output_token_ids,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                logprobs=s.logprobs if s.params.logprobs is not None else None,
-            )
+            CompletionOutput(s.index, self._visible_text(s), s.output_token_ids, s.finish_reason, s.stop_reason,
+                             s.logprobs if s.params.logprobs is not None else None)
             for s in state.seqs
         ]
-        t = first.times
         metrics = RequestMetrics(
-            arrival_time=t.arrival,
-            first_scheduled_time=min((s.times.first_scheduled for s in state.seqs if s.times.first_scheduled), default=None),
-            first_token_time=min((s.times.first_token for s in state.seqs if s.times.first_token), default=None),
-            last_token_time=max((s.times.last_token or 0 for s in state.seqs), default=None),
-            finished_time=max((s.times.finished or 0 for s in state.seqs), default=None) if state.finished else None,
+            arrival_time=first.times.arrival,
+            first_scheduled_time=min((t.first_scheduled for t in times if t.first_scheduled), default=None),
+            first_token_time=min((t.first_token for t in times if t.first_token), default=None),
+            last_token_time=max((t.last_token or 0 for t in times), default=None),
+            finished_time=max((t.finished or 0 for t in times), default=None) if state.finished else None,
             num_cached_tokens=first.num_cached_prompt_tokens,
             num_preemptions=sum(s.num_preemptions for s in state.seqs),
         )
@@ -317,8 +327,8 @@ class LLMEngine:
             num_cached_tokens=first.num_cached_prompt_tokens,
         )
 
-    def _record_step(self, plan: SchedulerOutput, start: float, end: float, outputs: list[RequestOutput]) -> None:
-        decode = sum(1 for s, n in plan.scheduled if n == 1 and s.num_computed_tokens > s.num_prompt_tokens)
+    def _record_step(self, plan: StepPlan, start: float, end: float, outputs: list[RequestOutput]) -> None:
+        decode = sum(1 for n, _ in plan.shape.rows if steps.is_decode(n))
         stats = StepStats(
             start=start,
             duration=end - start,
@@ -328,6 +338,7 @@ class LLMEngine:
             num_decode_tokens=decode,
             num_preempted=len(plan.preempted),
             seq_ids=[s.seq_id for s, _ in plan.scheduled],
+            shape=plan.shape,
             forward_time=getattr(self.runner, "last_forward_time", 0.0),
             num_padding=plan.num_padding,
         )

@@ -175,19 +175,20 @@ class EngineMetrics:
             )
 
     def _update_gauges(self, engine) -> None:
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting)
-        self.swapped.set(engine.scheduler.num_swapped)
-        self.kv_usage.set(engine.kv.usage)
-        queries, hits = engine.kv.prefix_queries, engine.kv.prefix_hits
+        st = engine.stats()
+        self.running.set(st.num_running)
+        self.waiting.set(st.num_waiting)
+        self.swapped.set(st.num_swapped)
+        self.kv_usage.set(st.kv_usage)
+        queries, hits = st.prefix_queries, st.prefix_hits
         last_q, last_h = self._last_prefix
         if queries > last_q:
             self.prefix_queries.inc(queries - last_q)
         if hits > last_h:
             self.prefix_hits.inc(hits - last_h)
         self._last_prefix = (queries, hits)
-        self.prefix_hit_rate.set(hits / queries if queries else 0.0)
-        preemptions = engine.scheduler.num_preemptions
+        self.prefix_hit_rate.set(st.prefix_hit_rate)
+        preemptions = st.num_preemptions
         if preemptions > self._last_preemptions:
             self.preemptions.inc(preemptions - self._last_preemptions)
         self._last_preemptions = preemptions
@@ -200,11 +201,12 @@ class EngineMetrics:
         prompt = self._totals["prompt"] - self._last_log_totals["prompt"]
         gen = self._totals["gen"] - self._last_log_totals["gen"]
         self._last_log, self._last_log_totals = now, dict(self._totals)
+        st = engine.stats()
         logger.info(
             "engine: running %d, waiting %d, swapped %d, KV usage %.1f%%, prompt %.1f tok/s, "
             "generation %.1f tok/s, prefix hit rate %.1f%%",
-            engine.num_running, engine.num_waiting, engine.scheduler.num_swapped, 100 * engine.kv.usage,
-            prompt / elapsed, gen / elapsed, 100 * engine.kv.prefix_hit_rate,
+            st.num_running, st.num_waiting, st.num_swapped, 100 * st.kv_usage, prompt / elapsed, gen / elapsed,
+            100 * st.prefix_hit_rate,
         )
 
     # -- reading (event loop) --------------------------------------------------------------------

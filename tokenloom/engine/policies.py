@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .sequence import Sequence
+from ..step import Sequence
 
 PolicyKey = Callable[[Sequence, float], tuple]
 

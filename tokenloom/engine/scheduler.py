@@ -22,31 +22,11 @@ oldest waiting request has waited `max_wait_ms`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 from ..config import EngineConfig
+from ..step import Sequence, SequenceStatus, StepPlan
 from .kv_cache import KVCacheManager
 from .policies import get_policy
-from .sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens this step)
-    preempted: list[Sequence] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    # Static/dynamic batching: slots of the batch whose request already finished. A static server still
-    # computes them (padding); the runner does so by repeating a live decode row.
-    num_padding: int = 0
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -77,14 +57,11 @@ class Scheduler:
     def num_swapped(self) -> int:
         return sum(1 for s in self.waiting if s.status == SequenceStatus.SWAPPED)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # -- the step plan ---------------------------------------------------------------------------
 
-    def schedule(self, now: float | None = None) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> StepPlan:
         now = time.monotonic() if now is None else now
-        out = SchedulerOutput()
+        out = StepPlan()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: self.policy(s, now))
 
@@ -116,7 +93,7 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
-    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
+    def _admit(self, out: StepPlan, budget: int, now: float) -> None:
         if not self._batch_open(now):
             return
         self.waiting.sort(key=lambda s: self.policy(s, now))
@@ -137,7 +114,7 @@ class Scheduler:
             out.scheduled.append((seq, n))
             budget -= n
 
-    def _admit_one(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+    def _admit_one(self, seq: Sequence, budget: int, out: StepPlan) -> int:
         """Allocate for a waiting sequence; returns the tokens it computes this step (0 = not admitted)."""
         if seq.status == SequenceStatus.SWAPPED:
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -145,7 +122,8 @@ class Scheduler:
             if len(seq.host_blocks) + max(extra, 0) > self.kv.num_free_blocks:
                 return 0
             out.swap_in.extend(self.kv.swap_in(seq))
-            assert self.kv.allocate_slots(seq, n)
+            allocated = self.kv.allocate_slots(seq, n)
+            assert allocated, "swap-in checked the free blocks"
             return n
         hits = self.kv.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
         remaining = seq.num_tokens - seq.num_computed_tokens - len(hits) * self.kv.block_size
@@ -154,12 +132,13 @@ class Scheduler:
         n = self._chunk(remaining, budget)
         if not self.kv.allocate_slots(seq, n, hits):
             return 0
+        seq.num_computed_tokens += len(hits) * self.kv.block_size
         if seq.times.first_scheduled is None:
             seq.num_cached_prompt_tokens = len(hits) * self.kv.block_size
             self.kv.record_prefix_lookup(seq.num_tokens, seq.num_cached_prompt_tokens)
         return n
 
-    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, victim: Sequence, out: StepPlan) -> None:
         self.num_preemptions += 1
         victim.num_preemptions += 1
         out.preempted.append(victim)

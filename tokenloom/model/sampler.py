@@ -1,7 +1,7 @@
 """Batched sampling with per-request parameters.
 
 Order of operations per row (as vLLM): penalties (repetition on prompt+output, presence/frequency
-on output) and the `min_tokens` ban on stop tokens act on the logits; greedy rows take the argmax;
+on output) and the row's constraint (banned ids, e.g. stop tokens under `min_tokens`) act on the logits; greedy rows take the argmax;
 the other rows divide by temperature, keep top-k / top-p / min-p, and draw with the exponential race
 (argmax of p / Exp(1)) from the row's own generator, so a seeded request draws the same numbers
 whatever else is in the batch. Logprobs are those of the raw model output, before any processing.
@@ -15,6 +15,7 @@ import torch
 
 from ..outputs import TokenLogprobs
 from ..sampling_params import SamplingParams
+from ..step import RowConstraint
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int]) -> None:
@@ -63,15 +64,15 @@ class Sampler:
         prompt_ids: list[Seq[int]],
         output_ids: list[Seq[int]],
         generators: list[torch.Generator | None],
-        stop_ids_for_min_tokens: list[Seq[int]],
+        constraints: list[RowConstraint | None],
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         raw = logits
         logits = logits.clone()
         for r, p in enumerate(params):
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 apply_penalties(logits[r], p, prompt_ids[r], output_ids[r])
-            if len(output_ids[r]) < p.min_tokens and stop_ids_for_min_tokens[r]:
-                logits[r, list(stop_ids_for_min_tokens[r])] = float("-inf")
+            if constraints[r] is not None and constraints[r].banned_ids:
+                logits[r, list(constraints[r].banned_ids)] = float("-inf")
 
         tokens = logits.argmax(dim=-1)
         random_rows = [r for r, p in enumerate(params) if not p.greedy]

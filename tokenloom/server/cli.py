@@ -22,7 +22,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from ..cli import add_engine_args
+    from ..config import add_engine_args
 
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     p.add_argument("--host", default="127.0.0.1")
@@ -48,16 +48,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def _default_served_names(model: str | None) -> list[str]:
     """The file name without `.gguf`, first without its quantization suffix: `SmolLM2-135M-Instruct`
     and `SmolLM2-135M-Instruct.Q4_1` both name the bundled model."""
-    from ..model.loader import ModelSource
+    from ..model.load import model_path
 
-    path = model or ModelSource.resolve(None).path
+    path = model_path(model)
     name = Path(path).name.removesuffix(".gguf")
     short = name.rsplit(".", 1)[0] if "." in name else name
     return list(dict.fromkeys([short, name]))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..cli import engine_config_from_args
+    from ..config import engine_config_from_args
     from ..engine.async_llm import AsyncLLM, default_num_threads
     from ..engine.llm_engine import LLMEngine
     from ..engine.metrics import EngineMetrics

@@ -1,7 +1,7 @@
 """Calibration: measure real step times across batch shapes and fit the simulator's linear cost model.
 
-`StepRecorder` wraps an engine's runner: it computes each planned step's `StepFeatures` before the
-forward, and pairs them with the step's measured wall time (`StepStats.duration`: schedule, inputs,
+`StepRecorder` listens to an engine's steps: it pairs each step's `StepFeatures` (from the batch shape
+in `StepStats.shape`) with the step's measured wall time (`StepStats.duration`: schedule, inputs,
 forward, sampling, detokenization — everything `step()` does, which is what the simulator's clock
 must advance by).
 
@@ -36,31 +36,19 @@ STAGGERED = (16, 96, 48, 4, 256)  # batch, prompt, output; one extra prompt of 2
 
 
 class StepRecorder:
-    """Runner wrapper that records (features, measured step seconds) for every non-empty step."""
+    """Step listener that records (features, measured step seconds) for every non-empty step."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.inner = engine.runner
         self.samples: list[tuple[StepFeatures, float]] = []
         self.enabled = True
-        self._pending: StepFeatures | None = None
-        engine.runner = self
         engine.step_listeners.append(self._on_step)
 
-    def __getattr__(self, name):  # last_forward_time and anything else the engine reads
-        return getattr(self.inner, name)
-
-    def execute(self, plan):
-        self._pending = None if plan.is_empty else step_features(plan, self.engine.config.block_size)
-        return self.inner.execute(plan)
-
     def _on_step(self, stats, _outputs) -> None:
-        if self.enabled and self._pending is not None:
-            self.samples.append((self._pending, stats.duration))
-        self._pending = None
+        if self.enabled and stats.shape.rows:
+            self.samples.append((step_features(stats.shape, self.engine.config.block_size), stats.duration))
 
     def detach(self) -> None:
-        self.engine.runner = self.inner
         self.engine.step_listeners.remove(self._on_step)
 
 

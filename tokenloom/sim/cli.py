@@ -19,7 +19,7 @@ from ..config import DEFAULT_KV_CACHE_MEMORY_BYTES
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from ..cli import engine_config_from_args
+    from ..config import engine_config_from_args
     from .cost_model import MODELS, load_cost_model, preset
     from .simulator import simulate
     from .workloads import make_workload
@@ -56,7 +56,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def add_simulate_parser(subparsers) -> None:
-    from ..cli import add_engine_args
+    from ..config import add_engine_args
     from .cost_model import MODELS, PRESETS
     from .workloads import WORKLOADS
 
@@ -76,7 +76,7 @@ def add_simulate_parser(subparsers) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from ..cli import engine_config_from_args
+    from ..config import engine_config_from_args
     from ..engine.llm_engine import LLMEngine
     from .calibrate import calibrate, calibration_record
     from .cost_model import save_cost_model
@@ -93,7 +93,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def add_calibrate_parser(subparsers) -> None:
-    from ..cli import add_engine_args
+    from ..config import add_engine_args
 
     p = subparsers.add_parser("calibrate", help="measure real step times and fit the simulator's cost model")
     p.add_argument("--out", default="calibration.json")

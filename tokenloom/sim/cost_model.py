@@ -1,6 +1,6 @@
 """Step-time cost models for the simulator: what one `LLMEngine.step()` costs, from the batch shape.
 
-`step_features(plan)` describes the batch the scheduler planned (before the forward runs):
+`step_features(shape)` describes the batch shape of a planned step (`StepPlan.shape`, `StepStats.shape`):
 
 - ``tokens``: tokens computed (rows through every matmul of the model body);
 - ``sampled``: sequences that sample a token (rows through the LM head, the sampler, the detokenizer);
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..engine.scheduler import SchedulerOutput
 from ..model.llama import LlamaConfig
+from ..step import StepShape, is_decode
 
 LINEAR_FEATURES = ("tokens", "sampled", "seqs", "prefill_seqs", "decode_kv", "prefill_attn")
 
@@ -56,18 +56,15 @@ class StepFeatures:
         return [float(getattr(self, n)) for n in names]
 
 
-def step_features(plan: SchedulerOutput, block_size: int) -> StepFeatures:
-    """Features of a planned step; call before the step updates `num_computed_tokens`."""
-    f = StepFeatures(swap_blocks=len(plan.swap_in) + len(plan.swap_out))
+def step_features(shape: StepShape, block_size: int) -> StepFeatures:
+    f = StepFeatures(sampled=shape.num_sampled, swap_blocks=shape.num_swap_blocks)
     decodes, longest = 0, 0
-    for seq, n in plan.scheduled:
-        ctx = seq.num_computed_tokens + n
+    for n, ctx in shape.rows:
         f.tokens += n
         f.seqs += 1
-        f.sampled += ctx == seq.num_tokens
         f.attn_pairs += n * ctx
         f.kv_read += ctx
-        if n == 1:
+        if is_decode(n):
             decodes += 1
             longest = max(longest, ctx)
         else:

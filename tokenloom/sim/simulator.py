@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 from ..bench.metrics import BenchmarkMetrics, RequestResult, compute_metrics
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
-from ..engine.scheduler import SchedulerOutput
 from ..model.llama import LlamaConfig
-from ..runner import StepResult
 from ..sampling_params import SamplingParams
+from ..step import Runner, StepPlan, StepResult, samples
 from .cost_model import MODELS, CostModel, StepFeatures, step_features
 from .workloads import WorkloadRequest
 
@@ -51,7 +50,7 @@ class VirtualClock:
         self.now = max(self.now, t)
 
 
-class SimRunner:
+class SimRunner(Runner):
     """A runner whose forward is a cost-model prediction on a virtual clock."""
 
     def __init__(self, cost_model: CostModel, clock: VirtualClock, block_size: int, token_id: int = SIM_TOKEN_ID):
@@ -62,18 +61,17 @@ class SimRunner:
         self.last_forward_time = 0.0
         self.steps: list[tuple[StepFeatures, float]] = []
 
-    def execute(self, plan: SchedulerOutput) -> list[StepResult]:
+    def execute(self, plan: StepPlan) -> list[StepResult]:
         if plan.is_empty and not (plan.swap_in or plan.swap_out):
             self.last_forward_time = 0.0
             return []
-        feats = step_features(plan, self.block_size)
+        feats = step_features(plan.shape, self.block_size)
         dt = self.cost_model.predict(feats)
         self.clock.advance(dt)
         self.last_forward_time = dt
         self.steps.append((feats, dt))
         return [
-            StepResult(seq, n, self.token_id if seq.num_computed_tokens + n == seq.num_tokens else None)
-            for seq, n in plan.scheduled
+            StepResult(seq, n, self.token_id if samples(seq, n) else None) for seq, n in plan.scheduled
         ]
 
 

@@ -1,0 +1,42 @@
+"""Loading has one home: `load(source, dtype, device)` returns the model, its tokenizer and its config;
+`set_num_threads` is the one place torch's thread count is set."""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+
+from .llama import LlamaConfig, LlamaModel
+from .loader import ModelSource, bundled_model_path, load_model
+from .tokenizer import TokenizerWrapper, load_tokenizer
+
+
+class Loaded(NamedTuple):
+    model: LlamaModel
+    tokenizer: TokenizerWrapper
+    config: LlamaConfig
+
+
+def model_path(source: str | None) -> str:
+    """The GGUF file or HF directory `source` names; None = the bundled SmolLM2-135M-Instruct."""
+    return source or bundled_model_path()
+
+
+def load(source: str | None = None, dtype: str = "float32", device: str = "cpu") -> Loaded:
+    resolved = ModelSource.resolve(model_path(source))
+    model = load_model(resolved, dtype=dtype, device=device)
+    return Loaded(model, load_tokenizer(resolved.path), model.config)
+
+
+def default_num_threads() -> int:
+    """Serving: leave a core to the event loop when there are more than two (see DESIGN.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores - 1 if cores > 2 else cores
+
+
+def set_num_threads(num_threads: int | None) -> None:
+    """torch intra-op threads, per calling thread under OpenMP (None leaves torch's default)."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
