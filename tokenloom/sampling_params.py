@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .structured_outputs import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 _TOP_K_OFF = (None, 0, -1)
 # Fields whose None means "the default" (for max_tokens, seed, logprobs, ... None is a value).
@@ -39,10 +41,44 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0  # lower runs sooner (vLLM's convention)
     predicted_output_len: int | None = None  # optional hint for shortest-job-first
+    # Constraints on what may be sampled (vLLM's names); ids are checked against the vocabulary by the engine.
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100] added to its logit
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words that must not be generated
+    structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         self._normalise()
         self._validate()
+        self._validate_constraints()
+
+    def _validate_constraints(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError("logit_bias must map token ids to biases")
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias must map integer token ids to numbers") from None
+            if not all(-100 <= v <= 100 for v in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list | tuple) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise ValueError("allowed_token_ids must be a non-empty list of non-negative integers")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list | tuple) or not all(isinstance(w, str) and w for w in self.bad_words):
+                raise ValueError("bad_words must be a list of non-empty strings")
+            self.bad_words = list(self.bad_words)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its fields")
+
+    def token_ids_to_check(self) -> list[int]:
+        """Every token id the parameters name, for the engine's vocabulary check."""
+        return [*self.stop_token_ids, *(self.logit_bias or ()), *(self.allowed_token_ids or ())]
 
     def _normalise(self) -> None:
         for name in _NONE_IS_DEFAULT:

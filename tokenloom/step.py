@@ -116,11 +116,20 @@ def is_decode(n: int) -> bool:
     return n == 1
 
 
+class TokenMask(Protocol):
+    """A grammar's view of one sequence: writes the allowed next tokens as a bitmask row."""
+
+    def fill_bitmask(self, row: torch.Tensor) -> None: ...
+
+
 @dataclass
 class RowConstraint:
-    """What a sampling row may not produce (extensible: logits processors, token bitmasks)."""
+    """What a sampling row may produce, applied in this order: bias, allowed ids, banned ids, grammar."""
 
-    banned_ids: tuple[int, ...] = ()
+    banned_ids: tuple[int, ...] = ()  # e.g. stop tokens under `min_tokens`, the ends of bad words
+    logit_bias: dict[int, float] | None = None  # added to the logits (OpenAI's logit_bias)
+    allowed_ids: tuple[int, ...] | None = None  # only these may be sampled (vLLM's allowed_token_ids)
+    grammar: TokenMask | None = None  # structured outputs: only what the grammar admits next
 
 
 @dataclass

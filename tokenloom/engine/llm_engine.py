@@ -25,6 +25,8 @@ from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..runner import ModelRunner
 from ..sampling_params import SamplingParams
 from ..step import RowConstraint, Runner, Sequence, SequenceStatus, StepPlan, StepResult, StepShape
+from ..structured_outputs import GrammarCompiler
+from .constraints import RequestConstraints
 from .kv_cache import KVCacheManager, kv_cache_size
 from .scheduler import Scheduler
 
@@ -72,6 +74,7 @@ class RequestState:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer]
+    constraints: RequestConstraints | None = None
 
     @property
     def finished(self) -> bool:
@@ -117,6 +120,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.runner: Runner = runner or ModelRunner(model, num_blocks, config.block_size, num_host_blocks, config.seed)
         self.requests: dict[str, RequestState] = {}
+        self._grammars: GrammarCompiler | None = None
         self.last_step: StepStats | None = None
         self.step_listeners: list = []  # callables(StepStats, RequestOutputs of the step): metrics, the lab
         self.num_generation_tokens = 0
@@ -140,6 +144,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
         self._check_lengths(ids, params)
+        constraints = RequestConstraints.of(params, self.tokenizer, self.model_config.vocab_size, self.grammars)
         seqs = []
         for i in range(params.n):
             gen = None
@@ -148,9 +153,17 @@ class LLMEngine:
             seq = Sequence(request_id, i, ids, params, self.clock() if arrival_time is None else arrival_time, gen)
             seqs.append(seq)
         detok = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
-        self.requests[request_id] = RequestState(request_id, text, ids, seqs, detok)
+        self.requests[request_id] = RequestState(request_id, text, ids, seqs, detok, constraints)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured-output grammars for this model's tokenizer, compiled once per text (the server
+        compiles a request's grammar off the engine thread before adding it, so this is a cache hit)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammars
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -212,8 +225,8 @@ class LLMEngine:
         start = self.clock()
         plan = self.scheduler.schedule(start)
         for k, (seq, n) in enumerate(plan.scheduled):
-            if not self._may_stop(seq) and steps.samples(seq, n):
-                plan.constraints[k] = self._min_tokens_constraint(seq)
+            if steps.samples(seq, n) and (row := self._row_constraint(seq)) is not None:
+                plan.constraints[k] = row
         plan.shape  # noqa: B018 -- cache the shape before the sequences advance
         results = self.runner.execute(plan)
         now = self.clock()
@@ -235,29 +248,45 @@ class LLMEngine:
             seq.prompt_logprobs.extend(res.prompt_logprobs)
         if token is None:
             return False
+        self._append(seq, token, res.logprobs, now)
+        constraints = self.requests[seq.request_id].constraints
+        if constraints is not None and not seq.finished:
+            for forced in constraints.forced_tokens(seq):  # jump-forward: no forward for forced tokens
+                self._append(seq, forced, None, now)
+                if seq.finished:
+                    break
+        return True
+
+    def _append(self, seq: Sequence, token: int, logprobs, now: float) -> None:
         seq.token_ids.append(token)
         self.num_generation_tokens += 1
         if seq.times.first_token is None:
             seq.times.first_token = now
             self.num_prompt_tokens += seq.num_prompt_tokens
         seq.times.last_token = now
-        if res.logprobs is not None:
-            seq.logprobs.append(res.logprobs)
-        delta = self.requests[seq.request_id].detokenizers[seq.index].step(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+        state = self.requests[seq.request_id]
+        delta = state.detokenizers[seq.index].step(token)
         seq.output_text += delta
         status = self._check_stop(seq, token, len(delta))
+        if state.constraints is not None and not state.constraints.accept(seq, token):
+            status = status or SequenceStatus.FINISHED_STOPPED  # the grammar is complete
         if status is not None:
             self._finish(seq, status)
-        return True
 
     @staticmethod
     def _may_stop(seq: Sequence) -> bool:
         """The `min_tokens` gate: before it, no stop token may be sampled and no stop condition ends it."""
         return seq.num_output_tokens >= seq.params.min_tokens
 
-    def _min_tokens_constraint(self, seq: Sequence) -> RowConstraint:
+    def _row_constraint(self, seq: Sequence) -> RowConstraint | None:
         p = seq.params
-        return RowConstraint(tuple(p.stop_token_ids) + (() if p.ignore_eos else self.tokenizer.eos_token_ids))
+        banned = () if self._may_stop(seq) else tuple(p.stop_token_ids) + (() if p.ignore_eos else self.tokenizer.eos_token_ids)
+        constraints = self.requests[seq.request_id].constraints
+        if constraints is not None:
+            return constraints.row(seq, banned)
+        return RowConstraint(banned) if banned else None
 
     def _check_stop(self, seq: Sequence, token: int, delta_len: int) -> SequenceStatus | None:
         p = seq.params

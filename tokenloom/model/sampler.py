@@ -1,8 +1,8 @@
 """Batched sampling with per-request parameters.
 
 Order of operations per row (as vLLM): penalties (repetition on prompt+output, presence/frequency
-on output) and the row's constraint (banned ids, e.g. stop tokens under `min_tokens`) act on the logits; greedy rows take the argmax;
-the other rows divide by temperature, keep top-k / top-p / min-p, and draw with the exponential race
+on output), then the row's constraint from the plan (logit bias, allowed ids, banned ids such as stop
+tokens under `min_tokens`, a grammar's bitmask) act on the logits; greedy rows take the argmax; the other rows divide by temperature, keep top-k / top-p / min-p, and draw with the exponential race
 (argmax of p / Exp(1)) from the row's own generator, so a seeded request draws the same numbers
 whatever else is in the batch. Logprobs are those of the raw model output, before any processing.
 """
@@ -16,6 +16,7 @@ import torch
 from ..outputs import TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..step import RowConstraint
+from ..structured_outputs import bitmask_words, unpack_bitmask
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int]) -> None:
@@ -42,6 +43,39 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: t
     drop[:, 0] = False  # the most likely token always survives
     sorted_logits.masked_fill_(drop, float("-inf"))
     return logits.scatter_(1, order, sorted_logits)
+
+
+def apply_constraints(logits: torch.Tensor, constraints: Seq[RowConstraint | None], raw: torch.Tensor) -> None:
+    """In place, per row: logit bias, allowed ids, banned ids, then the grammar's bitmask (all rows with a
+    grammar in one unpack). A row left with no finite logit (say `min_tokens` bans the end-of-sequence
+    token a finished grammar demands) falls back to the grammar's mask alone: the grammar wins."""
+    grammar_rows = []
+    for r, c in enumerate(constraints):
+        if c is None:
+            continue
+        if c.logit_bias:
+            ids = torch.tensor(list(c.logit_bias), dtype=torch.long)
+            logits[r, ids] += torch.tensor(list(c.logit_bias.values()), dtype=logits.dtype)
+        if c.allowed_ids is not None:
+            keep = torch.full_like(logits[r], float("-inf"))
+            ids = torch.tensor(c.allowed_ids, dtype=torch.long)
+            keep[ids] = logits[r, ids]
+            logits[r] = keep
+        if c.banned_ids:
+            logits[r, list(c.banned_ids)] = float("-inf")
+        if c.grammar is not None:
+            grammar_rows.append(r)
+    if grammar_rows:
+        vocab = logits.shape[-1]
+        words = torch.zeros(len(grammar_rows), bitmask_words(vocab), dtype=torch.int32)
+        for j, r in enumerate(grammar_rows):
+            constraints[r].grammar.fill_bitmask(words[j])
+        rows = torch.tensor(grammar_rows)
+        allowed = unpack_bitmask(words, vocab)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        dead = ~logits[rows].isfinite().any(dim=-1)
+        if dead.any():
+            logits[rows[dead]] = raw[rows[dead]].masked_fill(~allowed[dead], float("-inf"))
 
 
 def top_logprobs(logprobs_row: torch.Tensor, chosen: int, n: int) -> TokenLogprobs:
@@ -71,8 +105,7 @@ class Sampler:
         for r, p in enumerate(params):
             if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
                 apply_penalties(logits[r], p, prompt_ids[r], output_ids[r])
-            if constraints[r] is not None and constraints[r].banned_ids:
-                logits[r, list(constraints[r].banned_ids)] = float("-inf")
+        apply_constraints(logits, constraints, raw)
 
         tokens = logits.argmax(dim=-1)
         random_rows = [r for r, p in enumerate(params) if not p.greedy]

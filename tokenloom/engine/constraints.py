@@ -1,0 +1,71 @@
+"""What a request's sequences may sample: logit bias, allowed ids, bad words and a grammar.
+
+`RequestConstraints` is built once per request (ids checked against the vocabulary, bad words
+tokenized, one grammar state per sequence) and asked each step for the `RowConstraint` of a row
+that samples; the sampler applies it. After a token is chosen the grammar consumes it, and the
+tokens the grammar then admits as the only continuation are appended without a forward each
+(jump-forward): the next step computes their KV as one chunk.
+"""
+
+from __future__ import annotations
+
+from ..model.tokenizer import TokenizerWrapper
+from ..sampling_params import SamplingParams
+from ..step import RowConstraint, Sequence
+from ..structured_outputs import GrammarCompiler, GrammarState
+
+
+class RequestConstraints:
+    def __init__(self, params: SamplingParams, tokenizer: TokenizerWrapper, vocab_size: int,
+                 grammars: GrammarCompiler | None):
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            if any(t >= vocab_size for t in getattr(params, name) or ()):
+                raise ValueError(f"{name}: every token id must be in [0, {vocab_size})")
+        self.params = params
+        self.allowed = tuple(params.allowed_token_ids) if params.allowed_token_ids else None
+        self.bad_words = _bad_word_ids(params.bad_words or [], tokenizer)
+        self.grammars: list[GrammarState] = []
+        if params.structured_outputs is not None:
+            self.grammars = [grammars.matcher(params.structured_outputs) for _ in range(params.n)]
+
+    @classmethod
+    def of(cls, params: SamplingParams, tokenizer, vocab_size: int, grammars) -> RequestConstraints | None:
+        """None for a request that constrains nothing (the common case costs nothing per step)."""
+        p = params
+        if not (p.logit_bias or p.allowed_token_ids or p.bad_words or p.structured_outputs):
+            for t in p.stop_token_ids:
+                if t >= vocab_size:
+                    raise ValueError(f"stop_token_ids: every token id must be in [0, {vocab_size})")
+            return None
+        return cls(params, tokenizer, vocab_size, grammars)
+
+    def row(self, seq: Sequence, banned: tuple[int, ...]) -> RowConstraint:
+        output = seq.output_token_ids
+        for word in self.bad_words:
+            if len(word) == 1 or (len(output) >= len(word) - 1 and output[len(output) - len(word) + 1:] == word[:-1]):
+                banned += (word[-1],)
+        grammar = self.grammars[seq.index] if self.grammars else None
+        return RowConstraint(banned, self.params.logit_bias, self.allowed, grammar)
+
+    def accept(self, seq: Sequence, token: int) -> bool:
+        """Advance the sequence's grammar; False when the token breaks it (or the grammar is complete)."""
+        if not self.grammars:
+            return True
+        grammar = self.grammars[seq.index]
+        return grammar.accept(token) and not grammar.finished
+
+    def forced_tokens(self, seq: Sequence) -> list[int]:
+        if not self.grammars or seq.params.logprobs is not None:  # forced tokens have no logprobs to report
+            return []
+        return self.grammars[seq.index].forced_tokens()
+
+
+def _bad_word_ids(words: list[str], tokenizer: TokenizerWrapper) -> list[list[int]]:
+    """Each word as the model would write it alone and after a space (vLLM's convention)."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
