@@ -105,7 +105,7 @@ class _Driver:
 
     @property
     def progress(self) -> float:
-        """Fraction of the run's output tokens (padding included) generated so far."""
+        """Fraction of the run's output tokens generated so far."""
         return self.engine.num_generation_tokens / self.total_tokens
 
     @property
