@@ -303,3 +303,138 @@ def test_sigterm_past_deadline_ends_requests_in_protocol_shape():
     events = results["sse"]
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "aborted"
+
+
+# -- load and disconnect storms --------------------------------------------------------------------
+
+import asyncio  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+
+
+def _rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _report(key: str, value) -> None:
+    """Figures for benchmarks/reliability.md when TOKENLOOM_RELIABILITY_REPORT names a file."""
+    path = os.environ.get("TOKENLOOM_RELIABILITY_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({key: value}) + "\n")
+
+
+class _RssSampler(threading.Thread):
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.stop = pid, _rss_kb(pid), threading.Event()
+
+    def run(self):
+        while not self.stop.is_set():
+            self.peak = max(self.peak, _rss_kb(self.pid))
+            time.sleep(0.05)
+
+
+def test_thousand_concurrent_streams_complete_or_are_refused_at_once():
+    srv = ServerProcess(["--max-queue-len", "48", "--max-num-seqs", "32"])
+    try:
+        for _ in range(3):  # warm up: the first requests allocate what later ones reuse
+            assert httpx.post(srv.url + C, json={**GOOD, "n": 8}, timeout=120).status_code == 200
+        idle = _rss_kb(srv.proc.pid)
+        sampler = _RssSampler(srv.proc.pid)
+        sampler.start()
+
+        async def one(client: httpx.AsyncClient, i: int) -> tuple[str, float]:
+            body = {"prompt": f"Request {i}: say something.", "max_tokens": 2 + i % 3, "stream": True,
+                    "temperature": 0}
+            t0 = time.monotonic()
+            async with client.stream("POST", srv.url + C, json=body) as r:
+                if r.status_code == 503:
+                    err = json.loads(await r.aread())["error"]
+                    assert err["code"] == "queue_full" and int(r.headers["Retry-After"]) >= 1
+                    return "refused", time.monotonic() - t0
+                assert r.status_code == 200, await r.aread()
+                events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]", events[-3:]
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert all("error" not in c for c in chunks), chunks[-1]
+            assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+            return "held", time.monotonic() - t0
+
+        async def storm():
+            limits = httpx.Limits(max_connections=1100, max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=60), limits=limits) as client:
+                return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(1000))), 600)
+
+        t0 = time.monotonic()
+        results = asyncio.run(storm())
+        wall = time.monotonic() - t0
+        sampler.stop.set()
+        sampler.join()
+        held = sum(1 for kind, _ in results if kind == "held")
+        refused = [dt for kind, dt in results if kind == "refused"]
+        assert held + len(refused) == 1000 and held >= 48 and refused
+        assert wait_for(lambda: _idle(srv.url), timeout=10), scrape(srv.url)
+        after = wait_for(lambda: (_rss_kb(srv.proc.pid) if _rss_kb(srv.proc.pid) < idle + 200_000 else None),
+                         timeout=20) or _rss_kb(srv.proc.pid)
+        _report("load", {"requests": 1000, "held": held, "refused": len(refused), "wall_s": round(wall, 1),
+                         "max_refusal_s": round(max(refused), 2), "rss_idle_mb": idle // 1024,
+                         "rss_peak_mb": sampler.peak // 1024, "rss_after_mb": after // 1024})
+        assert after < idle + 200_000, f"RSS {after} kB after the storm vs {idle} kB idle"
+        # A refusal never waits for generation: it is answered while the held requests still run.
+        assert max(refused) < wall
+        assert_still_serving(srv.url)
+    finally:
+        srv.stop()
+
+
+def test_disconnect_storm_frees_everything_and_leaves_others_unchanged():
+    srv = ServerProcess(["--max-num-seqs", "64", "--max-queue-len", "1024"])
+    witness = [{"prompt": f"Story {k}: Once upon a time", "max_tokens": 24, "temperature": 0.8, "seed": 100 + k,
+                "ignore_eos": True} for k in range(4)]
+    try:
+        with srv.client() as c:
+            before = [c.post(C, json=w).json()["choices"][0]["text"] for w in witness]
+        aborted_before = metric(scrape(srv.url), "tokenloom:request_success_total", finished_reason="abort")
+
+        async def dropper(client: httpx.AsyncClient, i: int, rng: random.Random) -> bool:
+            body = {"prompt": f"Client {i} writes a long essay about", "max_tokens": 200, "ignore_eos": True,
+                    "stream": True, "temperature": 0.7}
+            async with client.stream("POST", srv.url + C, json=body) as r:
+                assert r.status_code == 200
+                deadline = time.monotonic() + rng.uniform(0.0, 3.0)
+                async for _ in r.aiter_bytes():
+                    if time.monotonic() >= deadline:
+                        break
+            return True  # leaving the block closes the connection mid-stream
+
+        async def witness_run(client: httpx.AsyncClient, w: dict) -> str:
+            await asyncio.sleep(0.5)
+            r = await client.post(srv.url + C, json=w)
+            return r.json()["choices"][0]["text"]
+
+        async def storm():
+            rng = random.Random(7)
+            limits = httpx.Limits(max_connections=300, max_keepalive_connections=0)
+            async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+                drops = [dropper(client, i, rng) for i in range(200)]
+                others = [witness_run(client, w) for w in witness]
+                res = await asyncio.wait_for(asyncio.gather(*drops, *others), 600)
+            return res[200:]
+
+        during = asyncio.run(storm())
+        t0 = time.monotonic()
+        idle = wait_for(lambda: _idle(srv.url), timeout=2.0, interval=0.05)
+        settle = time.monotonic() - t0
+        samples = scrape(srv.url)
+        aborted = metric(samples, "tokenloom:request_success_total", finished_reason="abort") - aborted_before
+        kv = metric(samples, "tokenloom:kv_cache_usage_perc")
+        _report("disconnect", {"clients": 200, "aborted": int(aborted), "settle_s": round(settle, 2),
+                               "kv_usage_after": kv, "witness_unchanged": during == before})
+        assert idle, f"KV/running not back to 0 within 2 s: {samples}"
+        assert aborted == 200, aborted
+        assert during == before, (during, before)
+        assert_still_serving(srv.url)
+    finally:
+        srv.stop()
