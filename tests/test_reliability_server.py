@@ -148,6 +148,9 @@ def test_body_without_content_type_is_a_clear_400(server):
     else:
         _assert_openai_400(r, "body")
         assert "Content-Type" in r.json()["error"]["message"]
+    r = httpx.post(server.url + C, content=json.dumps(GOOD), headers={"content-type": "text/plain"}, timeout=60)
+    _assert_openai_400(r, "body")
+    assert "Content-Type" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("field", ["n", "stream", "echo", "presence_penalty", "frequency_penalty"])

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import uvicorn
 
-from .connection import connection_limits
-
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_QUEUE_LEN = 1024  # waiting sequences; beyond it new requests get 503 + Retry-After
 DEFAULT_READ_TIMEOUT = 30.0
@@ -88,6 +86,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "serving %s on http://%s:%d (torch threads %d, auth %s)",
         names[0], args.host, args.port, config.num_threads, "on" if args.api_key else "off",
     )
+    from .connection import connection_limits  # read/idle timeouts, header size bound
+
     server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout + 5.0,  # a backstop: the app answers by the deadline
