@@ -12,7 +12,10 @@ take the server down.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import random
 import signal
 import socket
 import threading
@@ -309,11 +312,6 @@ def test_sigterm_past_deadline_ends_requests_in_protocol_shape():
 
 
 # -- load and disconnect storms --------------------------------------------------------------------
-
-import asyncio  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-
 
 def _rss_kb(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:

@@ -66,7 +66,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a list, got {type(value).__name__}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if isinstance(self.stop_token_ids, str):
-            raise ValueError("stop_token_ids must be a list of integers, got str")
+            raise ValueError("stop_token_ids must be a list of integers, got str")  # noqa: TRY004 - a 400
         self.stop_token_ids = list(self.stop_token_ids or [])
 
     def _validate(self) -> None:

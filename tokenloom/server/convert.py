@@ -106,7 +106,7 @@ def token_text(tokenizer, token_id: int) -> str:
 
 def _finite(lp: float | None) -> float | None:
     """JSON has no -inf: a token the sampler ruled out (min_tokens ban, top-k) reports -9999.0, as vLLM does."""
-    return None if lp is None else (lp if lp > -9999.0 else -9999.0)
+    return None if lp is None else max(-9999.0, lp)  # NaN -> -9999.0 too
 
 
 def _pad_front(token_ids: list[int], entries: list) -> list:
