@@ -31,7 +31,8 @@ import json
 import os
 import time
 
-from tokenloom.lab import LabRun, make_workload
+from tokenloom.bench.workload import MIXED_OUTPUT_LENS, make_workload
+from tokenloom.lab import LabRun
 from tokenloom.lab.cli import load_real_model, run_all
 from tokenloom.lab.output import environment
 from tokenloom.lab.summary import compare, explain, summarize, workload_ideal_ratio
@@ -147,7 +148,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "environment": environment(),
         "workload": (
-            f"{len(requests)} requests, prompts 16-32 tokens, outputs half 16 / half 256 "
+            f"{len(requests)} requests, prompts 16-32 tokens, outputs half {MIXED_OUTPUT_LENS[0]} / half "
+            f"{MIXED_OUTPUT_LENS[1]} "
             f"({sum(r.max_tokens for r in requests)} output tokens), greedy, ignore_eos, all at t = 0"
         ),
         "scenario1": {

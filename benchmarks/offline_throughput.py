@@ -14,12 +14,14 @@ import argparse
 import json
 import os
 import platform
-import random
 import time
+from dataclasses import replace
 
 import torch
 
 from tokenloom import LLM, EngineConfig, SamplingParams
+from tokenloom.bench.replay import replay
+from tokenloom.bench.workload import WorkloadRequest, make_workload
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.model.loader import ModelSource, bundled_model_path, load_model
 from tokenloom.model.tokenizer import load_tokenizer
@@ -43,17 +45,11 @@ def run(llm: LLM, prompts, params) -> tuple[float, int]:
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def decode_rate(model, tokenizer, dtype: str, prompt, n: int) -> float:
-    """Single-request decode tokens/s: time per step after the prefill."""
+def decode_rate(model, tokenizer, dtype: str, request: WorkloadRequest, n: int) -> float:
+    """Single-request decode tokens/s: tokens after the first over the time between first and last token."""
     engine = LLMEngine(EngineConfig(dtype=dtype, max_num_seqs=1), model=model, tokenizer=tokenizer)
-    engine.add_request("one", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-    engine.step()  # prefill
-    start = time.perf_counter()
-    steps = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    return steps / (time.perf_counter() - start)
+    itl = replay(engine, [replace(request, max_tokens=n)]).requests[0].itl
+    return len(itl) / sum(itl)
 
 
 def main() -> None:
@@ -68,9 +64,8 @@ def main() -> None:
     path = bundled_model_path()
     tokenizer = load_tokenizer(path)
     model = load_model(ModelSource.resolve(path), dtype="float32")
-    rng = random.Random(0)
-    prompts = [{"prompt_token_ids": [rng.randrange(200, 40000) for _ in range(args.input_len)]}
-               for _ in range(args.num_prompts)]
+    workload = make_workload("uniform", args.num_prompts, args.input_len, args.output_len)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
 
     results = {}
@@ -83,10 +78,10 @@ def main() -> None:
     ratio = results["continuous"]["output_tok_s"] / results["max_num_seqs=1"]["output_tok_s"]
     print(f"ratio continuous / max_num_seqs=1: {ratio:.2f}x")
 
-    decode = {"float32": decode_rate(model, tokenizer, "float32", prompts[0], args.decode_tokens)}
+    decode = {"float32": decode_rate(model, tokenizer, "float32", workload[0], args.decode_tokens)}
     del model
     bf16 = load_model(ModelSource.resolve(path), dtype="bfloat16")
-    decode["bfloat16"] = decode_rate(bf16, tokenizer, "bfloat16", prompts[0], args.decode_tokens)
+    decode["bfloat16"] = decode_rate(bf16, tokenizer, "bfloat16", workload[0], args.decode_tokens)
     for dtype, rate in decode.items():
         print(f"single-request decode {dtype}: {rate:.1f} tok/s")
 

@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/scheduler_overhead.py [--num-seqs 32] [--steps 40]
 
-32 requests (32-token prompts, greedy, ignore_eos) are prefilled, a few decode steps warm up, then
-`--steps` steady-state decode steps (every step: 32 sequences, 1 token each) are measured. Overhead
+32 requests (a `uniform` workload: 32-token prompts, greedy, ignore_eos, all at t = 0; replayed by
+`tokenloom.bench.replay`) are prefilled, a few decode steps warm up, then `--steps` steady-state decode
+steps (every step: 32 sequences, 1 token each) are measured. Overhead
 per step = StepStats.duration - StepStats.forward_time: scheduling, input preparation, sampling and
 bookkeeping (appending tokens, detokenizing, stop checks, outputs). For a breakdown the benchmark also
 times the scheduler's `schedule`, the runner's `_prepare` and `_sample` by wrapping them on this engine
@@ -16,11 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import time
 
-from tokenloom import EngineConfig, SamplingParams
+from tokenloom import EngineConfig
+from tokenloom.bench.replay import replay
+from tokenloom.bench.workload import make_workload
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.lab.cli import load_real_model
 from tokenloom.lab.output import environment
@@ -52,37 +54,33 @@ def main() -> None:
 
     model, tokenizer = load_real_model()
     engine = LLMEngine(EngineConfig(max_num_seqs=args.num_seqs), model=model, tokenizer=tokenizer)
-    rng = random.Random(0)
     max_tokens = args.warmup + args.steps + 8
-    for i in range(args.num_seqs):
-        prompt = [rng.randrange(200, 40000) for _ in range(32)]
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        engine.add_request(f"s{i}", {"prompt_token_ids": prompt}, params)
-    while engine.last_step is None or engine.last_step.num_decode_tokens < args.num_seqs:
-        engine.step()  # prefill until every sequence decodes
-    for _ in range(args.warmup):
-        engine.step()
+    workload = make_workload("uniform", args.num_seqs, input_len=32, output_len=max_tokens)
 
-    parts: dict[str, float] = {}
+    parts: dict[str, float] = {"schedule": 0.0, "_prepare": 0.0, "_sample": 0.0}
     timed(engine.scheduler, "schedule", parts)
     timed(engine.runner, "_prepare", parts)
     timed(engine.runner, "_sample", parts)
     rows = []
-    for _ in range(args.steps):
-        before = dict(parts)
-        engine.step()
-        st = engine.last_step
+    state = {"before": dict(parts), "decode_steps": 0}
+
+    def on_step() -> None:
+        """Measure `--steps` steps after the first step in which every sequence decodes and `--warmup` more."""
+        st, before = engine.last_step, state["before"]
+        state["before"] = dict(parts)
+        state["decode_steps"] += st.num_decode_tokens >= args.num_seqs
+        if not args.warmup + 1 < state["decode_steps"] <= args.warmup + 1 + args.steps:
+            return
         assert st.num_seqs == args.num_seqs and st.num_decode_tokens == args.num_seqs, st
-        delta = {k: parts[k] - before.get(k, 0.0) for k in parts}
         rows.append(
             {
                 "step_ms": st.duration * 1e3,
                 "forward_ms": st.forward_time * 1e3,
-                **{f"{k.strip('_')}_ms": v * 1e3 for k, v in delta.items()},
+                **{f"{k.strip('_')}_ms": (parts[k] - before[k]) * 1e3 for k in parts},
             }
         )
-    while engine.has_unfinished_requests():
-        engine.step()
+
+    replay(engine, workload, on_step)
 
     for r in rows:
         r["overhead_ms"] = r["step_ms"] - r["forward_ms"]

@@ -19,12 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+from tokenloom.bench.replay import replay
+from tokenloom.bench.workload import MIXED_OUTPUT_LENS, make_workload
 from tokenloom.config import EngineConfig
 from tokenloom.engine.llm_engine import LLMEngine
 from tokenloom.sim.calibrate import StepRecorder, calibrate, calibration_record
 from tokenloom.sim.cost_model import load_cost_model, save_cost_model
-from tokenloom.sim.simulator import run_real, simulate
-from tokenloom.sim.workloads import make_workload
+from tokenloom.sim.simulator import simulate
 
 RESULTS = Path(__file__).parent / "results"
 METRICS = (("output_throughput", "output throughput (tok/s)"), ("median_ttft_ms", "median TTFT (ms)"),
@@ -58,7 +59,7 @@ def main() -> int:
     cal_path = RESULTS / "calibration.json"
     if args.reuse_calibration:
         cost = load_cost_model(cal_path)
-        run_real(engine, make_workload("uniform", 4, 64, 4))  # warm-up
+        replay(engine, make_workload("uniform", 4, 64, 4))  # warm-up (wall clock)
     else:
         cost, _ = calibrate(engine, quick=args.quick_calibration)
         save_cost_model(cost, cal_path, calibration_record(cost, engine, args.quick_calibration))
@@ -70,7 +71,7 @@ def main() -> int:
     rows, runs = [], {}
     for name, wl in workloads(args, rate).items():
         rec = StepRecorder(engine)
-        real = run_real(engine, wl)
+        real = replay(engine, wl)
         rec.detach()
         engine.check_kv_invariants()
         sim = simulate(cost, wl, EngineConfig(), engine.model_config, engine.tokenizer)
@@ -84,12 +85,13 @@ def main() -> int:
                          "error_pct": 100 * (s - r) / r})
         print(f"{name}: real {real.summary()}\n  sim {sim.summary()}", flush=True)
 
+    short, long_ = MIXED_OUTPUT_LENS
     command = "flock /tmp/tokenloom-bench.lock .venv/bin/python benchmarks/sim_fidelity.py " + " ".join(sys.argv[1:])
     result = {
         "command": command.strip(),
         "poisson_rate": rate,
         "workloads": {"uniform": f"{args.num_prompts} x ({args.input_len} in, {args.output_len} out), all at t=0",
-                      "mixed": f"{args.num_prompts} x ({args.input_len} in, half 16 / half 256 out), all at t=0",
+                      "mixed": f"{args.num_prompts} x ({args.input_len} in, half {short} / half {long_} out), all at t=0",
                       "poisson": f"{args.poisson_prompts} x ({args.input_len} in, {args.output_len} out), "
                                  f"Poisson {rate} req/s"},
         "cost_model": cost.to_dict(),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tokenloom.bench.arrivals import arrival_times
-from tokenloom.bench.metrics import RequestResult, compute_metrics, peak_concurrency, percentile_key
+from tokenloom.bench.serving_metrics import RequestResult, compute_metrics, peak_concurrency, percentile_key
 
 
 def ok(start: float, ttft: float, itl: list[float], out: int, prompt: int) -> RequestResult:

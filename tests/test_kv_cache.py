@@ -64,7 +64,7 @@ def test_freed_blocks_stay_cached_until_evicted_lru():
     # A different 8-token sequence needs all 4 blocks: every cached block is evicted.
     c = seq_of([7] * 8, "c")
     assert admit(kv, c)
-    assert kv.num_evictions == 2 and kv.get_computed_blocks(b) == []
+    assert kv.get_computed_blocks(b) == []
     kv.free(c)
 
 

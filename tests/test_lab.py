@@ -6,11 +6,10 @@ import json
 
 import pytest
 
+from tokenloom.bench.workload import WorkloadRequest, make_workload
 from tokenloom.lab import (
-    LabRequest,
     LabRun,
     ideal_ratio,
-    make_workload,
     run_workload,
     run_workloads,
     static_batch_steps,
@@ -35,7 +34,7 @@ def test_ideal_ratio_hand_computed():
 
 
 def test_ideal_ratio_follows_admission_order():
-    reqs = [LabRequest(f"r{i}", [1, 2], n) for i, n in enumerate([256, 16, 256, 16])]
+    reqs = [WorkloadRequest(f"r{i}", [1, 2], n) for i, n in enumerate([256, 16, 256, 16])]
     assert workload_ideal_ratio(reqs, 2, "fcfs") == pytest.approx(512 / 272)
     assert workload_ideal_ratio(reqs, 2, "sjf") == pytest.approx(272 / 272)  # SJF groups the short ones
 
@@ -83,19 +82,14 @@ def test_workloads_are_seeded_and_shaped():
 def test_lab_run_writes_report(tiny_model, tokenizer, tmp_path):
     reqs = make_workload("mixed", 6, seed=0, output_lens=(2, 9))
     runs = [LabRun(mode, 2, max_wait_ms=5.0) for mode in ("static", "dynamic", "continuous")]
-    runs.append(LabRun("static", 2, pad=True))
     results = run_workloads(tiny_model, tokenizer, reqs, runs, **TINY_ENGINE)
     summaries = [summarize(r) for r in results]
     for s in summaries:
         assert s["num_requests"] == 6 and s["output_tokens"] == sum(r.max_tokens for r in reqs)
         assert 0 < s["occupancy"] <= 1 and s["max_running"] <= 2
-    static, continuous, padded = summaries[0], summaries[2], summaries[3]
-    assert static["num_steps"] == padded["num_steps"] == static_batch_steps([r.max_tokens for r in reqs], 2)
+    static, continuous = summaries[0], summaries[2]
+    assert static["num_steps"] == static_batch_steps([r.max_tokens for r in reqs], 2)
     assert static["idle_slot_steps"] > 0 and continuous["idle_slot_steps"] == 0
-    assert (
-        padded["idle_slot_steps"] == static["idle_slot_steps"] and padded["occupancy"] == static["occupancy"]
-    )
-    assert all(s.num_computed_seqs == 2 for s in results[3].steps)  # padding rows are computed
     assert continuous["num_steps"] < static["num_steps"]
 
     data = write_lab_outputs(
@@ -108,8 +102,8 @@ def test_lab_run_writes_report(tiny_model, tokenizer, tmp_path):
     trace = json.loads((tmp_path / "trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert {e["cat"] for e in spans} == {"step", "request"}
-    assert sum(e["cat"] == "request" for e in spans) == 4 * 6
-    assert [c["static"] for c in data["comparisons"]] == ["static", "static (padded)"]
+    assert sum(e["cat"] == "request" for e in spans) == 3 * 6
+    assert [c["static"] for c in data["comparisons"]] == ["static"]
     assert data["comparisons"][0]["ideal_ratio"] == pytest.approx(workload_ideal_ratio(reqs, 2))
 
 
@@ -129,7 +123,7 @@ def test_lab_parser_registers_command():
 def test_engine_clock_runs_only_during_turns():
     import time
 
-    from tokenloom.lab.runner import EngineClock
+    from tokenloom.lab.driver import EngineClock
 
     clock = EngineClock()
     assert clock() == 0.0
@@ -147,8 +141,8 @@ def test_engine_clock_runs_only_during_turns():
 def test_dynamic_batch_waits_for_its_timer(tiny_model, tokenizer):
     # Two requests 0.2 s apart on the engine clock, B = 4: dynamic waits max_wait_ms for company.
     reqs = [
-        LabRequest("a", [300, 301], 3, arrival_offset=0.0),
-        LabRequest("b", [302, 303], 3, arrival_offset=0.2),
+        WorkloadRequest("a", [300, 301], 3, arrival_time=0.0),
+        WorkloadRequest("b", [302, 303], 3, arrival_time=0.2),
     ]
     res = run_workload(tiny_model, tokenizer, reqs, LabRun("dynamic", 4, max_wait_ms=50.0), **TINY_ENGINE)
     a, b = res.requests["a"], res.requests["b"]

@@ -179,3 +179,59 @@ def test_prompt_logprobs_survive_recompute_preemption(make_llm):
         for got, want in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
             assert got.keys() == want.keys()
             assert list(got.values()) == pytest.approx(list(want.values()), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", float("nan")), ("temperature", float("inf")), ("temperature", "x"), ("repetition_penalty", float("nan")),
+     ("repetition_penalty", float("inf")), ("top_p", float("nan")), ("min_p", float("nan")),
+     ("presence_penalty", float("-inf")), ("frequency_penalty", "1"), ("top_k", 10**30), ("top_k", 1.5),
+     ("priority", 10**400), ("priority", 2**40), ("seed", 2**64), ("seed", "7"), ("n", 129), ("n", 10**23),
+     ("n", True), ("n", 2.0), ("max_tokens", 10**30), ("min_tokens", -1), ("logprobs", True),
+     ("stop", ["s"] * 65), ("stop", "x" * 1025), ("stop", 5), ("stop_token_ids", [1.5]), ("stop_token_ids", "12"),
+     ("stop_token_ids", list(range(2000))), ("ignore_eos", "yes"), ("predicted_output_len", -1)],
+)
+def test_hostile_values_are_value_errors_naming_the_field(field, value):
+    """The offline API gets the server's checks: wrong types are ValueError too, never TypeError."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_bounds_are_inclusive():
+    sp = SamplingParams(n=128, seed=2**63 - 1, priority=-(2**31), top_k=2**63 - 1, stop=["s"] * 64,
+                        temperature=0, repetition_penalty=1e4)
+    assert sp.n == 128 and sp.seed == 2**63 - 1
+
+
+def test_request_checks_are_model_dependent_bounds():
+    from tokenloom.request_checks import check_request
+
+    ok = SamplingParams(max_tokens=4, stop_token_ids=[49151])
+    check_request(ok, [1, 2, 3], vocab_size=49152, max_model_len=8)
+    cases = [
+        (SamplingParams(stop_token_ids=[60000], min_tokens=2), [1], "stop_token_ids"),
+        (SamplingParams(), [1, 49152], "prompt"),
+        (SamplingParams(), [], "prompt"),
+        (SamplingParams(max_tokens=None), list(range(8)), "prompt"),
+        (SamplingParams(max_tokens=6), [1, 2, 3], "max_tokens"),
+        (SamplingParams(max_tokens=None, min_tokens=6), [1, 2, 3], "min_tokens"),
+    ]
+    for params, ids, field in cases:
+        with pytest.raises(ValueError, match=f"^{field}"):
+            check_request(params, ids, vocab_size=49152, max_model_len=8)
+
+
+def test_logprob_tokens_keep_their_bytes(tokenizer):
+    from tokenloom.server import convert
+
+    ids = tokenizer.encode(" 日本")
+    texts = [convert.token_text(tokenizer, i) for i in ids]
+    assert len(set(texts)) == len(texts) and any(t.startswith("bytes:") for t in texts)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids).decode() == " 日本"
+    assert tokenizer.token_bytes(tokenizer.encode("<|im_start|>")[0]) == b"<|im_start|>"
+    # echo + logprobs on a one-token prompt: the engine gives no entry for the first token.
+    part = convert.CompletionLogprobs(tokenizer).part([tokenizer.encode("Hi")[0]], [])
+    assert part["token_logprobs"] == [None] and part["top_logprobs"] == [None]
+    chat = convert.chat_logprobs(tokenizer, ids, [{i: -0.5, 5: float("-inf")} for i in ids], 2)
+    assert [bytes(c["bytes"]) for c in chat["content"]] == [tokenizer.token_bytes(i) for i in ids]
+    assert all(t["logprob"] == -9999.0 for c in chat["content"] for t in c["top_logprobs"] if t["logprob"] < -1)

@@ -251,7 +251,7 @@ def test_errors_have_openai_shape_and_server_keeps_serving(server, http):
         ({"prompt": 5}, 400, "prompt", None),
         ({"prompt": []}, 400, "prompt", None),
         ({"max_tokens": 3}, 400, "prompt", None),
-        ({"prompt": [10**9]}, 400, "prompt_token_ids", None),
+        ({"prompt": [10**9]}, 400, "prompt", None),  # the request field, not the engine's name
         ({"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ]
     for body, status, param, code in cases:

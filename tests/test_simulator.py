@@ -9,6 +9,8 @@ import random
 import numpy as np
 import pytest
 
+from tokenloom.bench.replay import replay
+from tokenloom.bench.workload import WorkloadRequest, make_workload
 from tokenloom.config import EngineConfig
 from tokenloom.sim.cost_model import (
     LinearCostModel,
@@ -19,8 +21,7 @@ from tokenloom.sim.cost_model import (
     preset,
     save_cost_model,
 )
-from tokenloom.sim.simulator import build_sim_engine, drive, simulate
-from tokenloom.sim.workloads import WorkloadRequest, make_workload
+from tokenloom.sim.simulator import build_sim_engine, simulate
 
 
 def const_model(step_s: float) -> LinearCostModel:
@@ -33,7 +34,8 @@ def test_tiny_case_exact_times(tokenizer):
     step 1 [0.0, 0.1]: r0 chunk 8.        step 2 [0.1, 0.2]: r0 last 2 -> token 1.
     step 3 [0.2, 0.3]: r0 decode (token 2) + r1 prefill 4 -> r1 token 1.
     step 4 [0.3, 0.4]: r0 token 3 (done), r1 token 2 (done)."""
-    wl = [WorkloadRequest(0.0, [1000 + i for i in range(10)], 3), WorkloadRequest(0.15, [2000, 2001, 2002, 2003], 2)]
+    wl = [WorkloadRequest("r0", [1000 + i for i in range(10)], 3),
+          WorkloadRequest("r1", [2000, 2001, 2002, 2003], 2, arrival_time=0.15)]
     cfg = EngineConfig(max_num_batched_tokens=8, max_model_len=64)
     res = simulate(const_model(0.1), wl, cfg, tokenizer=tokenizer)
     r0, r1 = res.requests
@@ -48,7 +50,7 @@ def test_tiny_case_exact_times(tokenizer):
 
 
 def test_idle_clock_jumps_to_next_arrival(tokenizer):
-    wl = [WorkloadRequest(0.0, [1000] * 4, 2), WorkloadRequest(10.0, [1001] * 4, 2)]
+    wl = [WorkloadRequest("r0", [1000] * 4, 2), WorkloadRequest("r1", [1001] * 4, 2, arrival_time=10.0)]
     res = simulate(const_model(0.01), wl, EngineConfig(max_model_len=64), tokenizer=tokenizer)
     assert res.requests[1].start_time == 10.0
     assert res.requests[1].ttft == pytest.approx(0.01)
@@ -71,8 +73,8 @@ def test_continuous_beats_static_on_mixed(tokenizer):
 def test_kv_blocks_all_free_and_preemption_under_pressure(tokenizer):
     wl = make_workload("uniform", 16, 48, 64, seed=1)
     cfg = EngineConfig(num_kv_blocks=24, block_size=16, max_model_len=128)
-    engine, clock = build_sim_engine(const_model(0.01), cfg, tokenizer=tokenizer)
-    res = drive(engine, wl, clock.sleep_until, on_step=engine.check_kv_invariants)
+    engine, _ = build_sim_engine(const_model(0.01), cfg, tokenizer=tokenizer)
+    res = replay(engine, wl, on_step=engine.check_kv_invariants)
     assert res.metrics.completed == 16 and res.metrics.total_output_tokens == 16 * 64
     assert engine.scheduler.num_preemptions > 0  # 24 blocks cannot hold 16 x 7 blocks
     assert engine.kv.num_free_blocks == engine.kv.num_blocks

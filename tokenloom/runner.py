@@ -25,33 +25,32 @@ class ModelRunner(Runner):
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.block_size = block_size
-        shape = (cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.dim_per_head)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        def cache(n: int, device) -> torch.Tensor:  # [layer, K/V, slot, kv head, head dim]
+            shape = (cfg.num_layers, 2, n * block_size, cfg.num_kv_heads, cfg.dim_per_head)
+            return torch.zeros(shape, dtype=self.dtype, device=device)
+
+        self.kv_cache = cache(num_blocks, self.device)
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
-        host_shape = (cfg.num_layers, 2, num_host_blocks * block_size, cfg.num_kv_heads, cfg.dim_per_head)
-        self.host_cache = torch.zeros(host_shape, dtype=self.dtype, device="cpu") if num_host_blocks else None
+        self.host_cache = cache(num_host_blocks, "cpu") if num_host_blocks else None
         self.sampler = Sampler(seed)
         self.last_forward_time = 0.0
 
     # -- swap ------------------------------------------------------------------------------------
 
-    def _block_slots(self, block_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        return (ids[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
-
-    def copy_blocks(self, out: StepPlan) -> None:
-        if out.swap_out:
-            dev, host = zip(*out.swap_out, strict=True)
-            self.host_cache[:, :, self._block_slots(list(host))] = self.kv_cache[:, :, self._block_slots(list(dev)).to(self.device)].cpu()
-        if out.swap_in:
-            host, dev = zip(*out.swap_in, strict=True)
-            self.kv_cache[:, :, self._block_slots(list(dev)).to(self.device)] = self.host_cache[:, :, self._block_slots(list(host))].to(self.device)
+    def _copy_blocks(self, pairs: list[tuple[int, int]], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks, given as (source block, destination block), between the device and host caches."""
+        if pairs:
+            ids = torch.tensor(pairs, dtype=torch.long).T  # [source/destination, block]
+            slots = (ids[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)
+            dst[:, :, slots[1].to(dst.device)] = src[:, :, slots[0].to(src.device)].to(dst.device)
 
     # -- one step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, out: StepPlan) -> list[StepResult]:
-        self.copy_blocks(out)
+        self._copy_blocks(out.swap_out, self.kv_cache, self.host_cache)
+        self._copy_blocks(out.swap_in, self.host_cache, self.kv_cache)
         if out.is_empty:
             return []
         input_ids, batch, sample_rows, prompt_rows = self._prepare(out)
@@ -65,7 +64,7 @@ class ModelRunner(Runner):
         tokens: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
-        decode_idx, decode_tables, decode_ctx, decode_seq_index = [], [], [], []
+        decode_idx, decode_tables, decode_ctx = [], [], []
         prefills: list[PrefillSpan] = []
         logits_rows: list[int] = []
         sample_rows: dict[int, int] = {}  # scheduled index -> logits row
@@ -79,7 +78,6 @@ class ModelRunner(Runner):
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             if is_decode(n):
-                decode_seq_index.append(k)
                 decode_idx.append(q0)
                 decode_tables.append(table)
                 decode_ctx.append(ctx)
@@ -90,7 +88,7 @@ class ModelRunner(Runner):
                 if start > 0:  # query i (at position start+i) sees context positions <= start+i
                     mask = torch.from_numpy(ctx_pos[None, :] <= pos[:, None]).to(self.device)
                 prefills.append(PrefillSpan(q0, n, ctx_slots, mask))
-            if seq.wants_prompt_logprobs:
+            if seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
                 # The row at prompt position p predicts prompt token p+1; the last prompt position samples.
                 # After a recompute-preemption, positions whose logprobs exist are not done again.
                 first = max(start, len(seq.prompt_logprobs) - 1)
@@ -105,35 +103,28 @@ class ModelRunner(Runner):
         if out.num_padding and decode_idx:
             # Padding rows repeat a live decode row: same token, position and slot, so they rewrite the
             # identical K/V and change nothing, but cost what a padded slot of a static batch costs.
-            src = decode_idx[0]
-            src_pos, src_slot = positions[decode_seq_index[0]], slots[decode_seq_index[0]]
-            for _ in range(out.num_padding):
-                decode_idx.append(len(tokens))
-                tokens.append(tokens[src])
-                positions.append(src_pos)
-                slots.append(src_slot)
-                decode_tables.append(decode_tables[0])
-                decode_ctx.append(decode_ctx[0])
+            pad, k = out.num_padding, next(k for k, (_, n) in enumerate(out.scheduled) if is_decode(n))
+            decode_idx.extend(range(len(tokens), len(tokens) + pad))
+            tokens.extend([tokens[decode_idx[0]]] * pad)
+            positions.extend([positions[k]] * pad)
+            slots.extend([slots[k]] * pad)
+            decode_tables.extend([decode_tables[0]] * pad)
+            decode_ctx.extend([decode_ctx[0]] * pad)
 
         dev = self.device
-        if decode_idx:
-            max_blocks = max(len(t) for t in decode_tables)
-            padded = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
-            for r, t in enumerate(decode_tables):
-                padded[r, : len(t)] = t
-            ctx_slots = (padded[:, :, None] * bs + np.arange(bs)).reshape(len(decode_tables), -1)
-            ctx_mask = np.arange(max_blocks * bs)[None, :] < np.asarray(decode_ctx)[:, None]
-            decode_slots = torch.from_numpy(ctx_slots).to(dev)
-            decode_mask = torch.from_numpy(ctx_mask)[:, None, None, :].to(dev)
-        else:
-            decode_slots = torch.empty((0, 0), dtype=torch.long, device=dev)
-            decode_mask = torch.empty((0, 1, 1, 0), dtype=torch.bool, device=dev)
+        # Decode rows attend to every slot of their (zero-padded) block tables, masked beyond their context.
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        padded = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
+        for r, t in enumerate(decode_tables):
+            padded[r, : len(t)] = t
+        ctx_slots = (padded[:, :, None] * bs + np.arange(bs)).reshape(len(decode_tables), max_blocks * bs)
+        ctx_mask = np.arange(max_blocks * bs)[None, :] < np.asarray(decode_ctx, dtype=np.int64)[:, None]
         batch = ForwardBatch(
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             decode_token_indices=torch.tensor(decode_idx, dtype=torch.long, device=dev),
-            decode_context_slots=decode_slots,
-            decode_context_mask=decode_mask,
+            decode_context_slots=torch.from_numpy(ctx_slots).to(dev),
+            decode_context_mask=torch.from_numpy(ctx_mask)[:, None, None, :].to(dev),
             prefills=prefills,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
@@ -141,9 +132,9 @@ class ModelRunner(Runner):
 
     def _sample(self, out, logits, sample_rows, prompt_rows) -> list[StepResult]:
         logits = logits.cpu()
-        sampled = [out.scheduled[k][0] for k in sample_rows]
-        tokens, logprobs = [], []
-        if sampled:
+        results = [StepResult(seq, n, None) for seq, n in out.scheduled]
+        if sample_rows:
+            sampled = [results[k].seq for k in sample_rows]
             tokens, logprobs = self.sampler(
                 logits[list(sample_rows.values())],
                 [s.params for s in sampled],
@@ -152,18 +143,13 @@ class ModelRunner(Runner):
                 [s.generator for s in sampled],
                 [out.constraints.get(k) for k in sample_rows],
             )
-        by_index = {k: j for j, k in enumerate(sample_rows)}
-        results = []
-        for k, (seq, n) in enumerate(out.scheduled):
-            res = StepResult(seq, n, None)
-            if k in by_index:
-                res.token_id, res.logprobs = tokens[by_index[k]], logprobs[by_index[k]]
-            if k in prompt_rows:
-                row, position, count = prompt_rows[k]
-                lp = logits[row : row + count].log_softmax(dim=-1)
-                targets = seq.token_ids[position + 1 : position + 1 + count]
-                res.prompt_logprobs = [
-                    top_logprobs(lp[i], targets[i], seq.params.prompt_logprobs) for i in range(count)
-                ]
-            results.append(res)
+            for k, token, lp in zip(sample_rows, tokens, logprobs, strict=True):
+                results[k].token_id, results[k].logprobs = token, lp
+        for k, (row, position, count) in prompt_rows.items():
+            seq = results[k].seq
+            lp = logits[row : row + count].log_softmax(dim=-1)
+            targets = seq.token_ids[position + 1 : position + 1 + count]
+            results[k].prompt_logprobs = [
+                top_logprobs(lp[i], targets[i], seq.params.prompt_logprobs) for i in range(count)
+            ]
         return results

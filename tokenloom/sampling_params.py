@@ -8,11 +8,21 @@ raises ValueError naming the field, which the server turns into an HTTP 400.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .structured_outputs import StructuredOutputsParams
 
 _GREEDY_EPS = 1e-5
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_N = 128  # OpenAI's cap on `n`; every choice is a sequence in the engine
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TEMPERATURE = 1e4
+MAX_REPETITION_PENALTY = 1e4
 _TOP_K_OFF = (None, 0, -1)
 # Fields whose None means "the default" (for max_tokens, seed, logprobs, ... None is a value).
 _NONE_IS_DEFAULT = ("n", "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -86,42 +96,64 @@ class SamplingParams:
                 setattr(self, name, self.__dataclass_fields__[name].default)
         if self.top_k in _TOP_K_OFF:
             self.top_k = 0
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str | list | tuple):
+                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if isinstance(self.stop_token_ids, str):
+            raise ValueError("stop_token_ids must be a list of integers, got str")  # noqa: TRY004 - a 400
         self.stop_token_ids = list(self.stop_token_ids or [])
 
     def _validate(self) -> None:
-        def fail(name: str, why: str) -> None:
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        """Model-independent checks (types, finiteness, ranges, size caps); the vocabulary and the
+        context length are checked by `tokenloom.request_checks.check_request`."""
 
-        if not isinstance(self.n, int) or self.n < 1:
-            fail("n", "must be an integer >= 1")
-        if self.temperature < 0:
-            fail("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            fail("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            fail("top_k", "must be -1, 0 (disabled) or a positive integer")
-        if not 0 <= self.min_p <= 1:
-            fail("min_p", "must be in [0, 1]")
-        if not -2 <= self.presence_penalty <= 2:
-            fail("presence_penalty", "must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            fail("frequency_penalty", "must be in [-2, 2]")
-        if self.repetition_penalty <= 0:
-            fail("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            fail("max_tokens", "must be an integer >= 1")
-        if self.min_tokens < 0:
-            fail("min_tokens", "must be >= 0")
+        def fail(name: str, why: str) -> None:
+            value = getattr(self, name)
+            shown = repr(value) if not isinstance(value, list | str) or len(repr(value)) < 80 else f"{type(value).__name__} of length {len(value)}"
+            raise ValueError(f"{name} {why}, got {shown}")
+
+        def integer(name: str, lo: int, hi: int, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if not _is_int(v) or not lo <= v <= hi:
+                fail(name, f"must be an integer in [{lo}, {hi}]")
+
+        def number(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if not _is_number(v) or not math.isfinite(v) or not (lo < v if lo_open else lo <= v) or not v <= hi:
+                fail(name, f"must be a finite number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+        integer("n", 1, MAX_N)
+        number("temperature", 0.0, MAX_TEMPERATURE)
+        number("top_p", 0.0, 1.0, lo_open=True)
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+            fail("top_k", "must be -1, 0 (disabled) or a positive integer (int64)")
+        number("min_p", 0.0, 1.0)
+        number("presence_penalty", -2.0, 2.0)
+        number("frequency_penalty", -2.0, 2.0)
+        number("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, lo_open=True)
+        integer("seed", INT64_MIN, INT64_MAX, optional=True)
+        integer("max_tokens", 1, INT32_MAX, optional=True)
+        integer("min_tokens", 0, INT32_MAX)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            fail("logprobs", "must be in [0, 20]")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
-            fail("prompt_logprobs", "must be in [0, 20]")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            fail("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        integer("logprobs", 0, MAX_LOGPROBS, optional=True)
+        integer("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
+        integer("priority", INT32_MIN, INT32_MAX)
+        integer("predicted_output_len", 0, INT32_MAX, optional=True)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "must be a boolean")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            fail("stop", f"must hold at most {MAX_STOP_STRINGS} strings")
+        if any(not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            fail("stop", f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            fail("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
+        if any(not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative integers")
 
     @property
@@ -132,3 +164,11 @@ class SamplingParams:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)

@@ -29,10 +29,6 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
 
-    @property
-    def finished(self) -> bool:
-        return self >= SequenceStatus.FINISHED_STOPPED
-
 
 FINISH_REASONS = {SequenceStatus.FINISHED_STOPPED: "stop", SequenceStatus.FINISHED_LENGTH: "length",
                   SequenceStatus.FINISHED_ABORTED: "abort"}
@@ -89,15 +85,11 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        return self.status >= SequenceStatus.FINISHED_STOPPED
 
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def __repr__(self) -> str:
         return (

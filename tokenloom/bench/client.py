@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from .arrivals import arrival_times
 from .datasets import SampleRequest
-from .metrics import RequestResult
+from .serving_metrics import RequestResult
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 

@@ -8,7 +8,8 @@ matches --input-len (best effort: any failure leaves the prompts as they are).
 
 Datasets:
 - ``random``: N prompts of --input-len words, output length from --output-len-dist (default fixed).
-- ``mixed``: like random, default output lengths half short (16) half long (256), shuffled (seeded).
+- ``mixed``: like random, default output lengths half short half long (`bench.workload`'s
+  ``MIXED_OUTPUT_LENS``, 16 and 256), shuffled (seeded).
 - ``*.jsonl``: one {"prompt": str, "max_tokens": int?} per line, cycled if --num-prompts exceeds the
   file; max_tokens comes from the line unless --output-len-dist is given (else --output-len).
 
@@ -24,6 +25,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
+
+from .workload import MIXED_OUTPUT_LENS, half_half
 
 _WORD_TEXT = (
     "the of and to in is was he for it with as his on be at by had are but from or have an they which one "
@@ -61,15 +64,12 @@ def parse_output_len_dist(spec: str, output_len: int, n: int, seed: int) -> list
                 raise ValueError
             lens = [rng.randint(a, b) for _ in range(n)]
         elif kind == "mixed":
-            short, long_ = (int(x) for x in rest.split(",")) if rest else (16, 256)
-            lens = [short] * (n // 2) + [long_] * (n - n // 2)
-            rng.shuffle(lens)
+            pair = tuple(int(x) for x in rest.split(",")) if rest else MIXED_OUTPUT_LENS
+            lens = half_half(rng, n, *pair)
         else:
             raise ValueError
-    except ValueError:
-        raise ValueError(
-            f"bad --output-len-dist {spec!r}: use fixed, uniform:a,b or mixed:short,long"
-        ) from None
+    except (ValueError, TypeError):
+        raise ValueError(f"bad --output-len-dist {spec!r}: use fixed, uniform:a,b or mixed:short,long") from None
     if any(length < 1 for length in lens):
         raise ValueError(f"output lengths must be >= 1 (got {spec!r})")
     return lens
@@ -91,7 +91,7 @@ def load_samples(
     if num_prompts <= 0:
         raise ValueError("--num-prompts must be positive")
     if dataset in ("random", "mixed"):
-        dist = output_len_dist or ("mixed:16,256" if dataset == "mixed" else "fixed")
+        dist = output_len_dist or ("mixed" if dataset == "mixed" else "fixed")
         lens = parse_output_len_dist(dist, output_len, num_prompts, seed + 1)
         rng = random.Random(seed)
         return [SampleRequest(random_prompt(rng, input_len), input_len, m) for m in lens]

@@ -21,7 +21,7 @@ import httpx
 
 from .client import LoadConfig, fetch_first_model, run_load
 from .datasets import align_prompts, load_samples
-from .metrics import METRIC_NAMES, compute_metrics, per_request_arrays, percentile_key
+from .serving_metrics import METRIC_NAMES, compute_metrics, per_request_arrays, percentile_key
 
 PERCENTILES = (50, 90, 99)
 HEADERS = {

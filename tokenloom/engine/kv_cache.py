@@ -21,6 +21,7 @@ written again: no copy-on-write is needed.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 from ..config import EngineConfig
@@ -100,9 +101,7 @@ class KVCacheManager:
         self.free_host_blocks = list(range(num_host_blocks - 1, -1, -1))
         self.num_host_blocks = num_host_blocks
         # Prefix-cache statistics, in tokens (as vLLM counts them).
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self.num_evictions = 0
+        self.prefix_queries = self.prefix_hits = 0
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -121,15 +120,12 @@ class KVCacheManager:
 
     # -- prefix cache ----------------------------------------------------------------------------
 
-    def _block_key(self, seq: Sequence, i: int) -> BlockKey:
-        parent = hash(seq.block_keys[i - 1]) if i else None
-        bs = self.block_size
-        return (parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]), ())
-
     def _keys_up_to(self, seq: Sequence, num_full_blocks: int) -> list[BlockKey]:
-        while len(seq.block_keys) < num_full_blocks:
-            seq.block_keys.append(self._block_key(seq, len(seq.block_keys)))
-        return seq.block_keys[:num_full_blocks]
+        bs, keys = self.block_size, seq.block_keys
+        while len(keys) < num_full_blocks:
+            i = len(keys)
+            keys.append((hash(keys[i - 1]) if i else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]), ()))
+        return keys[:num_full_blocks]
 
     def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
         """Cached blocks holding the longest prefix of `seq`'s tokens. At least one token is always
@@ -137,18 +133,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        hits = []
-        for key in self._keys_up_to(seq, max_blocks):
-            block = self.cached.get(key)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
-
-    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Count one admitted lookup (not the retries of a request that did not fit yet)."""
-        self.prefix_queries += num_tokens
-        self.prefix_hits += num_hit_tokens
+        found = (self.cached.get(key) for key in self._keys_up_to(seq, max_blocks))
+        return list(itertools.takewhile(lambda block: block is not None, found))
 
     # -- allocation ------------------------------------------------------------------------------
 
@@ -180,7 +166,6 @@ class KVCacheManager:
             if self.cached.get(block.key) is block:
                 del self.cached[block.key]
             block.key = None
-            self.num_evictions += 1
         block.ref_cnt = 1
         return block
 
@@ -257,7 +242,6 @@ class KVCacheManager:
                 assert self.cached.get(block.key) is block, f"block {block.block_id} key not in cache map"
         for key, block in self.cached.items():
             assert block.key == key, "cache map points at a block with another key"
-        assert self.num_free_blocks + sum(1 for b in self.blocks if b.ref_cnt > 0) == self.num_blocks
         assert host_used + len(self.free_host_blocks) == self.num_host_blocks, "host blocks leaked"
         assert len(set(self.free_host_blocks)) == len(self.free_host_blocks), "host block freed twice"
 

@@ -22,6 +22,7 @@ from ..model.llama import LlamaConfig
 from ..model.load import load, set_num_threads
 from ..model.tokenizer import IncrementalDetokenizer, TokenizerWrapper
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
+from ..request_checks import check_request
 from ..runner import ModelRunner
 from ..sampling_params import SamplingParams
 from ..step import RowConstraint, Runner, Sequence, SequenceStatus, StepPlan, StepResult, StepShape
@@ -143,6 +144,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
+        check_request(params, ids, self.model_config.vocab_size, self.config.max_model_len)
         self._check_lengths(ids, params)
         constraints = RequestConstraints.of(params, self.tokenizer, self.model_config.vocab_size, self.grammars)
         seqs = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from functools import partial
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -39,33 +39,19 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-@dataclass
-class _Tracked:
-    """Per-request state between steps: tokens seen and last token time per choice."""
-
-    seen: dict[int, int] = field(default_factory=dict)
-    last_time: dict[int, float] = field(default_factory=dict)
-    first_token_seen: bool = False
-
-
 class EngineMetrics:
     def __init__(self, model_name: str = "tokenloom", log_interval_s: float = 10.0, log_requests: bool = True):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.log_interval_s = log_interval_s
         self.log_requests = log_requests
-        labels = ["model_name"]
-        r = self.registry
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"tokenloom:{name}", doc, labels, registry=r).labels(model_name)
+        def metric(kind, name: str, doc: str, buckets: tuple | None = None):
+            extra = {"buckets": buckets} if buckets else {}
+            family = kind(f"tokenloom:{name}", doc, ["model_name"], registry=self.registry, **extra)
+            return family.labels(model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"tokenloom:{name}", doc, labels, registry=r).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(f"tokenloom:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
-
+        gauge, counter, histogram = partial(metric, Gauge), partial(metric, Counter), partial(metric, Histogram)
         self.running = gauge("num_requests_running", "Sequences running (in the batch).")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
         self.swapped = gauge("num_requests_swapped", "Sequences whose KV cache is swapped out to host memory.")
@@ -76,30 +62,25 @@ class EngineMetrics:
         self.preemptions = counter("num_preemptions", "Sequence preemptions.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.")
-        self._success = Counter(
-            "tokenloom:request_success", "Finished requests by finish reason.", ["model_name", "finished_reason"],
-            registry=r,
-        )
+        self._success = Counter("tokenloom:request_success", "Finished requests by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS)
         self.req_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
-        self.req_gen_tokens = histogram(
-            "request_generation_tokens", "Generated tokens per request (all choices).", TOKEN_BUCKETS
-        )
-        self.iteration_tokens = histogram(
-            "iteration_tokens_total", "Tokens computed per engine step.", ITERATION_TOKEN_BUCKETS
-        )
+        self.req_gen_tokens = histogram("request_generation_tokens", "Generated tokens per request (all choices).",
+                                        TOKEN_BUCKETS)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
+                                          ITERATION_TOKEN_BUCKETS)
         self.batch_size = histogram("iteration_num_seqs", "Sequences per engine step (batch size).", BATCH_SIZE_BUCKETS)
 
-        self._tracked: dict[str, _Tracked] = {}
-        self._last_prefix = (0, 0)
-        self._last_preemptions = 0
-        # Totals for the status line's throughput (kept here: prometheus children are write-mostly).
-        self._totals = {"prompt": 0, "gen": 0}
+        # Per request: choice index -> (tokens seen, time of its last token).
+        self._tracked: dict[str, dict[int, tuple[int, float]]] = {}
+        self._counted: dict[Counter, int] = {}  # counter -> engine total it has counted up to
+        # Tokens since the last status line, for its throughput (prometheus children are write-mostly).
+        self._log_prompt = self._log_gen = 0
         self._last_log = time.monotonic()
-        self._last_log_totals = dict(self._totals)
 
     # -- feeding (engine thread) -----------------------------------------------------------------
 
@@ -124,28 +105,27 @@ class EngineMetrics:
             logger.info("request %s aborted", request_id)
 
     def _on_output(self, out: RequestOutput, now: float) -> None:
-        track = self._tracked.setdefault(out.request_id, _Tracked())
+        seen = self._tracked.setdefault(out.request_id, {})
+        first_tokens = not seen
         new_total = 0
         for choice in out.outputs:
             n = len(choice.token_ids)
-            new = n - track.seen.get(choice.index, 0)
+            prev_n, prev_time = seen.get(choice.index, (0, None))
+            new = n - prev_n
             if new <= 0:
                 continue
             new_total += new
-            prev = track.last_time.get(choice.index)
-            if prev is not None:
-                gap = (now - prev) / new
+            if prev_time is not None:
+                gap = (now - prev_time) / new
                 for _ in range(new):
                     self.itl.observe(gap)
-            track.seen[choice.index] = n
-            track.last_time[choice.index] = now
+            seen[choice.index] = (n, now)
         self.generation_tokens.inc(new_total)
-        self._totals["gen"] += new_total
+        self._log_gen += new_total
         m = out.metrics
-        if not track.first_token_seen and new_total:
-            track.first_token_seen = True
+        if first_tokens and new_total:
             self.prompt_tokens.inc(len(out.prompt_token_ids))
-            self._totals["prompt"] += len(out.prompt_token_ids)
+            self._log_prompt += len(out.prompt_token_ids)
             if m is not None and m.first_token_time is not None:
                 self.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))
         if out.finished:
@@ -161,8 +141,7 @@ class EngineMetrics:
         self.req_gen_tokens.observe(gen)
         ttft = total = None
         if m is not None:
-            finished = m.finished_time or now
-            total = max(finished - m.arrival_time, 0.0)
+            total = max((m.finished_time or now) - m.arrival_time, 0.0)
             self.e2e.observe(total)
             if m.first_scheduled_time is not None:
                 self.queue_time.observe(max(m.first_scheduled_time - m.arrival_time, 0.0))
@@ -180,27 +159,20 @@ class EngineMetrics:
         self.waiting.set(st.num_waiting)
         self.swapped.set(st.num_swapped)
         self.kv_usage.set(st.kv_usage)
-        queries, hits = st.prefix_queries, st.prefix_hits
-        last_q, last_h = self._last_prefix
-        if queries > last_q:
-            self.prefix_queries.inc(queries - last_q)
-        if hits > last_h:
-            self.prefix_hits.inc(hits - last_h)
-        self._last_prefix = (queries, hits)
         self.prefix_hit_rate.set(st.prefix_hit_rate)
-        preemptions = st.num_preemptions
-        if preemptions > self._last_preemptions:
-            self.preemptions.inc(preemptions - self._last_preemptions)
-        self._last_preemptions = preemptions
+        # The engine keeps running totals; add to each counter what it has not counted yet.
+        for counter, total in ((self.prefix_queries, st.prefix_queries), (self.prefix_hits, st.prefix_hits),
+                               (self.preemptions, st.num_preemptions)):
+            counter.inc(max(total - self._counted.get(counter, 0), 0))
+            self._counted[counter] = total
 
     def _maybe_log_status(self, engine) -> None:
         now = time.monotonic()
         elapsed = now - self._last_log
         if elapsed < self.log_interval_s:
             return
-        prompt = self._totals["prompt"] - self._last_log_totals["prompt"]
-        gen = self._totals["gen"] - self._last_log_totals["gen"]
-        self._last_log, self._last_log_totals = now, dict(self._totals)
+        prompt, gen = self._log_prompt, self._log_gen
+        self._last_log, self._log_prompt, self._log_gen = now, 0, 0
         st = engine.stats()
         logger.info(
             "engine: running %d, waiting %d, swapped %d, KV usage %.1f%%, prompt %.1f tok/s, "

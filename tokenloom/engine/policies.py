@@ -39,10 +39,7 @@ def make_priority_key(aging_s: float) -> PolicyKey:
 
 
 def get_policy(name: str, aging_s: float = 10.0) -> PolicyKey:
-    if name == "fcfs":
-        return fcfs_key
-    if name == "sjf":
-        return sjf_key
-    if name == "priority":
-        return make_priority_key(aging_s)
-    raise ValueError(f"scheduling_policy must be fcfs, sjf or priority, got {name!r}")
+    policies = {"fcfs": fcfs_key, "sjf": sjf_key, "priority": make_priority_key(aging_s)}
+    if name not in policies:
+        raise ValueError(f"scheduling_policy must be fcfs, sjf or priority, got {name!r}")
+    return policies[name]

@@ -88,10 +88,8 @@ class Scheduler:
         return out
 
     def _chunk(self, remaining: int, budget: int) -> int:
-        n = min(remaining, budget)
-        if self.config.long_prefill_token_threshold > 0:
-            n = min(n, self.config.long_prefill_token_threshold)
-        return n
+        limit = self.config.long_prefill_token_threshold
+        return min(remaining, budget, limit) if limit > 0 else min(remaining, budget)
 
     def _admit(self, out: StepPlan, budget: int, now: float) -> None:
         if not self._batch_open(now):
@@ -103,39 +101,40 @@ class Scheduler:
             if self.batch is not None and seq.seq_id not in self.batch:
                 idx += 1
                 continue
-            n = self._admit_one(seq, budget, out)
+            n = self._admit_one(seq, budget, out, now)
             if n == 0:
                 break  # no room in the KV cache (or the budget): keep the policy order, stop here
             self.waiting.pop(idx)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
-            if seq.times.first_scheduled is None:
-                seq.times.first_scheduled = now
             out.scheduled.append((seq, n))
             budget -= n
 
-    def _admit_one(self, seq: Sequence, budget: int, out: StepPlan) -> int:
+    def _admit_one(self, seq: Sequence, budget: int, out: StepPlan, now: float) -> int:
         """Allocate for a waiting sequence; returns the tokens it computes this step (0 = not admitted)."""
         if seq.status == SequenceStatus.SWAPPED:
             n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
-            extra = self.kv.blocks_needed(seq.num_computed_tokens + n) - len(seq.host_blocks)
-            if len(seq.host_blocks) + max(extra, 0) > self.kv.num_free_blocks:
+            needed = max(self.kv.blocks_needed(seq.num_computed_tokens + n), len(seq.host_blocks))
+            if needed > self.kv.num_free_blocks:
                 return 0
             out.swap_in.extend(self.kv.swap_in(seq))
             allocated = self.kv.allocate_slots(seq, n)
             assert allocated, "swap-in checked the free blocks"
             return n
         hits = self.kv.get_computed_blocks(seq) if seq.num_computed_tokens == 0 else []
-        remaining = seq.num_tokens - seq.num_computed_tokens - len(hits) * self.kv.block_size
+        hit_tokens = len(hits) * self.kv.block_size
+        remaining = seq.num_tokens - seq.num_computed_tokens - hit_tokens
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
         n = self._chunk(remaining, budget)
         if not self.kv.allocate_slots(seq, n, hits):
             return 0
-        seq.num_computed_tokens += len(hits) * self.kv.block_size
-        if seq.times.first_scheduled is None:
-            seq.num_cached_prompt_tokens = len(hits) * self.kv.block_size
-            self.kv.record_prefix_lookup(seq.num_tokens, seq.num_cached_prompt_tokens)
+        seq.num_computed_tokens += hit_tokens
+        if seq.times.first_scheduled is None:  # first admission; lookups of retries that did not fit don't count
+            seq.times.first_scheduled = now
+            seq.num_cached_prompt_tokens = hit_tokens
+            self.kv.prefix_queries += seq.num_tokens
+            self.kv.prefix_hits += hit_tokens
         return n
 
     def _preempt(self, victim: Sequence, out: StepPlan) -> None:

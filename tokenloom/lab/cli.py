@@ -2,12 +2,11 @@
 
     tokenloom lab --workload mixed|uniform|long-prompt [--num-prompts N] [--batch-size B]
                   [--max-wait-ms MS] [--policies fcfs,sjf,priority]
-                  [--modes static,static-padded,dynamic,continuous]
+                  [--modes static,dynamic,continuous]
                   --out DIR
 
 The model is loaded once; each mode x policy gets its own engine with max_num_seqs = B, and the runs
-are interleaved step by step. `static-padded` cross-checks the engine's own padding of finished slots
-with padding emulated through the requests' lengths (see `runner`). Writes
+are interleaved step by step (see `driver`). Workloads are `tokenloom.bench.workload`'s. Writes
 DIR/report.md, DIR/*.png, DIR/trace.json and DIR/summary.json.
 """
 
@@ -19,10 +18,10 @@ import shlex
 import sys
 import time
 
-from .runner import LabRun, RunResult, run_workloads, warm_up
-from .workloads import WORKLOADS, LabRequest, make_workload
+from ..bench.workload import WORKLOADS, WorkloadRequest, make_workload
+from .driver import LabResult, LabRun, run_workloads, warm_up
 
-MODES = ("static", "static-padded", "dynamic", "continuous")
+MODES = ("static", "dynamic", "continuous")
 POLICIES = ("fcfs", "sjf", "priority")
 
 
@@ -68,12 +67,12 @@ def load_real_model(model: str | None = None, dtype: str = "float32"):
     return load(model, dtype)[:2]
 
 
-def run_all(model, tokenizer, requests: list[LabRequest], runs: list[LabRun], log=print, **engine_kwargs):
-    """Warm up, then run every configuration interleaved step by step (see `runner`)."""
+def run_all(model, tokenizer, requests: list[WorkloadRequest], runs: list[LabRun], log=print, **engine_kwargs):
+    """Warm up, then run every configuration interleaved step by step (see `driver`)."""
     for size in sorted({run.batch_size for run in runs}):
         warm_up(model, tokenizer, size, **engine_kwargs)
     t = time.perf_counter()
-    results: list[RunResult] = run_workloads(model, tokenizer, requests, runs, **engine_kwargs)
+    results: list[LabResult] = run_workloads(model, tokenizer, requests, runs, **engine_kwargs)
     log(
         f"  {len(runs)} runs interleaved in {time.perf_counter() - t:.1f} s: "
         + ", ".join(f"{r.label} {len(r.steps)} steps / {r.wall_time:.1f} s" for r in results)
@@ -94,18 +93,8 @@ def lab_command(args: argparse.Namespace) -> str:
 def cmd_lab(args: argparse.Namespace) -> int:
     from .output import write_lab_outputs
 
-    requests = make_workload(args.workload, args.num_prompts, args.seed, args.request_rate)
-    runs = [
-        LabRun(
-            mode.removesuffix("-padded"),
-            args.batch_size,
-            policy,
-            args.max_wait_ms,
-            pad=mode.endswith("-padded"),
-        )
-        for policy in args.policies
-        for mode in args.modes
-    ]
+    requests = make_workload(args.workload, args.num_prompts, seed=args.seed, request_rate=args.request_rate)
+    runs = [LabRun(mode, args.batch_size, policy, args.max_wait_ms) for policy in args.policies for mode in args.modes]
     print(f"loading model; {len(runs)} runs of {len(requests)} {args.workload} requests", flush=True)
     model, tokenizer = load_real_model(args.model, args.dtype)
     results = run_all(

@@ -8,12 +8,12 @@ import platform
 
 import torch
 
+from ..bench.workload import WorkloadRequest
+from .driver import LabResult
 from .plots import write_plots
 from .report import write_report
-from .runner import RunResult
 from .summary import compare, explain, summarize, workload_ideal_ratio
 from .trace import write_trace
-from .workloads import LabRequest
 
 
 def environment() -> str:
@@ -23,30 +23,25 @@ def environment() -> str:
     )
 
 
-def pick(summaries: list[dict], mode: str, padded: bool = False) -> dict | None:
+def pick(summaries: list[dict], mode: str) -> dict | None:
     """The fcfs run of `mode` if there is one, else its first run."""
-    runs = [s for s in summaries if s["mode"] == mode and s["padded"] == padded]
+    runs = [s for s in summaries if s["mode"] == mode]
     return next((s for s in runs if s["policy"] == "fcfs"), runs[0] if runs else None)
 
 
-def comparisons(summaries: list[dict], requests: list[LabRequest]) -> list[dict]:
-    """Continuous vs each static variant (as the engine runs it, and padded when present)."""
-    continuous = pick(summaries, "continuous")
-    out = []
-    for padded in (False, True):
-        static = pick(summaries, "static", padded)
-        if static and continuous:
-            cmp = compare(
-                static, continuous, workload_ideal_ratio(requests, static["batch_size"], static["policy"])
-            )
-            cmp["static"] = static["label"]
-            cmp["explanation"] = explain(static, continuous, cmp, static["batch_size"])
-            out.append(cmp)
-    return out
+def comparisons(summaries: list[dict], requests: list[WorkloadRequest]) -> list[dict]:
+    """Continuous vs static (the fcfs runs when present); empty without both modes."""
+    continuous, static = pick(summaries, "continuous"), pick(summaries, "static")
+    if not (static and continuous):
+        return []
+    cmp = compare(static, continuous, workload_ideal_ratio(requests, static["batch_size"], static["policy"]))
+    cmp["static"] = static["label"]
+    cmp["explanation"] = explain(static, continuous, cmp, static["batch_size"])
+    return [cmp]
 
 
 def write_lab_outputs(
-    out_dir: str, command: str, workload: dict, requests: list[LabRequest], results: list[RunResult]
+    out_dir: str, command: str, workload: dict, requests: list[WorkloadRequest], results: list[LabResult]
 ) -> dict:
     os.makedirs(out_dir, exist_ok=True)
     summaries = [summarize(r) for r in results]

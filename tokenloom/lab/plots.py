@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
 
-from .runner import RunResult
+from .driver import LabResult
 
 REQUEST_COLOURS = [plt.cm.tab20(i) for i in range(20) if i not in (14, 15)]  # no greys: grey reads as idle
 PLOTS = {
@@ -35,7 +35,7 @@ def plot_throughput(summaries: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def plot_latency_cdf(results: list[RunResult], path: str) -> None:
+def plot_latency_cdf(results: list[LabResult], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for res in results:
         reqs = list(res.requests.values())
@@ -54,7 +54,7 @@ def plot_latency_cdf(results: list[RunResult], path: str) -> None:
     plt.close(fig)
 
 
-def plot_occupancy(results: list[RunResult], path: str) -> None:
+def plot_occupancy(results: list[LabResult], path: str) -> None:
     fig, ax = plt.subplots(figsize=(10, 3.8))
     for res in results:
         t = [s.start - res.start for s in res.steps]
@@ -69,7 +69,7 @@ def plot_occupancy(results: list[RunResult], path: str) -> None:
     plt.close(fig)
 
 
-def slot_image(res: RunResult) -> np.ndarray:
+def slot_image(res: LabResult) -> np.ndarray:
     """[slot, step] codes: 0 free, 1 idle (held by a finished or waiting request), 2+ request colour."""
     n = len(REQUEST_COLOURS)
     order = {rid: i for i, rid in enumerate(sorted(res.slots.slot_of))}
@@ -81,7 +81,7 @@ def slot_image(res: RunResult) -> np.ndarray:
     return img
 
 
-def plot_slots(results: list[RunResult], path: str) -> None:
+def plot_slots(results: list[LabResult], path: str) -> None:
     colours = ["white", "black", *REQUEST_COLOURS]
     cmap = ListedColormap(colours)
     fig, axes = plt.subplots(
@@ -108,7 +108,7 @@ def plot_slots(results: list[RunResult], path: str) -> None:
     plt.close(fig)
 
 
-def write_plots(results: list[RunResult], summaries: list[dict], out_dir: str) -> dict[str, str]:
+def write_plots(results: list[LabResult], summaries: list[dict], out_dir: str) -> dict[str, str]:
     paths = {key: os.path.join(out_dir, name) for key, name in PLOTS.items()}
     plot_throughput(summaries, paths["throughput"])
     plot_latency_cdf(results, paths["latency_cdf"])

@@ -1,9 +1,8 @@
 """Records a run: every non-empty engine step and every finished request (an `LLMEngine` step listener).
 
-With `real_lens` (a padded static run, see `runner`), a request counts as finished once it has produced
-its real number of tokens; the rows it computes after that are padding: they are left out of the
-step's `request_ids` (so the slot timeline shows them idle) and out of `num_seqs` (occupancy counts
-useful rows), while `num_computed_seqs` keeps what the step really computed.
+The padding rows a static batch computes for its finished members are the engine's own business: they
+are not in the step's sequences, so `num_seqs` (occupancy) counts useful rows and the slot timeline
+shows those slots idle.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ class StepRecord:
     num_prefill_tokens: int
     request_ids: list[str]  # requests doing useful work in this step
     finished_ids: list[str] = field(default_factory=list)
-    num_computed_seqs: int = 0  # rows computed, padding included
 
 
 @dataclass
@@ -55,25 +53,20 @@ class RequestRecord:
 class Recorder:
     """Append to `engine.step_listeners`; empty steps (a dynamic batch still waiting) are skipped."""
 
-    def __init__(self, real_lens: dict[str, int] | None = None) -> None:
+    def __init__(self) -> None:
         self.steps: list[StepRecord] = []
         self.requests: dict[str, RequestRecord] = {}
-        self.real_lens = real_lens or {}
 
     def __call__(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
         if stats.num_seqs == 0:
             return
         end = stats.start + stats.duration
-        useful = [r for r in map(request_of, stats.seq_ids) if r not in self.requests]
+        useful = [request_of(s) for s in stats.seq_ids]
         finished = []
         for out in outputs:
-            if out.request_id in self.requests:
-                continue  # padding rows of a request already done
-            real = self.real_lens.get(out.request_id)
-            n = len(out.outputs[0].token_ids)
-            if out.finished or (real is not None and n >= real):
+            if out.finished:
                 finished.append(out.request_id)
-                self._record(out, min(n, real or n), end)
+                self._record(out, len(out.outputs[0].token_ids), end)
         self.steps.append(
             StepRecord(
                 index=len(self.steps),
@@ -85,7 +78,6 @@ class Recorder:
                 num_prefill_tokens=stats.num_prefill_tokens,
                 request_ids=useful,
                 finished_ids=finished,
-                num_computed_seqs=stats.num_seqs,
             )
         )
 

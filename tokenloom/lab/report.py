@@ -39,7 +39,7 @@ def comparison(cmps: list[dict]) -> str:
         "Ideal ratio = sum over static batches of their longest output / (total output tokens / B), i.e. "
         "the ratio of step counts when every step costs the same; measured ratio = step-count ratio x "
         "step-cost ratio. `static` is the engine's static mode, which computes finished members' slots as "
-        "padding until the batch ends; `static (padded)` emulates the same through the requests' lengths.\n\n"
+        "padding until the batch ends.\n\n"
         f"{notes}"
     )
 

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..bench.workload import WorkloadRequest
+from .driver import LabResult
 from .ideal import ideal_ratio
-from .runner import RunResult
-from .workloads import LabRequest
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -28,7 +28,7 @@ def _stats(values: list[float]) -> dict[str, float]:
     }
 
 
-def summarize(result: RunResult) -> dict:
+def summarize(result: LabResult) -> dict:
     reqs = list(result.requests.values())
     steps = result.steps
     wall = max(result.wall_time, 1e-9)
@@ -54,13 +54,12 @@ def summarize(result: RunResult) -> dict:
         "mean_running": float(np.mean(num_seqs)),
         "idle_slot_steps": result.slots.idle_slot_steps(),
         "num_preemptions": result.num_preemptions,
-        "padded": result.run.pad,
     }
 
 
-def admission_order(requests: Sequence[LabRequest], policy: str) -> list[LabRequest]:
+def admission_order(requests: Sequence[WorkloadRequest], policy: str) -> list[WorkloadRequest]:
     """The order static batching admits requests under `policy` (all waiting at once; no aging)."""
-    order = sorted(requests, key=lambda r: r.arrival_offset)
+    order = sorted(requests, key=lambda r: r.arrival_time)
     if policy == "sjf":
         return sorted(order, key=lambda r: r.max_tokens)
     if policy == "priority":
@@ -68,7 +67,7 @@ def admission_order(requests: Sequence[LabRequest], policy: str) -> list[LabRequ
     return order
 
 
-def workload_ideal_ratio(requests: Sequence[LabRequest], batch_size: int, policy: str = "fcfs") -> float:
+def workload_ideal_ratio(requests: Sequence[WorkloadRequest], batch_size: int, policy: str = "fcfs") -> float:
     return ideal_ratio([r.max_tokens for r in admission_order(requests, policy)], batch_size)
 
 
@@ -90,13 +89,7 @@ def explain(static: dict, continuous: dict, cmp: dict, batch_size: int) -> str:
     """Two sentences on where the gap between the measured and the ideal ratio goes."""
     ideal_cont_steps = continuous["output_tokens"] / batch_size
     cost = cmp["step_cost_ratio"]
-    if static.get("padded"):
-        why = (
-            "a padded static step computes all B rows, as a full continuous step does, so the ratio is "
-            "decided by the step counts, less the prefills that continuous steps carry for requests "
-            "admitted mid-run"
-        )
-    elif cost < 0.97:
+    if cost < 0.97:
         why = (
             "static's steps were cheaper on average: its padded slots are plain decode rows, while "
             "continuous steps also carry the prefill chunks of the requests admitted mid-run, so static's "

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 
-from .runner import RunResult
+from .driver import LabResult
 
 
 def _us(seconds: float) -> float:
     return round(seconds * 1e6, 1)
 
 
-def trace_events(results: list[RunResult]) -> list[dict]:
+def trace_events(results: list[LabResult]) -> list[dict]:
     events: list[dict] = []
     for pid, res in enumerate(results):
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": res.label}})
@@ -85,6 +85,6 @@ def trace_events(results: list[RunResult]) -> list[dict]:
     return events
 
 
-def write_trace(results: list[RunResult], path: str) -> None:
+def write_trace(results: list[LabResult], path: str) -> None:
     with open(path, "w") as f:
         json.dump({"traceEvents": trace_events(results), "displayTimeUnit": "ms"}, f)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 
@@ -13,21 +12,17 @@ from .loader import ModelSource, bundled_model_path, load_model
 from .tokenizer import TokenizerWrapper, load_tokenizer
 
 
-class Loaded(NamedTuple):
-    model: LlamaModel
-    tokenizer: TokenizerWrapper
-    config: LlamaConfig
-
-
 def model_path(source: str | None) -> str:
     """The GGUF file or HF directory `source` names; None = the bundled SmolLM2-135M-Instruct."""
     return source or bundled_model_path()
 
 
-def load(source: str | None = None, dtype: str = "float32", device: str = "cpu") -> Loaded:
+def load(
+    source: str | None = None, dtype: str = "float32", device: str = "cpu"
+) -> tuple[LlamaModel, TokenizerWrapper, LlamaConfig]:
     resolved = ModelSource.resolve(model_path(source))
     model = load_model(resolved, dtype=dtype, device=device)
-    return Loaded(model, load_tokenizer(resolved.path), model.config)
+    return model, load_tokenizer(resolved.path), model.config
 
 
 def default_num_threads() -> int:

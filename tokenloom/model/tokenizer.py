@@ -123,6 +123,23 @@ class TokenizerWrapper:
             eos_token=special(self.eos_token_ids[0]) if self.eos_token_ids else "",
         )
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (a partial UTF-8 character stays partial): byte-level BPE tokens
+        map back through GPT-2's byte alphabet; added/special tokens are their UTF-8 text."""
+        decoder = self.__dict__.get("_byte_decoder")
+        if decoder is None:  # GPT-2's bytes_to_unicode, inverted
+            printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+            extra = [b for b in range(256) if b not in printable]
+            decoder = {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(extra)}
+            self._byte_decoder = decoder
+            self._added_ids = set(self.tokenizer.get_added_tokens_decoder())
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids or any(c not in decoder for c in piece):
+            return piece.encode("utf-8")
+        return bytes(decoder[c] for c in piece)
+
 
 def load_tokenizer(model_path: str) -> TokenizerWrapper:
     if os.path.isdir(model_path):

@@ -8,14 +8,16 @@ limit are pure-ASGI middleware (see middleware.py); every error is OpenAI-shaped
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from .. import __version__
 from ..engine.async_llm import AsyncLLM
-from .chat import create_chat_completion, render_prompt
+from .chat import create_chat_completion, render_prompt_ids
 from .completions import create_completion
 from .errors import APIError, install_error_handlers
 from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware
@@ -57,11 +59,29 @@ def build_app(
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     state = ServerState(async_llm, names or ["tokenloom"], model_path, metrics)
 
+    deadline: list[float] = []  # set once shutdown begins
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        loop = asyncio.get_running_loop()
         async_llm.start()
+
+        def begin_shutdown() -> None:
+            """Called from the SIGTERM/SIGINT handler (on the loop's thread): refuse new requests at
+            once and give the engine `shutdown_timeout` seconds; what is still running then is
+            aborted and each view answers it with an error in its protocol's shape."""
+            if deadline:
+                return
+            deadline.append(time.monotonic() + shutdown_timeout)
+            state.shutting_down = True
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(async_llm.shutdown(shutdown_timeout)))
+
+        app.state.begin_shutdown = begin_shutdown
         yield
-        await async_llm.shutdown(shutdown_timeout)
+        state.shutting_down = True
+        remaining = shutdown_timeout if not deadline else max(deadline[0] - time.monotonic(), 0.0)
+        await async_llm.shutdown(remaining)
+        state._executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tokenloom", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible LLM server with continuous batching")
@@ -102,11 +122,10 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
-            text = render_prompt(state, ChatCompletionRequest(messages=body.messages,
-                                                              add_generation_prompt=body.add_generation_prompt))
+            _, tokens = await render_prompt_ids(state, ChatCompletionRequest(
+                messages=body.messages, add_generation_prompt=body.add_generation_prompt))
         else:
-            text = body.prompt
-        tokens = state.tokenizer.encode(text)
+            tokens = await state.encode(body.prompt, "prompt")
         return {"count": len(tokens), "max_model_len": async_llm.config.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize", responses=_ERRORS)
@@ -115,7 +134,7 @@ def build_app(
         vocab = state.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens: every id must be in [0, {vocab})", param="tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await state.decode(body.tokens)}
 
     @app.get("/metrics")
     async def prometheus_metrics():

@@ -12,7 +12,7 @@ from . import convert
 from .errors import APIError
 from .generation import GenerationView
 from .protocol import ChatCompletionRequest
-from .state import ServerState
+from .state import INLINE_CHARS, ServerState
 from .streams import ChoiceDelta
 
 
@@ -25,13 +25,28 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
         raise APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
 
 
+async def render_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+    """The rendered prompt and its ids; long conversations are rendered off the event loop, and
+    one whose text alone cannot fit the context is refused before rendering."""
+    chars = sum(len(m.content) if isinstance(m.content, str) else
+                sum(len(p.text or "") for p in m.content or ()) for m in req.messages)
+    state.check_text_length(chars, "messages")
+    if chars < INLINE_CHARS:
+        text = render_prompt(state, req)
+    else:
+        text = await state.run_off_loop(render_prompt, state, req)
+    return text, await state.encode(text, "messages")
+
+
 class _ChatView(GenerationView):
     id_prefix = "chatcmpl"
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def engine_inputs(self):
-        return convert.chat_params(self.req), [render_prompt(self.state, self.req)]
+    async def engine_inputs(self):
+        params = convert.chat_params(self.req)
+        _, ids = await render_prompt_ids(self.state, self.req)
+        return params, [ids]
 
     def render(self, d: ChoiceDelta, streaming: bool) -> dict:
         if d.first:

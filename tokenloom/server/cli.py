@@ -19,6 +19,8 @@ from pathlib import Path
 import uvicorn
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_MAX_QUEUE_LEN = 1024  # waiting sequences; beyond it new requests get 503 + Retry-After
+DEFAULT_READ_TIMEOUT = 30.0
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -32,11 +34,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "(default: $TOKENLOOM_API_KEY; unset = no auth)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use as `model` (default: the model file's name)")
-    p.add_argument("--max-queue-len", type=int, default=None,
-                   help="reject new requests with 503 + Retry-After while this many sequences wait (default: no limit)")
+    p.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
+                   help="reject new requests with 503 + Retry-After while this many sequences wait "
+                        f"(default: {DEFAULT_MAX_QUEUE_LEN})")
     p.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM/Ctrl-C")
+                   help="seconds in-flight requests may take to finish after SIGTERM/Ctrl-C; the rest end "
+                        "with an error (JSON 503, or an SSE error event and [DONE])")
+    p.add_argument("--request-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT,
+                   help="seconds a connection may take to send a whole request (headers and body); "
+                        "slower clients are disconnected")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -79,16 +86,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "serving %s on http://%s:%d (torch threads %d, auth %s)",
         names[0], args.host, args.port, config.num_threads, "on" if args.api_key else "off",
     )
+    from .connection import connection_limits  # read/idle timeouts, header size bound
+
     server = _Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=args.shutdown_timeout + 5.0,  # a backstop: the app answers by the deadline
+        **connection_limits(args.request_read_timeout),
     ))
     server.run()
     return 0
 
 
 class _Server(uvicorn.Server):
-    """uvicorn.Server whose signal handling does not re-raise the signal after a clean shutdown."""
+    """uvicorn.Server whose signal handling does not re-raise the signal after a clean shutdown,
+    and tells the app at once (it refuses new requests and starts the shutdown deadline)."""
+
+    def handle_exit(self, sig, frame) -> None:
+        begin = getattr(getattr(self.config.app, "state", None), "begin_shutdown", None)
+        if begin is not None:
+            begin()
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):

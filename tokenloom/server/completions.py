@@ -21,10 +21,13 @@ class _CompletionView(GenerationView):
         self.prompts: list = []
         self.lps: dict[int, convert.CompletionLogprobs] = {}  # per choice: its text offsets run on
 
-    def engine_inputs(self):
+    async def engine_inputs(self):
         params = convert.completion_params(self.req)
-        self.prompts = convert.completion_prompts(self.req.prompt)
-        return params, self.prompts
+        self.prompts = convert.completion_prompts(self.req.prompt, params.n)
+        ids = []
+        for prompt in self.prompts:
+            ids.append(await self.state.encode(prompt, "prompt") if isinstance(prompt, str) else prompt)
+        return params, ids
 
     def _prompt_text(self, p: int, out: RequestOutput) -> str:
         prompt = self.prompts[p]

@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from .errors import APIError
-from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from .protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+# Engine sequences one request may create (prompts x n), checked before any is created.
+MAX_SEQUENCES_PER_REQUEST = 256
 
 # Request fields that `SamplingParams` takes under the same name; it normalises their values
 # (None = default, stop as str or list, top_k 0/-1/None = off) and checks them.
@@ -30,6 +33,10 @@ def sampling_params(req: _SamplingFields, **fields) -> SamplingParams:
 
 
 def completion_params(req: CompletionRequest) -> SamplingParams:
+    if req.best_of is not None and not 1 <= req.best_of <= MAX_N:
+        raise APIError(400, f"best_of: must be an integer in [1, {MAX_N}], got {req.best_of}", param="best_of")
+    if req.best_of is not None and req.n is not None and req.best_of < req.n:
+        raise APIError(400, f"best_of: must be >= n ({req.n}), got {req.best_of}", param="best_of")
     if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
         prompt_logprobs = req.logprobs  # echo + logprobs = score the prompt too (eval harnesses)
     else:
@@ -39,18 +46,28 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
 
 def chat_params(req: ChatCompletionRequest) -> SamplingParams:
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                       param="top_logprobs")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     return sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
 
 
-def completion_prompts(prompt) -> list[str | list[int]]:
-    """A string, list of strings, token ids or list of token-id lists -> one engine prompt each."""
+def completion_prompts(prompt, n: int = 1) -> list[str | list[int]]:
+    """A string, list of strings, token ids or list of token-id lists -> one engine prompt each
+    (at most MAX_PROMPTS, and at most MAX_SEQUENCES_PER_REQUEST sequences counting `n` each)."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise APIError(400, "prompt: must not be empty", param="prompt")
+    count = 1 if isinstance(prompt[0], int) else len(prompt)
+    if count > MAX_PROMPTS:
+        raise APIError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {count}", param="prompt")
+    if count * n > MAX_SEQUENCES_PER_REQUEST:
+        raise APIError(400, f"n: {count} prompts x n={n} is {count * n} sequences; at most "
+                       f"{MAX_SEQUENCES_PER_REQUEST} per request", param="n")
     if isinstance(prompt[0], int):
         return [list(prompt)]
     if isinstance(prompt[0], list) and any(not p for p in prompt):
@@ -74,6 +91,30 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 # -- logprobs ------------------------------------------------------------------------------------
 
 
+def token_text(tokenizer, token_id: int) -> str:
+    """The token as logprobs show it: its text, or for a token that is not whole UTF-8 (part of a
+    character) "bytes:" and its bytes escaped, as vLLM writes it, so distinct tokens keep distinct keys."""
+    s = tokenizer.id_to_token(token_id)
+    if "\ufffd" not in s:
+        return s
+    raw = tokenizer.token_bytes(token_id)
+    try:
+        return raw.decode("utf-8")  # a real U+FFFD in the token
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _finite(lp: float | None) -> float | None:
+    """JSON has no -inf: a token the sampler ruled out (min_tokens ban, top-k) reports -9999.0, as vLLM does."""
+    return None if lp is None else max(-9999.0, lp)  # NaN -> -9999.0 too
+
+
+def _pad_front(token_ids: list[int], entries: list) -> list:
+    """Prompt logprobs may omit the first token's (nothing predicts it): it is null."""
+    missing = len(token_ids) - len(entries)
+    return [None] * missing + list(entries) if missing > 0 else list(entries)
+
+
 class CompletionLogprobs:
     """Builds OpenAI completions `logprobs` incrementally (streaming sends the newest part)."""
 
@@ -83,17 +124,17 @@ class CompletionLogprobs:
 
     def part(self, token_ids: list[int], entries: list) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, entry in zip(token_ids, entries, strict=True):
-            s = self.tokenizer.id_to_token(tid)
+        for tid, entry in zip(token_ids, _pad_front(token_ids, entries), strict=True):
+            s = token_text(self.tokenizer, tid)
             tokens.append(s)
             offsets.append(self.offset)
-            self.offset += len(s)
+            self.offset += len(self.tokenizer.id_to_token(tid))
             if entry is None:  # the first prompt token: nothing predicts it
                 token_lps.append(None)
                 tops.append(None)
             else:
-                token_lps.append(entry.get(tid))
-                tops.append({self.tokenizer.id_to_token(t): lp for t, lp in entry.items()})
+                token_lps.append(_finite(entry.get(tid)))
+                tops.append({token_text(self.tokenizer, t): _finite(lp) for t, lp in entry.items()})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -104,19 +145,14 @@ def merge_logprob_parts(a: dict | None, b: dict) -> dict:
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], entries: list, top_n: int) -> dict:
+    def item(i: int, lp) -> dict:
+        return {"token": token_text(tokenizer, i), "logprob": _finite(lp), "bytes": list(tokenizer.token_bytes(i))}
+
     content = []
-    for tid, entry in zip(token_ids, entries, strict=True):
-        s = tokenizer.id_to_token(tid)
+    for tid, entry in zip(token_ids, _pad_front(token_ids, entries), strict=True):
+        entry = entry or {}
         ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_n]
-        content.append({
-            "token": s,
-            "logprob": entry.get(tid),
-            "bytes": list(s.encode("utf-8")),
-            "top_logprobs": [
-                {"token": (t := tokenizer.id_to_token(i)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
-                for i, lp in ranked
-            ],
-        })
+        content.append({**item(tid, entry.get(tid)), "top_logprobs": [item(i, lp) for i, lp in ranked]})
     return {"content": content}
 
 

@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,6 +23,15 @@ logger = logging.getLogger("tokenloom.server")
 
 RETRY_AFTER_S = 1  # a full queue usually drains within a few decode steps
 _FIELD = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::| must| is| needs| every)")
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON whose strings may hold lone surrogates (echoed input) without failing to encode: they go
+    out as JSON escapes (`\\ud800`), which is still valid JSON."""
+
+    def render(self, content: Any) -> bytes:
+        text = json.dumps(content, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return text.encode("utf-8", "backslashreplace")
 
 
 class APIError(Exception):
@@ -41,7 +52,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return SafeJSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def from_exception(exc: BaseException) -> APIError:
@@ -66,9 +77,20 @@ def param_of(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError, request: Request) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if any(err.get("type") == "json_invalid" for err in errors):
+        err = next(err for err in errors if err.get("type") == "json_invalid")
+        where = [x for x in err.get("loc", ()) if isinstance(x, int)]
+        at = f" at byte {where[0]}" if where else ""
+        reason = (err.get("ctx") or {}).get("error", "")
+        return f"body: the request body is not valid JSON{at}" + (f" ({reason})" if reason else ""), "body"
+    content_type = request.headers.get("content-type", "")
+    if "json" not in content_type.lower() and any(err.get("loc") == ("body",) for err in errors):
+        return ("body: send the request body as a JSON object with 'Content-Type: application/json' "
+                f"(got {content_type or 'no content type'})"), "body"
     parts, param = [], None
-    for err in exc.errors()[:3]:
+    for err in errors[:3]:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         # Union members show up in the location as type names; keep the field path only.
         loc = [x for x in loc if not any(c in x for c in "[]")]
@@ -85,7 +107,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc, request)
         return APIError(400, message, param=param).response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -99,3 +121,10 @@ def install_error_handlers(app: FastAPI) -> None:
     # Registered per class: Starlette re-raises whatever reaches a catch-all `Exception` handler.
     for kind in (ValueError, QueueFullError, EngineStoppingError, EngineDeadError):
         app.add_exception_handler(kind, _mapped)
+
+    async def _internal(request: Request, exc: Exception):
+        # The last resort (Starlette's ServerErrorMiddleware calls it, then re-raises for the log):
+        # a JSON 500 rather than a plain-text one.
+        return from_exception(exc).response()
+
+    app.add_exception_handler(Exception, _internal)

@@ -14,11 +14,11 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..engine.async_llm import EngineDeadError
 from ..outputs import RequestOutput
+from ..request_checks import check_request
 from ..sampling_params import SamplingParams
 from . import convert
-from .errors import APIError, from_exception
+from .errors import APIError, SafeJSONResponse, from_exception
 from .protocol import _SamplingFields
 from .state import ServerState, new_id, now_s
 from .streams import (
@@ -43,9 +43,11 @@ class GenerationView:
         self.id = new_id(self.id_prefix)
         self.created = now_s()
         self.tok = state.tokenizer
+        self.n = 1  # choices per prompt, once the params are known
 
-    def engine_inputs(self) -> tuple[SamplingParams, list]:
-        """The sampling params and the engine prompts (raises APIError/ValueError for bad input)."""
+    async def engine_inputs(self) -> tuple[SamplingParams, list[list[int]]]:
+        """The sampling params and the prompts' token ids (raises APIError/ValueError for bad input);
+        long texts are rendered and tokenized off the event loop."""
         raise NotImplementedError
 
     def render(self, d: ChoiceDelta, streaming: bool) -> dict:
@@ -62,10 +64,13 @@ class GenerationView:
         """The route handler: a JSON response or a StreamingResponse."""
         arrival = time.monotonic()
         view = cls(state, req, state.check_model(req.model))
-        params, prompts = view.engine_inputs()
+        params, prompts = await view.engine_inputs()
+        view.n = params.n
+        for ids in prompts:  # the model-dependent checks, before anything reaches the engine thread
+            check_request(params, ids, state.vocab_size, state.max_model_len)
         group = RequestGroup(state.async_llm, view.id)
         await group.add_all(prompts, params, arrival)  # validation errors surface here, as 400s
-        if req.stream:
+        if req.stream:  # null = false
             return StreamingResponse(view.stream(group), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
         return await until_disconnect(request, view.collect(group))
 
@@ -73,14 +78,16 @@ class GenerationView:
 
     async def collect(self, group: RequestGroup) -> JSONResponse:
         try:
-            return JSONResponse(self.response(await group.final_outputs()))
+            return SafeJSONResponse(self.response(await group.final_outputs(), len(group.streams)))
+        except Exception as exc:  # noqa: BLE001 - every failure is an OpenAI-shaped body
+            return from_exception(exc).response()
         finally:
             group.abort_unfinished()
 
-    def response(self, outputs: dict[int, RequestOutput]) -> dict:
-        if not outputs:
-            raise APIError(503, "the request was aborted (server shutting down)", "server_error", code="aborted")
-        choices = [self._choice(ChoiceDelta.whole(self.req.n, p, out, c), False)
+    def response(self, outputs: dict[int, RequestOutput], num_prompts: int) -> dict:
+        if len(outputs) < num_prompts or not all(out.finished for out in outputs.values()):
+            raise _aborted()
+        choices = [self._choice(ChoiceDelta.whole(self.n, p, out, c), False)
                    for p, out in outputs.items() for c in out.outputs]
         choices.sort(key=lambda ch: ch["index"])
         prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs.values())
@@ -95,16 +102,26 @@ class GenerationView:
                     "choices": choices, **extra})
 
     async def stream(self, group: RequestGroup):
-        tracker = DeltaTracker(self.req.n)
+        tracker = DeltaTracker(self.n)
+        finished: set[int] = set()
         try:
             async for p, out in group.outputs():
+                if out.finished:
+                    finished.add(p)
                 for d in tracker.deltas(p, out):
                     yield self._chunk([self._choice(d, True)])
+            if len(finished) < len(group.streams):  # the engine aborted it: the server is shutting down
+                raise _aborted()
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
                 usage = convert.usage(sum(tracker.prompt_tokens.values()), sum(tracker.completion_tokens.values()))
                 yield self._chunk([], usage=usage)
-        except EngineDeadError as exc:
+        except Exception as exc:  # noqa: BLE001 - the stream ends with an error event, then [DONE]
             yield sse(from_exception(exc).body())
         finally:
             group.abort_unfinished()  # client gone or error: free the engine's blocks now
         yield DONE
+
+
+def _aborted() -> APIError:
+    return APIError(503, "the request was aborted before it finished (the server is shutting down)",
+                    "server_error", code="aborted")

@@ -10,9 +10,25 @@ vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, priorit
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+MAX_PROMPTS = 128  # prompts in one completion request (each is an engine request)
+MAX_MESSAGES = 4096
+MAX_TOKEN_IDS = 1 << 20  # ids in one token-id prompt or /detokenize request (the body limit binds first)
+
+
+def _utf8(value: str) -> str:
+    """Python's JSON parser lets a lone UTF-16 surrogate ("\\ud800") through; nothing can encode it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone UTF-16 surrogate at index {exc.start}; send valid Unicode") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 
 
 class _Body(BaseModel):
@@ -26,17 +42,17 @@ class StreamOptions(_Body):
 class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: str | None = Field(None, description="Served model name; omitted = the one model served")
-    n: int = 1
+    model: Text | None = Field(None, description="Served model name; omitted = the one model served")
+    n: int | None = Field(None, description="Choices per prompt (1-128); null = 1")
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    stop: Text | list[Text] | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    user: str | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    user: Text | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -50,50 +66,52 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: Text | list[Text] | list[int] | list[list[int]] = Field(
         ..., description="A string, a list of strings, a list of token ids, or a list of token-id lists"
     )
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, description="Top-N logprobs per token (0-20)")
-    echo: bool = False
-    suffix: str | None = None
+    echo: bool | None = False
+    suffix: Text | None = None
     best_of: int | None = None
     prompt_logprobs: int | None = None
 
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    """Only these fields reach the chat template; others are ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Text
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
 
 class TokenizeRequest(_Body):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[int]
+    model: Text | None = None
+    tokens: list[int] = Field(..., max_length=MAX_TOKEN_IDS)
 
 
 class ErrorInfo(BaseModel):

@@ -1,13 +1,26 @@
-"""What every route needs: the AsyncLLM, the served names, ids and timestamps."""
+"""What every route needs: the AsyncLLM, the served names, ids and timestamps, and the input side
+of a request kept off the event loop.
+
+Tokenizing a long prompt takes seconds of CPU and the `tokenizers` library holds the GIL in
+`encode` (a thread would still freeze the loop), so long texts go through `encode_batch`, which
+releases it, on a small executor. A text whose length alone proves it cannot fit the context (more
+characters than max_model_len tokens of the longest token could hold) is refused before that.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
 
 from ..engine.async_llm import AsyncLLM
 from .errors import APIError
+
+INLINE_CHARS = 4096  # texts shorter than this are tokenized on the loop (well under a millisecond)
+_EXECUTOR_THREADS = 2
 
 
 @dataclass
@@ -16,6 +29,9 @@ class ServerState:
     served_model_names: list[str]
     model_path: str | None = None
     metrics: object | None = None  # EngineMetrics
+    shutting_down: bool = False
+    _executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(_EXECUTOR_THREADS, thread_name_prefix="tokenloom-text"))
 
     @property
     def model_name(self) -> str:
@@ -25,6 +41,50 @@ class ServerState:
     def tokenizer(self):
         return self.async_llm.tokenizer
 
+    @cached_property
+    def vocab_size(self) -> int:
+        model_config = getattr(self.async_llm.engine, "model_config", None)
+        return getattr(model_config, "vocab_size", None) or self.tokenizer.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.async_llm.config.max_model_len
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The longest token in bytes (a character is at least one byte, so also in characters)."""
+        tok = self.tokenizer.tokenizer
+        return max(len(tok.id_to_token(i) or "") for i in range(tok.get_vocab_size(with_added_tokens=True)))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_model_len * max(self.max_token_bytes, 1)
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise APIError(
+                400, f"{param}: {chars} characters cannot fit this model's context of {self.max_model_len} tokens "
+                f"(at most {self.max_token_bytes} characters per token)", param=param, code="context_length_exceeded")
+
+    async def run_off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def encode(self, text: str, param: str = "prompt") -> list[int]:
+        """Token ids of `text` as `TokenizerWrapper.encode` gives them, off the loop when long."""
+        self.check_text_length(len(text), param)
+        wrapper = self.tokenizer
+        if len(text) < INLINE_CHARS:
+            return wrapper.encode(text)
+        ids = (await self.run_off_loop(_encode_releasing_gil, wrapper.tokenizer, text))
+        if wrapper.add_bos_token and wrapper.bos_token_id is not None and (not ids or ids[0] != wrapper.bos_token_id):
+            ids = [wrapper.bos_token_id, *ids]
+        return ids
+
+    async def decode(self, ids: list[int]) -> str:
+        if len(ids) < INLINE_CHARS:
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return await self.run_off_loop(_decode_releasing_gil, self.tokenizer.tokenizer, ids)
+
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.served_model_names:
             return self.model_name if name is None else name
@@ -32,6 +92,15 @@ class ServerState:
             404, f"The model `{name}` does not exist. Served: {', '.join(self.served_model_names)}",
             "invalid_request_error", "model", "model_not_found",
         )
+
+
+def _encode_releasing_gil(tokenizer, text: str) -> list[int]:
+    # `encode_batch` runs without the GIL (`encode` holds it), so the event loop keeps running.
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def _decode_releasing_gil(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode_batch([ids], skip_special_tokens=False)[0]
 
 
 def new_id(prefix: str) -> str:

@@ -26,6 +26,7 @@ SSE_MEDIA_TYPE = "text/event-stream"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = "data: [DONE]\n\n"
 _END = object()
+FAN_IN_QUEUE = 64
 
 
 def sse(payload: dict) -> str:
@@ -61,16 +62,16 @@ class RequestGroup:
             async for out in self.streams[0]:
                 yield 0, out
             return
-        merged: asyncio.Queue = asyncio.Queue()
+        # Bounded: a pump waits for the consumer (each stream coalesces its own backlog meanwhile).
+        merged: asyncio.Queue = asyncio.Queue(maxsize=FAN_IN_QUEUE)
 
         async def pump(i: int, stream: RequestStream) -> None:
             try:
                 async for out in stream:
-                    merged.put_nowait((i, out))
+                    await merged.put((i, out))
             except Exception as exc:  # noqa: BLE001 - forwarded to the consumer below
-                merged.put_nowait((i, exc))
-            finally:
-                merged.put_nowait((i, _END))
+                await merged.put((i, exc))
+            await merged.put((i, _END))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
         try:

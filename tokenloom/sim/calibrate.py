@@ -20,10 +20,10 @@ import time
 
 import torch
 
+from ..bench.workload import random_prompt_ids
 from ..engine.llm_engine import LLMEngine
 from ..sampling_params import SamplingParams
 from .cost_model import LinearCostModel, StepFeatures, fit_linear, step_features
-from .workloads import random_prompt_ids
 
 # (batch, prompt_len, output_len): decode batches from 1 to 64 at short and long contexts, prefill
 # chunks up to the full budget, and their mixes at the prefill/decode boundary.

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 
+from ..bench.workload import WORKLOADS, make_workload
 from ..config import DEFAULT_KV_CACHE_MEMORY_BYTES
 
 
@@ -22,7 +23,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from ..config import engine_config_from_args
     from .cost_model import MODELS, load_cost_model, preset
     from .simulator import simulate
-    from .workloads import make_workload
 
     if (args.cost_model is None) == (args.preset is None):
         raise ValueError("simulate: give exactly one of --cost-model PATH or --preset MODEL@GPU")
@@ -58,7 +58,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def add_simulate_parser(subparsers) -> None:
     from ..config import add_engine_args
     from .cost_model import MODELS, PRESETS
-    from .workloads import WORKLOADS
 
     p = subparsers.add_parser("simulate", help="simulate the scheduler and KV cache with a step-time cost model")
     p.add_argument("--cost-model", help="JSON written by `tokenloom calibrate`")

@@ -1,4 +1,4 @@
-"""Drives engines over a lab workload in-process and returns what happened (`RunResult` per run).
+"""Drives engines over a lab workload in-process and returns what happened (`LabResult` per run).
 
 The model and tokenizer are passed in, so a caller loads the weights once; each run gets its own
 engine (and KV cache). Several runs are **interleaved step by step** so that every mode
@@ -6,29 +6,22 @@ sees the same machine conditions -- on a shared CPU, runs taken one after anothe
 neighbours as much as the batching. Turns go to the run least far through its output tokens, so all
 runs progress together and finish together. Each engine gets its own `EngineClock`, which advances only
 during that engine's turns, so its step times, TTFTs and latencies are what it would measure alone.
-Requests are added at their arrival offsets on the engine's clock (all at 0 for an offline workload);
-an idle engine skips its clock ahead to the next arrival instead of sleeping.
-
-`LabRun(pad=True)` emulates padding from the outside: every request of a static batch (B consecutive
-requests in admission order; offline workloads only) asks for the batch's longest output, and only its
-own tokens count (the recorder treats the rest as padding). The engine's static mode now computes the
-slots of finished members as padding itself, so both variants cost the same per step; the emulation
-stays as a cross-check.
+A turn is one iteration of `tokenloom.bench.replay.Replay` (requests added at their arrival times on the
+engine's clock, all at 0 for an offline workload); an idle engine skips its clock ahead to the next
+arrival instead of sleeping.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
+from ..bench.replay import Replay
+from ..bench.workload import WorkloadRequest
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
-from ..sampling_params import SamplingParams
 from .recorder import Recorder, RequestRecord, StepRecord
 from .slots import SlotTimeline, assign_slots
-from .workloads import LabRequest
-
-WAIT_TICK_S = 0.001  # clock advance of an empty step (a dynamic batch waiting for company)
 
 
 @dataclass(frozen=True)
@@ -40,16 +33,14 @@ class LabRun:
     policy: str = "fcfs"
     max_wait_ms: float = 50.0
     name: str = ""
-    pad: bool = False  # static only: compute finished rows until the batch ends, as a padding server does
 
     @property
     def label(self) -> str:
-        base = f"{self.mode} (padded)" if self.pad else self.mode
-        return self.name or (base if self.policy == "fcfs" else f"{base}/{self.policy}")
+        return self.name or (self.mode if self.policy == "fcfs" else f"{self.mode}/{self.policy}")
 
 
 @dataclass
-class RunResult:
+class LabResult:
     run: LabRun
     start: float  # engine clock at the start of the run
     end: float  # engine clock when the last request finished
@@ -89,27 +80,14 @@ class EngineClock:
     def skip(self, seconds: float) -> None:
         self.elapsed += max(seconds, 0.0)
 
-
-def padded(requests: list[LabRequest], run: LabRun) -> tuple[list[LabRequest], dict[str, int]]:
-    """Requests asking for their static batch's longest output, and each one's real output length."""
-    from .summary import admission_order
-
-    if run.mode != "static" or any(r.arrival_offset for r in requests):
-        raise ValueError("pad: only for static batching of an offline workload (every request at t = 0)")
-    order = admission_order(requests, run.policy)
-    longest: dict[str, int] = {}
-    for i in range(0, len(order), run.batch_size):
-        batch = order[i : i + run.batch_size]
-        top = max(r.max_tokens for r in batch)
-        longest.update({r.request_id: top for r in batch})
-    real = {r.request_id: r.max_tokens for r in requests}
-    return [replace(r, max_tokens=longest[r.request_id]) for r in requests], real
+    def sleep_until(self, t: float) -> None:
+        self.skip(t - self())
 
 
 class _Driver:
-    """One run in progress: its engine, clock, recorder and the requests not yet added."""
+    """One run in progress: its engine, clock, recorder and replay of the workload."""
 
-    def __init__(self, model, tokenizer, requests: list[LabRequest], run: LabRun, engine_kwargs: dict):
+    def __init__(self, model, tokenizer, requests: list[WorkloadRequest], run: LabRun, engine_kwargs: dict):
         self.run = run
         self.config = EngineConfig(
             batching=run.mode,
@@ -120,51 +98,32 @@ class _Driver:
         )
         self.clock = EngineClock()
         self.engine = LLMEngine(self.config, model=model, tokenizer=tokenizer, clock=self.clock)
-        real_lens = None
-        if run.pad:
-            requests, real_lens = padded(requests, run)
-        self.recorder = Recorder(real_lens)
+        self.recorder = Recorder()
         self.engine.step_listeners.append(self.recorder)
-        self.pending = sorted(requests, key=lambda r: r.arrival_offset)
-        self.next = 0
-        self.total_tokens = max(sum(r.max_tokens for r in self.pending), 1)
+        self.replay = Replay(self.engine, requests)
+        self.total_tokens = max(sum(r.max_tokens for r in requests), 1)
 
     @property
     def progress(self) -> float:
-        """Fraction of the run's output tokens (padding included) generated so far."""
+        """Fraction of the run's output tokens generated so far."""
         return self.engine.num_generation_tokens / self.total_tokens
 
     @property
     def done(self) -> bool:
-        return self.next >= len(self.pending) and not self.engine.has_unfinished_requests()
+        return self.replay.done
 
     def turn(self) -> None:
-        """Add due arrivals, then one engine step (or skip the clock to the next arrival)."""
+        """One replay turn (due arrivals, then one engine step), timed on this engine's clock only."""
         self.clock.resume()
         try:
-            now = self.clock()
-            while self.next < len(self.pending) and self.pending[self.next].arrival_offset <= now:
-                req = self.pending[self.next]
-                params = SamplingParams(
-                    temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True, priority=req.priority
-                )
-                prompt = {"prompt_token_ids": req.prompt_token_ids}
-                self.engine.add_request(req.request_id, prompt, params, arrival_time=req.arrival_offset)
-                self.next += 1
-            if not self.engine.has_unfinished_requests():
-                if self.next < len(self.pending):
-                    self.clock.skip(self.pending[self.next].arrival_offset - now)
-                return
-            self.engine.step()
-            if self.engine.last_step is not None and self.engine.last_step.num_seqs == 0:
-                self.clock.skip(WAIT_TICK_S)
+            self.replay.turn()
         finally:
             self.clock.pause()
 
-    def result(self) -> RunResult:
+    def result(self) -> LabResult:
         records = self.recorder.requests
         end = max((r.finished for r in records.values()), default=self.clock())
-        return RunResult(
+        return LabResult(
             run=self.run,
             start=0.0,
             end=end,
@@ -179,8 +138,8 @@ class _Driver:
 
 
 def run_workloads(
-    model, tokenizer, requests: list[LabRequest], runs: list[LabRun], interleave: bool = True, **engine_kwargs
-) -> list[RunResult]:
+    model, tokenizer, requests: list[WorkloadRequest], runs: list[LabRun], interleave: bool = True, **engine_kwargs
+) -> list[LabResult]:
     """Run `requests` through one engine per run; `engine_kwargs` are extra EngineConfig fields shared by
     all runs. Interleaved (the default), the next turn always goes to the run that is least far through its
     output tokens, so runs needing fewer steps take fewer turns and all runs end together: every run
@@ -199,12 +158,12 @@ def run_workloads(
     return results
 
 
-def run_workload(model, tokenizer, requests: list[LabRequest], run: LabRun, **engine_kwargs) -> RunResult:
+def run_workload(model, tokenizer, requests: list[WorkloadRequest], run: LabRun, **engine_kwargs) -> LabResult:
     return run_workloads(model, tokenizer, requests, [run], **engine_kwargs)[0]
 
 
 def warm_up(model, tokenizer, batch_size: int, **engine_kwargs) -> None:
     """A few short steps at the batch size to come, so the first measured steps pay no first-use costs
     (allocator growth, kernel selection for new shapes)."""
-    requests = [LabRequest(f"w{i}", list(range(300, 324 + i)), 8) for i in range(batch_size)]
+    requests = [WorkloadRequest(f"w{i}", list(range(300, 324 + i)), 8) for i in range(batch_size)]
     run_workload(model, tokenizer, requests, LabRun("continuous", batch_size), **engine_kwargs)

@@ -1,0 +1,68 @@
+"""Connection hygiene for uvicorn: a client must send a whole request within a bound.
+
+uvicorn arms its keep-alive timer only after a response, and cancels it as soon as any byte
+arrives, so a client that opens a socket and sends nothing, or dribbles headers a byte at a time
+(slowloris), keeps the socket forever. `ReadTimeoutH11Protocol` arms a deadline when a connection
+opens and after every response; it is cleared only once a whole request (headers and body) has
+arrived. A connection still short of that at the deadline is closed (the app, if it was reading the
+body, sees a disconnect). Header size is bounded by h11 (`h11_max_incomplete_event_size`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+KEEP_ALIVE_S = 5.0
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class ReadTimeoutH11Protocol(H11Protocol):
+    read_timeout_s: float = 30.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._arm_read_timer()
+
+    def _arm_read_timer(self) -> None:
+        self._cancel_read_timer()
+        self._read_timer = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+
+    def _cancel_read_timer(self) -> None:
+        timer = getattr(self, "_read_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._read_timer = None
+
+    def _request_complete(self) -> bool:
+        cycle = self.cycle
+        return cycle is not None and not cycle.response_complete and not cycle.more_body
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._request_complete():
+            self._cancel_read_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_read_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_read_timer()
+        super().connection_lost(exc)
+
+    def _read_timed_out(self) -> None:
+        self._read_timer = None
+        if self._request_complete() or self.transport.is_closing():
+            return
+        self.logger.info("closing a connection that did not send a whole request within %.0fs", self.read_timeout_s)
+        self.transport.close()
+
+
+def connection_limits(read_timeout_s: float) -> dict:
+    """Keyword arguments for `uvicorn.Config`."""
+    protocol = type("ReadTimeoutH11", (ReadTimeoutH11Protocol,), {"read_timeout_s": read_timeout_s})
+    return {"http": protocol, "timeout_keep_alive": KEEP_ALIVE_S, "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
