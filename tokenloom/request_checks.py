@@ -5,7 +5,8 @@ on the model lives here, in one function with no imports from the engine, so the
 refuse a request on the event loop before anything reaches the engine thread and
 `LLMEngine.add_request` can run the very same checks for the offline API:
 
-- every prompt token id and every `stop_token_ids` entry is in [0, vocab_size);
+- every prompt token id and every id in `stop_token_ids`, `allowed_token_ids` and `logit_bias` is in
+  [0, vocab_size);
 - the prompt leaves room to generate, and prompt + max_tokens / min_tokens fit max_model_len.
 
 Every failure is a ValueError whose message starts with the field's name (the server's 400 `param`).
@@ -25,9 +26,10 @@ def check_request(params: SamplingParams, prompt_ids: Sequence[int], vocab_size:
     bad = next((t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"prompt: every token id must be an integer in [0, {vocab_size}), got {bad!r}")
-    bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"stop_token_ids: every id must be in [0, {vocab_size}), got {bad}")
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        bad = next((t for t in getattr(params, name) or () if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}: every token id must be in [0, {vocab_size}), got {bad}")
     if n >= max_model_len:
         raise ValueError(f"prompt: {n} tokens, but max_model_len is {max_model_len} (room is needed to generate)")
     room = max_model_len - n

@@ -86,9 +86,6 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its fields")
 
-    def token_ids_to_check(self) -> list[int]:
-        """Every token id the parameters name, for the engine's vocabulary check."""
-        return [*self.stop_token_ids, *(self.logit_bias or ()), *(self.allowed_token_ids or ())]
 
     def _normalise(self) -> None:
         for name in _NONE_IS_DEFAULT:

@@ -1,7 +1,7 @@
 """What a request's sequences may sample: logit bias, allowed ids, bad words and a grammar.
 
-`RequestConstraints` is built once per request (ids checked against the vocabulary, bad words
-tokenized, one grammar state per sequence) and asked each step for the `RowConstraint` of a row
+`RequestConstraints` is built once per request (bad words tokenized, one grammar state per
+sequence; its ids were checked against the vocabulary by `request_checks`) and asked each step for the `RowConstraint` of a row
 that samples; the sampler applies it. After a token is chosen the grammar consumes it, and the
 tokens the grammar then admits as the only continuation are appended without a forward each
 (jump-forward): the next step computes their KV as one chunk.
@@ -16,11 +16,7 @@ from ..structured_outputs import GrammarCompiler, GrammarState
 
 
 class RequestConstraints:
-    def __init__(self, params: SamplingParams, tokenizer: TokenizerWrapper, vocab_size: int,
-                 grammars: GrammarCompiler | None):
-        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
-            if any(t >= vocab_size for t in getattr(params, name) or ()):
-                raise ValueError(f"{name}: every token id must be in [0, {vocab_size})")
+    def __init__(self, params: SamplingParams, tokenizer: TokenizerWrapper, grammars: GrammarCompiler | None):
         self.params = params
         self.allowed = tuple(params.allowed_token_ids) if params.allowed_token_ids else None
         self.bad_words = _bad_word_ids(params.bad_words or [], tokenizer)
@@ -29,15 +25,12 @@ class RequestConstraints:
             self.grammars = [grammars.matcher(params.structured_outputs) for _ in range(params.n)]
 
     @classmethod
-    def of(cls, params: SamplingParams, tokenizer, vocab_size: int, grammars) -> RequestConstraints | None:
+    def of(cls, params: SamplingParams, tokenizer, grammars) -> RequestConstraints | None:
         """None for a request that constrains nothing (the common case costs nothing per step)."""
         p = params
         if not (p.logit_bias or p.allowed_token_ids or p.bad_words or p.structured_outputs):
-            for t in p.stop_token_ids:
-                if t >= vocab_size:
-                    raise ValueError(f"stop_token_ids: every token id must be in [0, {vocab_size})")
             return None
-        return cls(params, tokenizer, vocab_size, grammars)
+        return cls(params, tokenizer, grammars)
 
     def row(self, seq: Sequence, banned: tuple[int, ...]) -> RowConstraint:
         output = seq.output_token_ids

@@ -146,7 +146,7 @@ class LLMEngine:
         text, ids = self._prompt_ids(prompt)
         check_request(params, ids, self.model_config.vocab_size, self.config.max_model_len)
         self._check_lengths(ids, params)
-        constraints = RequestConstraints.of(params, self.tokenizer, self.model_config.vocab_size, self.grammars)
+        constraints = RequestConstraints.of(params, self.tokenizer, self.grammars)
         seqs = []
         for i in range(params.n):
             gen = None
