@@ -65,26 +65,32 @@ class SamplingParams:
     def _validate_constraints(self) -> None:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError("logit_bias must map token ids to biases")
+                raise ValueError("logit_bias: must map token ids to biases")
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
-                raise ValueError("logit_bias must map integer token ids to numbers") from None
+                raise ValueError("logit_bias: must map integer token ids to numbers") from None
+            if len(self.logit_bias) > 1024:
+                raise ValueError("logit_bias: at most 1024 tokens")
             if not all(-100 <= v <= 100 for v in self.logit_bias.values()):
-                raise ValueError("logit_bias values must be in [-100, 100]")
+                raise ValueError("logit_bias: values must be in [-100, 100]")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, list | tuple) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise ValueError("allowed_token_ids must be a non-empty list of non-negative integers")
+                raise ValueError("allowed_token_ids: must be a non-empty list of non-negative integers")
+            if len(ids) > 1 << 20:
+                raise ValueError("allowed_token_ids: too many ids")
             self.allowed_token_ids = list(ids)
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list | tuple) or not all(isinstance(w, str) and w for w in self.bad_words):
-                raise ValueError("bad_words must be a list of non-empty strings")
+                raise ValueError("bad_words: must be a list of non-empty strings")
+            if len(self.bad_words) > 1024 or any(len(w) > 1024 for w in self.bad_words):
+                raise ValueError("bad_words: at most 1024 words of at most 1024 characters")
             self.bad_words = list(self.bad_words)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of its fields")
+            raise ValueError("structured_outputs: must be a StructuredOutputsParams or a dict of its fields")
 
 
     def _normalise(self) -> None:

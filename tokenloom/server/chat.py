@@ -14,27 +14,29 @@ from .generation import GenerationView
 from .protocol import ChatCompletionRequest
 from .state import INLINE_CHARS, ServerState
 from .streams import ChoiceDelta
+from .structured import ToolChoice, tool_choice
 
 
-def render_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
+def render_prompt(state: ServerState, req: ChatCompletionRequest, tools: ToolChoice | None = None) -> str:
     try:
-        return state.tokenizer.apply_chat_template(convert.chat_messages(req), req.add_generation_prompt)
+        return state.tokenizer.apply_chat_template(convert.chat_messages(req, tools), req.add_generation_prompt)
     except ValueError:
         raise
     except Exception as exc:  # jinja errors: the messages do not fit the template
         raise APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
 
 
-async def render_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+async def render_prompt_ids(state: ServerState, req: ChatCompletionRequest,
+                            tools: ToolChoice | None = None) -> tuple[str, list[int]]:
     """The rendered prompt and its ids; long conversations are rendered off the event loop, and
     one whose text alone cannot fit the context is refused before rendering."""
     chars = sum(len(m.content) if isinstance(m.content, str) else
                 sum(len(p.text or "") for p in m.content or ()) for m in req.messages)
     state.check_text_length(chars, "messages")
     if chars < INLINE_CHARS:
-        text = render_prompt(state, req)
+        text = render_prompt(state, req, tools)
     else:
-        text = await state.run_off_loop(render_prompt, state, req)
+        text = await state.run_off_loop(render_prompt, state, req, tools)
     return text, await state.encode(text, "messages")
 
 
@@ -43,12 +45,17 @@ class _ChatView(GenerationView):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    tools: ToolChoice | None = None
+
     async def engine_inputs(self):
-        params = convert.chat_params(self.req)
-        _, ids = await render_prompt_ids(self.state, self.req)
+        self.tools = tool_choice(self.req, "tools" in (self.tok.chat_template or ""))
+        params = convert.chat_params(self.req, self.tools)
+        _, ids = await render_prompt_ids(self.state, self.req, self.tools)
         return params, [ids]
 
     def render(self, d: ChoiceDelta, streaming: bool) -> dict:
+        if self.tools is not None:
+            return self._render_tool_calls(d, streaming)
         if d.first:
             message = {"role": "assistant", "content": d.text}
         else:
@@ -57,6 +64,20 @@ class _ChatView(GenerationView):
         if d.logprobs is not None:
             logprobs = convert.chat_logprobs(self.tok, d.token_ids, d.logprobs, self.req.top_logprobs or 0)
         return {"delta" if streaming else "message": message, "logprobs": logprobs}
+
+    def _render_tool_calls(self, d: ChoiceDelta, streaming: bool) -> dict:
+        """A forced call: the grammar-constrained text becomes `tool_calls` once the choice is complete
+        (streamed as one delta per call, OpenAI's shape); a truncated one stays text."""
+        key = "delta" if streaming else "message"
+        head = {"role": "assistant", "content": None} if d.first else {}
+        if d.choice.finish_reason != "stop":
+            if d.choice.finish_reason is None:
+                return {key: head}
+            return {key: {**head, "content": d.text}}  # cut by max_tokens: no valid call to report
+        calls = self.tools.calls(d.choice.text)
+        if streaming:
+            calls = [{"index": i, **call} for i, call in enumerate(calls)]
+        return {key: {**head, "tool_calls": calls}, "finish_reason": "tool_calls"}
 
 
 create_chat_completion = _ChatView.create

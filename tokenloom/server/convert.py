@@ -13,6 +13,7 @@ from __future__ import annotations
 from ..sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from .errors import APIError
 from .protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, _SamplingFields
+from .structured import ToolChoice, structured_outputs
 
 # Engine sequences one request may create (prompts x n), checked before any is created.
 MAX_SEQUENCES_PER_REQUEST = 256
@@ -22,21 +23,32 @@ MAX_SEQUENCES_PER_REQUEST = 256
 _SAME_NAME = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output",
-    "ignore_eos", "skip_special_tokens", "priority",
+    "ignore_eos", "skip_special_tokens", "priority", "logit_bias", "allowed_token_ids", "bad_words",
 )
 
 
 def sampling_params(req: _SamplingFields, **fields) -> SamplingParams:
     """The shared fields by name plus the endpoint's own (`fields`); raises ValueError naming the
     field for values out of range."""
+    fields.setdefault("structured_outputs", structured_outputs(req))
     return SamplingParams(**{name: getattr(req, name) for name in _SAME_NAME}, **fields)
 
 
+def refuse_unsupported(req, names: tuple[str, ...]) -> None:
+    """A field this server does not implement is a 400 naming it, never silently ignored."""
+    for name in names:
+        if getattr(req, name, None) not in (None, "", False):
+            raise APIError(400, f"{name}: not supported by this server", param=name)
+
+
 def completion_params(req: CompletionRequest) -> SamplingParams:
+    refuse_unsupported(req, ("suffix",))
     if req.best_of is not None and not 1 <= req.best_of <= MAX_N:
         raise APIError(400, f"best_of: must be an integer in [1, {MAX_N}], got {req.best_of}", param="best_of")
     if req.best_of is not None and req.n is not None and req.best_of < req.n:
         raise APIError(400, f"best_of: must be >= n ({req.n}), got {req.best_of}", param="best_of")
+    if req.best_of is not None and req.best_of > (req.n or 1):
+        raise APIError(400, "best_of: only best_of = n is supported (vLLM v1 dropped best_of too)", param="best_of")
     if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
         prompt_logprobs = req.logprobs  # echo + logprobs = score the prompt too (eval harnesses)
     else:
@@ -44,7 +56,8 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
     return sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
 
 
-def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, tools: ToolChoice | None = None) -> SamplingParams:
+    refuse_unsupported(req, ("functions", "function_call", "audio"))
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
@@ -52,7 +65,12 @@ def chat_params(req: ChatCompletionRequest) -> SamplingParams:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    if tools is None:
+        return sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
+    if structured_outputs(req) is not None:
+        raise APIError(400, "tool_choice: a forced tool call cannot be combined with response_format or "
+                       "structured_outputs", param="tool_choice")
+    return sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=tools.grammar())
 
 
 def completion_prompts(prompt, n: int = 1) -> list[str | list[int]]:
@@ -75,16 +93,26 @@ def completion_prompts(prompt, n: int = 1) -> list[str | list[int]]:
     return list(prompt)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """Messages as the chat template expects them: content flattened to a string."""
+def chat_messages(req: ChatCompletionRequest, tools: ToolChoice | None = None) -> list[dict]:
+    """Messages as the chat template expects them: content flattened to a string (text parts only:
+    an image or audio part is a 400), the tools described in the system message when a call is forced."""
     out = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         msg = m.model_dump(exclude_none=True)
         if isinstance(m.content, list):
+            for part in m.content:
+                if part.type != "text":
+                    raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported "
+                                   "(this model reads text only)", param=f"messages[{i}].content")
             msg["content"] = "".join(p.text or "" for p in m.content if p.type == "text")
         elif m.content is None:
             msg["content"] = ""
         out.append(msg)
+    if tools is not None:
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = f"{out[0]['content']}\n\n{tools.system_prompt()}"
+        else:
+            out.insert(0, {"role": "system", "content": tools.system_prompt()})
     return out
 
 

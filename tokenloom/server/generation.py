@@ -56,8 +56,8 @@ class GenerationView:
 
     def _choice(self, d: ChoiceDelta, streaming: bool) -> dict:
         c = d.choice
-        return {"index": d.index, **self.render(d, streaming), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+        return {"index": d.index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                **self.render(d, streaming)}
 
     @classmethod
     async def create(cls, req: _SamplingFields, request: Request, state: ServerState):
@@ -66,6 +66,8 @@ class GenerationView:
         view = cls(state, req, state.check_model(req.model))
         params, prompts = await view.engine_inputs()
         view.n = params.n
+        if params.structured_outputs is not None:  # compiled (or found in the cache) off the event loop
+            await state.run_off_loop(state.async_llm.engine.grammars.compile, params.structured_outputs)
         for ids in prompts:  # the model-dependent checks, before anything reaches the engine thread
             check_request(params, ids, state.vocab_size, state.max_model_len)
         group = RequestGroup(state.async_llm, view.id)

@@ -10,7 +10,7 @@ vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos, min_tokens, priorit
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -39,6 +39,18 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Body):
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -63,6 +75,17 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Constraints on the output
+    logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100]")
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[Text] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's structured outputs: one of json, regex, choice, grammar, json_object")
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -92,6 +115,18 @@ class ChatMessage(BaseModel):
     name: Text | None = None
 
 
+class FunctionDefinition(_Body):
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Text = "function"
+    function: FunctionDefinition | None = None
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = None
@@ -99,6 +134,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    functions: list[Any] | None = Field(None, description="Deprecated by OpenAI; not supported (use tools)")
+    function_call: Text | dict[str, Any] | None = Field(None, description="Not supported (use tool_choice)")
+    audio: dict[str, Any] | None = Field(None, description="Not supported")
+    tool_choice: Text | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(_Body):

@@ -1,0 +1,110 @@
+"""Structured output and tool calls over the API: the request's fields -> one grammar, and back.
+
+Any one of these constrains a request's output: OpenAI's `response_format` (`json_object`,
+`json_schema`), vLLM's `structured_outputs` (json / regex / choice / grammar / json_object) or its
+older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, and (chat) `tools` with a
+`tool_choice` that forces a call. A forced call goes through the grammar, as vLLM does for any
+model: `"required"` makes the model write a JSON array of `{"name", "parameters"}` objects, one of
+the tools each; a named function makes it write that function's arguments. `"none"` ignores the
+tools; `"auto"` needs a chat template that knows tools, which this model's does not, so it is
+refused with a 400 rather than silently answered as text.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from ..structured_outputs import StructuredOutputsParams
+from .errors import APIError
+from .protocol import ChatCompletionRequest, _SamplingFields
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
+    """The one grammar the request asks for (None: unconstrained); a 400 naming the field otherwise."""
+    asked: list[tuple[str, dict]] = []
+    if req.structured_outputs is not None:
+        asked.append(("structured_outputs", req.structured_outputs))
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format.json_schema.schema: required for type json_schema",
+                           param="response_format")
+        asked.append(("response_format", {"json": fmt.json_schema.schema_}))
+    for name, kind in _GUIDED.items():
+        if getattr(req, name) is not None:
+            asked.append((name, {kind: getattr(req, name)}))
+    if len(asked) > 1:
+        names = ", ".join(name for name, _ in asked)
+        raise APIError(400, f"{asked[1][0]}: only one of {names} may constrain the output", param=asked[1][0])
+    if not asked:
+        return None
+    name, fields = asked[0]
+    try:
+        return StructuredOutputsParams.from_dict(fields)
+    except ValueError as e:
+        raise APIError(400, f"{name}: {e}", param=name) from None
+
+
+@dataclass
+class ToolChoice:
+    """A forced tool call: `name` None = "required" (any of the tools, one or more calls)."""
+
+    tools: dict[str, dict]  # name -> JSON schema of its parameters
+    name: str | None
+
+    def grammar(self) -> StructuredOutputsParams:
+        if self.name is not None:
+            return StructuredOutputsParams(json=self.tools[self.name])
+        call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+                 "required": ["name", "parameters"], "additionalProperties": False}
+                for name, params in self.tools.items()]
+        return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": call}})
+
+    def calls(self, text: str) -> list[dict]:
+        """OpenAI `tool_calls` from the constrained output."""
+        if self.name is not None:
+            pairs = [(self.name, text)]
+        else:
+            pairs = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": name, "arguments": arguments}} for name, arguments in pairs]
+
+    def system_prompt(self) -> str:
+        """What the model is told, since its chat template has no place for tools."""
+        specs = json.dumps([{"name": n, "parameters": p} for n, p in self.tools.items()], ensure_ascii=False)
+        return f"You can call these functions; answer with a call as JSON.\nFunctions: {specs}"
+
+
+def tool_choice(req: ChatCompletionRequest, template_knows_tools: bool) -> ToolChoice | None:
+    if not req.tools:
+        if req.tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice: needs tools", param="tool_choice")
+        return None
+    tools = {}
+    for i, tool in enumerate(req.tools):
+        if tool.type != "function" or tool.function is None:
+            raise APIError(400, f"tools[{i}]: only function tools are supported", param="tools")
+        params = tool.function.parameters or {"type": "object", "properties": {}}
+        tools[tool.function.name] = params
+    choice = req.tool_choice if req.tool_choice is not None else "auto"
+    if choice == "none":
+        return None
+    if choice == "auto":
+        if template_knows_tools:
+            raise APIError(400, "tool_choice: 'auto' is not supported (no tool parser)", param="tool_choice")
+        raise APIError(400, "tool_choice: 'auto' needs a chat template that knows tools and this model's does "
+                       "not; use 'required' or name a function", param="tool_choice")
+    if choice == "required":
+        return ToolChoice(tools, None)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name not in tools:
+            raise APIError(400, f"tool_choice: no tool named {name!r}", param="tool_choice")
+        return ToolChoice(tools, name)
+    raise APIError(400, "tool_choice: must be 'none', 'auto', 'required' or a named function", param="tool_choice")
