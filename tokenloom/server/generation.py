@@ -78,6 +78,8 @@ class GenerationView:
             group.abort_unfinished()
 
     def response(self, outputs: dict[int, RequestOutput]) -> dict:
+        if failed := [out.error for out in outputs.values() if out.error is not None]:
+            raise APIError(500, failed[0], "server_error", code="internal_error")
         if not outputs:
             raise APIError(503, "the request was aborted (server shutting down)", "server_error", code="aborted")
         choices = [self._choice(ChoiceDelta.whole(self.req.n, p, out, c), False)
@@ -98,6 +100,9 @@ class GenerationView:
         tracker = DeltaTracker(self.req.n)
         try:
             async for p, out in group.outputs():
+                if out.error is not None:  # an internal error failed this request (alone)
+                    yield sse(APIError(500, out.error, "server_error", code="internal_error").body())
+                    break
                 for d in tracker.deltas(p, out):
                     yield self._chunk([self._choice(d, True)])
             if self.req.stream_options is not None and self.req.stream_options.include_usage:
