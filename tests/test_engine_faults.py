@@ -93,6 +93,15 @@ def test_forward_failure_fails_its_step_and_engine_goes_on(make_engine):
     assert all(out.error is None and len(out.outputs[0].token_ids) == 8 for out in outs.values())
 
 
+def test_forward_fault_aimed_at_a_request_fails_its_step_once(make_engine):
+    engine = make_engine(num_kv_blocks=64)
+    rule = faults.inject("forward", "req-x")
+    add_many(engine, ["req-a", "req-x", "req-b"])
+    outs = run(engine)
+    assert rule.fired == 1 and all(out.error for out in outs.values())
+    assert engine.fault_stats.requests_failed_collateral == 3
+
+
 def test_forward_failure_only_hits_that_steps_requests(make_engine):
     """A request still waiting (not in the failing step) is not collateral."""
     engine = make_engine(num_kv_blocks=64, max_num_seqs=2)
@@ -132,6 +141,7 @@ def test_faults_off_costs_nothing_and_env_spec_parses():
     rules = faults.configure("sampler:req-A, detok:req-B,forward:3+")
     assert [(r.site, r.target) for r in rules] == [("sampler", "req-A"), ("detok", "req-B"), ("forward", "3+")]
     assert rules[2].matches_step(3) and rules[2].matches_step(9) and not rules[2].matches_step(2)
+    assert not faults.inject("forward", "marker").matches_step(1)
     assert faults.ACTIVE
     with pytest.raises(ValueError):
         faults.configure("nosuchsite:1")

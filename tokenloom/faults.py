@@ -12,8 +12,10 @@ Sites and targets:
   whose id contains it or whose prompt text contains it (so an HTTP client, who does not choose the
   request id, can put a marker in its prompt); `*` matches every request.
 - per step: `forward` (the batched forward, before it runs) and `scheduler` (inside schedule()).
-  The target is an engine step number counted from 1: `3` (the third forward only), `3+` (every
-  forward from the third on), `*` (every one).
+  The target is an engine step number counted from 1: `3` (the third step only), `3+` (every
+  step from the third on), `*` (every one). A `forward` target that is not a step number is a
+  request marker: the forward of any step that computes a matching request fails (failing every
+  request of that step) - what an HTTP test can aim at.
 """
 
 from __future__ import annotations
@@ -37,8 +39,15 @@ class Rule:
     target: str
     fired: int = 0
 
+    @property
+    def is_step_target(self) -> bool:
+        t = self.target.removesuffix("+")
+        return t == "*" or t.isdigit()
+
     def matches_step(self, n: int) -> bool:
         t = self.target
+        if not self.is_step_target:
+            return False
         if t == "*":
             return True
         if t.endswith("+"):
@@ -62,8 +71,8 @@ def inject(site: str, target: str = "*") -> Rule:
     if site not in REQUEST_SITES + STEP_SITES:
         raise ValueError(f"faults: unknown site {site!r} (known: {', '.join(REQUEST_SITES + STEP_SITES)})")
     rule = Rule(site, str(target))
-    if site in STEP_SITES:
-        rule.matches_step(1)  # validates the step target
+    if site == "scheduler" and not rule.is_step_target:
+        raise ValueError(f"faults: scheduler needs a step number target, got {target!r}")
     _rules.append(rule)
     ACTIVE = True
     return rule
@@ -123,11 +132,18 @@ def maybe_raise_for_prompt(site: str, prompt_token_ids) -> None:
         maybe_raise(site, owner[1], owner[2])
 
 
-def maybe_raise_step(site: str, step: int) -> None:
-    """A per-step hook: raise if a `site` rule matches this step number."""
+def maybe_raise_step(site: str, step: int, requests: tuple[tuple[str, str], ...] = ()) -> None:
+    """A per-step hook: raise if a `site` rule matches this step number, or (a marker rule) one of
+    the step's (request id, prompt text) pairs."""
     for rule in _rules:
-        if rule.site == site and rule.matches_step(step):
+        if rule.site != site:
+            continue
+        if rule.matches_step(step):
             _raise(rule, f"step {step}")
+        if not rule.is_step_target:
+            for request_id, text in requests:
+                if rule.matches_request(request_id, text):
+                    _raise(rule, f"step {step}, request {request_id}")
 
 
 configure(os.environ.get("TOKENLOOM_FAULTS"))
