@@ -7,6 +7,8 @@ and no request has ended more than once; at the end, once drained, every request
 
 from __future__ import annotations
 
+import time
+
 import hypothesis.strategies as st
 from conftest import TINY
 from hypothesis import HealthCheck, settings
@@ -19,7 +21,8 @@ from tokenloom.model.tokenizer import load_tokenizer
 
 _MODEL = None
 _TOKENIZER = None
-STATS = {"examples": 0, "steps": 0, "preemptions": 0, "faults": 0, "failed": 0, "aborted": 0, "finished": 0}
+STATS = {"examples": 0, "steps": 0, "preemptions": 0, "faults": 0, "finished": 0, "aborted": 0, "failed_alone": 0,
+         "failed_collateral": 0, "forward_failures": 0, "blocks_leaked": 0}
 BASE = list(range(100, 164))  # a shared prefix: four full blocks of 16
 
 
@@ -43,9 +46,14 @@ class EngineMachine(RuleBasedStateMachine):
         self.live: list[str] = []
         self.next_id = 0
 
-    @rule(prompt_len=st.integers(1, 60), shared=st.booleans(), max_tokens=st.integers(1, 24),
-          n=st.integers(1, 2), logprobs=st.booleans(), temperature=st.sampled_from([0.0, 0.8]))
-    def add(self, prompt_len, shared, max_tokens, n, logprobs, temperature):
+    @precondition(lambda self: len(self.live) < 8)  # enough to keep the tiny KV cache over-subscribed
+    @rule(reqs=st.lists(st.tuples(st.integers(1, 40), st.booleans(), st.integers(4, 40), st.integers(1, 2),
+                                   st.booleans(), st.sampled_from([0.0, 0.8])), min_size=1, max_size=3))
+    def add(self, reqs):
+        for req in reqs:
+            self._add(*req)
+
+    def _add(self, prompt_len, shared, max_tokens, n, logprobs, temperature):
         rid = f"<{self.next_id:03d}>"
         self.next_id += 1
         prompt = (BASE if shared else []) + [(7 * self.next_id + i) % 1000 + 1 for i in range(prompt_len)]
@@ -62,7 +70,7 @@ class EngineMachine(RuleBasedStateMachine):
     def step(self):
         self._step()
 
-    @rule(k=st.integers(1, 5))
+    @rule(k=st.integers(1, 8))
     def steps(self, k):
         for _ in range(k):
             self._step()
@@ -77,8 +85,9 @@ class EngineMachine(RuleBasedStateMachine):
             if out.finished:
                 self.ends[out.request_id] += 1
                 self.live.remove(out.request_id)
-                STATS["failed" if out.error else "finished"] += 1
-                if out.error:
+                if not out.error:
+                    STATS["finished"] += 1
+                else:
                     assert all(c.finish_reason == "error" for c in out.outputs)
 
     @precondition(lambda self: self.live)
@@ -92,15 +101,14 @@ class EngineMachine(RuleBasedStateMachine):
         STATS["aborted"] += 1
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), site=st.sampled_from(["sampler", "detok", "logprobs"]))
-    def fail_request(self, data, site):
+    @rule(data=st.data(), site=st.sampled_from(["sampler", "detok", "logprobs", "forward"]))
+    def inject_fault(self, data, site):
+        if site == "forward":  # the next step's forward; never so many in a row that the engine gives up
+            if self.engine.fault_stats.consecutive_forward_failures == 0:
+                faults.inject("forward", str(self.engine.num_steps + 1))
+                STATS["faults"] += 1
+            return
         faults.inject(site, data.draw(st.sampled_from(self.live)))
-        STATS["faults"] += 1
-
-    @precondition(lambda self: self.engine.fault_stats.consecutive_forward_failures == 0)
-    @rule()
-    def fail_next_forward(self):
-        faults.inject("forward", str(self.engine.num_steps + 1))
         STATS["faults"] += 1
 
     @invariant()
@@ -120,20 +128,27 @@ class EngineMachine(RuleBasedStateMachine):
             self.engine.check_kv_invariants()
         assert not self.engine.has_unfinished_requests(), "the engine did not drain"
         assert all(v == 1 for v in self.ends.values()), {k: v for k, v in self.ends.items() if v != 1}
-        assert self.engine.kv.all_free(), "KV blocks leaked"
+        kv = self.engine.kv
+        STATS["blocks_leaked"] += kv.num_blocks - kv.num_free_blocks + kv.num_host_blocks - len(kv.free_host_blocks)
+        assert kv.all_free(), "KV blocks leaked"
+        fs = self.engine.fault_stats
+        STATS["failed_alone"] += fs.requests_failed_alone
+        STATS["failed_collateral"] += fs.requests_failed_collateral
+        STATS["forward_failures"] += fs.forward_failures
         STATS["examples"] += 1
 
 
 EngineMachine.TestCase.settings = settings(
-    max_examples=15, stateful_step_count=25, deadline=None,
+    max_examples=15, stateful_step_count=30, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 
 
 def test_engine_state_machine():
+    start = time.monotonic()
     try:
         EngineMachine.TestCase("runTest").runTest()
     finally:
         faults.clear()
-    print(f"\nstate machine: {STATS}")
+    print(f"\nstate machine: {STATS}, {time.monotonic() - start:.1f}s")
     assert STATS["examples"] >= 1
