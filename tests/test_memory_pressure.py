@@ -18,7 +18,7 @@ STEP_S = 0.005  # so the pressure does not depend on how fast (or how shared) th
 
 def percentile(values: list[float], q: float) -> float:
     s = sorted(values)
-    return s[min(len(s) - 1, max(0, int(round(q / 100 * len(s))) - 1))]
+    return s[min(len(s) - 1, max(0, round(q / 100 * len(s)) - 1))]
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -245,7 +245,7 @@ class AsyncLLM:
                 if self.metrics is not None:
                     try:
                         self.metrics.on_step(engine, engine.last_step, outputs)
-                    except Exception:  # noqa: BLE001 - metrics must not take the engine down
+                    except Exception:  # metrics must not take the engine down
                         logger.exception("metrics on_step failed")
                 if engine.last_step is not None and engine.last_step.num_seqs == 0:
                     self._wakeup.wait(_IDLE_STEP_WAIT_S)
