@@ -12,9 +12,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong (an internal error)
 
     @property
     def finished(self) -> bool:
@@ -29,6 +30,9 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    # An internal error ended this request (and only this one); finished is True and every
+    # completion's finish_reason is "error". The server answers it with a 500 / an SSE error event.
+    error: str | None = None
     num_preemptions: int = 0
 
 
@@ -42,3 +46,6 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # An internal error ended this request (and only this one); finished is True and every
+    # completion's finish_reason is "error". The server answers it with a 500 / an SSE error event.
+    error: str | None = None

@@ -8,15 +8,24 @@ Threading contract (why it is safe):
 - `add()` resolves only after the engine thread has run `add_request`, so a validation error
   (prompt too long, bad token ids, full queue) reaches the HTTP handler before any byte is sent.
 - When idle the engine thread sleeps on a `threading.Event` (set by every command), never spins.
-- If a step raises, the thread records the error, fails every open stream and pending add, and
-  `is_healthy` turns False; later calls raise `EngineDeadError`.
+- A request that fails inside the engine (see llm_engine's fault isolation) ends with an output
+  whose `error` is set, like any finished output; the others go on.
+- If a step raises (the engine cannot go on: `EngineFatalError`, or anything unexpected), the
+  thread records the error, fails every open stream and pending add, and `is_healthy` turns False;
+  later calls raise `EngineDeadError`. With `exit_on_fatal` (the server) the process then exits
+  with status 1 after a short grace for the error events to go out, so a supervisor restarts it
+  instead of a 503 zombie living on.
+- `is_healthy` is True only while the thread is alive, has not failed, and no step has been
+  running for longer than `stall_timeout_s` (a hung forward).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +39,8 @@ from .llm_engine import LLMEngine
 logger = logging.getLogger("tokenloom.async_llm")
 
 _IDLE_STEP_WAIT_S = 0.001  # a step that scheduled nothing (dynamic batching window): nap, do not spin
+FATAL_EXIT_CODE = 1
+_FATAL_EXIT_GRACE_S = 0.5  # lets the event loop send the error events before the process exits
 
 
 class EngineDeadError(RuntimeError):
@@ -100,15 +111,22 @@ class AsyncLLM:
         max_queue_len: int | None = None,
         metrics=None,
         num_threads: int | None = None,
+        exit_on_fatal: bool = False,
+        stall_timeout_s: float = 120.0,
     ):
         """`metrics` is an `EngineMetrics` (or anything with `on_step(engine, stats, outputs)`,
-        `on_idle(engine)` and `on_abort(request_id)`); it is called on the engine thread."""
+        `on_idle(engine)` and `on_abort(request_id)`); it is called on the engine thread.
+        `exit_on_fatal`: end the process (status 1) when the engine cannot go on (the server sets it;
+        in-process users get `EngineDeadError`s instead)."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.config = engine.config
         self.max_queue_len = max_queue_len
         self.metrics = metrics
         self.num_threads = num_threads
+        self.exit_on_fatal = exit_on_fatal
+        self.stall_timeout_s = stall_timeout_s
+        self._step_started: float | None = None  # monotonic start of the step in progress
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -131,7 +149,18 @@ class AsyncLLM:
 
     @property
     def is_healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return self.health_problem() is None
+
+    def health_problem(self) -> str | None:
+        """None when the engine thread is alive and stepping, else why not."""
+        if self.error is not None:
+            return f"the engine stopped: {self.error!r}"
+        if self._thread is None or not self._thread.is_alive():
+            return "the engine is not running"
+        started = self._step_started
+        if started is not None and (stuck := time.monotonic() - started) > self.stall_timeout_s:
+            return f"the engine is stalled: one step has been running for {stuck:.0f}s"
+        return None
 
     async def shutdown(self, timeout: float = 0.0) -> None:
         """Refuse new requests, let running ones finish for up to `timeout` seconds, abort the rest,
@@ -209,15 +238,22 @@ class AsyncLLM:
                 if not engine.has_unfinished_requests():
                     self._wakeup.wait(timeout=1.0 if self._stopping else None)
                     continue
+                self._step_started = time.monotonic()
                 outputs = engine.step()
+                self._step_started = None
                 self._deliver(outputs)
                 if self.metrics is not None:
-                    self.metrics.on_step(engine, engine.last_step, outputs)
+                    try:
+                        self.metrics.on_step(engine, engine.last_step, outputs)
+                    except Exception:  # metrics must not take the engine down
+                        logger.exception("metrics on_step failed")
                 if engine.last_step is not None and engine.last_step.num_seqs == 0:
                     self._wakeup.wait(_IDLE_STEP_WAIT_S)
         except BaseException as exc:
-            logger.exception("engine thread died")
+            logger.critical("engine thread died: %r", exc, exc_info=exc)
             self._die(exc)
+            if self.exit_on_fatal:
+                self._exit_process()
 
     def _drain_commands(self) -> None:
         changed = False
@@ -290,6 +326,14 @@ class AsyncLLM:
                 break
             if isinstance(cmd, _Add):
                 self._post(self._resolve, cmd, err)
+
+    def _exit_process(self) -> None:
+        """The engine cannot go on: exit non-zero so a supervisor restarts the server."""
+        time.sleep(_FATAL_EXIT_GRACE_S)
+        logger.critical("exiting with status %d so that a supervisor restarts the server", FATAL_EXIT_CODE)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(FATAL_EXIT_CODE)
 
     def _post(self, fn, *args) -> None:
         try:

@@ -5,6 +5,17 @@ sequence (the one place a step moves a sequence on: computed tokens, new token, 
 decision in `_check_stop`) → return outputs of the requests that changed. Every way a sequence ends
 (stop, length, abort) goes through `_finish`, which calls the scheduler's one release path, so no KV
 block can leak.
+
+Fault isolation (no request can take the engine down):
+- An exception while handling one request (its sampler row, detokenization, logprobs, output
+  assembly) fails that request alone: it finishes with finish_reason "error" and `error` set, its
+  blocks are freed through `_finish`, the others go on.
+- An exception in the batched forward that cannot be pinned on one request fails every request of
+  that step (each gets the error), drops the prefix-cache entries nobody holds (their KV may never
+  have been written), checks the KV invariants and goes on.
+- What the engine cannot survive raises `EngineFatalError` out of `step()`: an error in the
+  scheduler or in releasing blocks, broken KV invariants after a failure, or
+  `MAX_CONSECUTIVE_FORWARD_FAILURES` failing forwards in a row. The AsyncLLM then ends the process.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import faults
 from .. import step as steps
 from ..config import EngineConfig
 from ..model.llama import LlamaConfig
@@ -32,6 +44,22 @@ from .kv_cache import KVCacheManager, kv_cache_size
 from .scheduler import Scheduler
 
 logger = logging.getLogger("tokenloom.engine")
+
+MAX_CONSECUTIVE_FORWARD_FAILURES = 3
+
+
+class EngineFatalError(RuntimeError):
+    """The engine's state can no longer be trusted; the process should exit and be restarted."""
+
+
+@dataclass
+class FaultStats:
+    """Failures the engine survived, for tests, logs and the reliability report."""
+
+    requests_failed_alone: int = 0  # a per-request error (sampler row, detokenization, logprobs, output)
+    requests_failed_collateral: int = 0  # failed with a step whose batched forward raised
+    forward_failures: int = 0
+    consecutive_forward_failures: int = 0
 
 
 @dataclass
@@ -76,6 +104,8 @@ class RequestState:
     seqs: list[Sequence]
     detokenizers: list[IncrementalDetokenizer]
     constraints: RequestConstraints | None = None
+    error: str | None = None  # set when an internal error failed this request
+    fault_text: str = ""  # the prompt text per-request fault rules match (only while faults are active)
 
     @property
     def finished(self) -> bool:
@@ -126,6 +156,8 @@ class LLMEngine:
         self.step_listeners: list = []  # callables(StepStats, RequestOutputs of the step): metrics, the lab
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
+        self.num_steps = 0
+        self.fault_stats = FaultStats()
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, dtype %s",
             num_blocks, config.block_size, num_blocks * block_bytes / 2**20, config.max_model_len, config.dtype,
@@ -155,7 +187,10 @@ class LLMEngine:
             seq = Sequence(request_id, i, ids, params, self.clock() if arrival_time is None else arrival_time, gen)
             seqs.append(seq)
         detok = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
-        self.requests[request_id] = RequestState(request_id, text, ids, seqs, detok, constraints)
+        state = self.requests[request_id] = RequestState(request_id, text, ids, seqs, detok, constraints)
+        if faults.ACTIVE:
+            state.fault_text = text if text is not None else self.tokenizer.decode(ids)
+            faults.track(ids, request_id, state.fault_text)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -212,6 +247,8 @@ class LLMEngine:
         for seq in state.seqs if state is not None else ():
             if not seq.finished:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if state is not None and faults.ACTIVE:
+            faults.untrack(state.prompt_token_ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -224,25 +261,116 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One step; raises only `EngineFatalError` (see the module docstring)."""
         start = self.clock()
-        plan = self.scheduler.schedule(start)
+        self.num_steps += 1
+        try:
+            if faults.ACTIVE:
+                faults.maybe_raise_step("scheduler", self.num_steps)
+            plan = self.scheduler.schedule(start)
+        except Exception as exc:
+            raise EngineFatalError(f"the scheduler failed: {exc!r}") from exc
         for k, (seq, n) in enumerate(plan.scheduled):
             if steps.samples(seq, n) and (row := self._row_constraint(seq)) is not None:
                 plan.constraints[k] = row
         plan.shape  # noqa: B018 -- cache the shape before the sequences advance
-        results = self.runner.execute(plan)
+        changed: dict[str, RequestState] = {}
+        try:
+            if faults.ACTIVE and not plan.is_empty:
+                in_step = {(seq.request_id, self.requests[seq.request_id].fault_text) for seq, _ in plan.scheduled}
+                faults.maybe_raise_step("forward", self.num_steps, tuple(in_step))
+            results = self.runner.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - not one request's fault: fail the step's requests
+            results = []
+            self._forward_failed(plan, exc, changed)
+        else:
+            self.fault_stats.consecutive_forward_failures = 0
         now = self.clock()
-        changed = {res.seq.request_id: self.requests[res.seq.request_id] for res in results if self._advance(res, now)}
-        outputs = [self._make_output(state) for state in changed.values()]
+        for res in results:
+            state = self.requests[res.seq.request_id]
+            if state.error is not None:
+                continue  # a sibling sequence (n > 1) already failed the request in this step
+            try:
+                if self._advance(res, now):
+                    changed[state.request_id] = state
+            except EngineFatalError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this request's fault alone
+                self._fail_request(state, exc)
+                changed[state.request_id] = state
+        outputs = [self._output_or_fail(state) for state in changed.values()]
         for out in outputs:
             if out.finished:
-                del self.requests[out.request_id]
+                state = self.requests.pop(out.request_id)
+                if faults.ACTIVE:
+                    faults.untrack(state.prompt_token_ids)
+        if any(out.error is not None for out in outputs):
+            self._check_after_failure()
         self._record_step(plan, start, self.clock(), outputs)
         return outputs
+
+    # -- failures --------------------------------------------------------------------------------
+
+    def _fail_request(self, state: RequestState, exc: BaseException, collateral: bool = False) -> None:
+        """End every unfinished sequence of the request with an error; its blocks are freed."""
+        if state.error is not None:
+            return
+        logger.error("request %s failed: %r", state.request_id, exc, exc_info=exc if not collateral else None)
+        state.error = f"internal error: {exc!r}"
+        if collateral:
+            self.fault_stats.requests_failed_collateral += 1
+        else:
+            self.fault_stats.requests_failed_alone += 1
+        try:
+            for seq in state.seqs:
+                if not seq.finished:
+                    self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        except Exception as err:
+            raise EngineFatalError(f"releasing the blocks of failed request {state.request_id} failed: {err!r}") from err
+
+    def _forward_failed(self, plan: StepPlan, exc: BaseException, changed: dict[str, RequestState]) -> None:
+        fs = self.fault_stats
+        fs.forward_failures += 1
+        fs.consecutive_forward_failures += 1
+        logger.error("step %d: the forward failed (%d in a row); failing its %d sequences", self.num_steps,
+                     fs.consecutive_forward_failures, len(plan.scheduled), exc_info=exc)
+        # The scheduled sequences, and those swapped out in this step (their copy may not have happened).
+        hit = [seq for seq, _ in plan.scheduled]
+        hit += [seq for seq in plan.preempted if seq.status == SequenceStatus.SWAPPED]
+        for seq in hit:
+            state = self.requests.get(seq.request_id)
+            if state is not None and state.error is None:
+                self._fail_request(state, exc, collateral=True)
+                changed[state.request_id] = state
+        # Blocks registered in the prefix cache for this step's tokens may hold no KV: forget the
+        # ones nobody uses any more.
+        self.kv.reset_prefix_cache()
+        if fs.consecutive_forward_failures >= MAX_CONSECUTIVE_FORWARD_FAILURES:
+            raise EngineFatalError(f"{fs.consecutive_forward_failures} forwards failed in a row; last: {exc!r}") from exc
+
+    def _check_after_failure(self) -> None:
+        try:
+            self.check_kv_invariants()
+        except Exception as exc:
+            raise EngineFatalError(f"KV cache invariants broken after a failure: {exc}") from exc
+
+    def _output_or_fail(self, state: RequestState) -> RequestOutput:
+        try:
+            return self._make_output(state)
+        except Exception as exc:  # noqa: BLE001 - this request's fault alone
+            self._fail_request(state, exc)
+        try:
+            return self._make_output(state)
+        except Exception:  # noqa: BLE001 - a bare error output still ends the request once
+            return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
+                                 [CompletionOutput(s.index, "", [], "error", None, None, state.error)
+                                  for s in state.seqs], finished=True, error=state.error)
 
     def _advance(self, res: StepResult, now: float) -> bool:
         """Move a sequence on after a step; returns whether it produced a token."""
         seq, token = res.seq, res.token_id
+        if isinstance(token, BaseException):  # the sampler failed on this row alone
+            raise token
         seq.num_computed_tokens += res.num_tokens
         if res.prompt_logprobs is not None:
             if not seq.prompt_logprobs:
@@ -266,9 +394,13 @@ class LLMEngine:
             seq.times.first_token = now
             self.num_prompt_tokens += seq.num_prompt_tokens
         seq.times.last_token = now
+        state = self.requests[seq.request_id]
+        if faults.ACTIVE:
+            if logprobs is not None:
+                faults.maybe_raise("logprobs", seq.request_id, state.fault_text)
+            faults.maybe_raise("detok", seq.request_id, state.fault_text)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
-        state = self.requests[seq.request_id]
         delta = state.detokenizers[seq.index].step(token)
         seq.output_text += delta
         status = self._check_stop(seq, token, len(delta))
@@ -334,8 +466,9 @@ class LLMEngine:
     def _make_output(self, state: RequestState) -> RequestOutput:
         first, times = state.seqs[0], [s.times for s in state.seqs]
         outputs = [
-            CompletionOutput(s.index, self._visible_text(s), s.output_token_ids, s.finish_reason, s.stop_reason,
-                             s.logprobs if s.params.logprobs is not None else None)
+            CompletionOutput(s.index, self._visible_text(s), s.output_token_ids,
+                             "error" if state.error is not None else s.finish_reason, s.stop_reason,
+                             s.logprobs if s.params.logprobs is not None else None, state.error)
             for s in state.seqs
         ]
         metrics = RequestMetrics(
@@ -356,6 +489,7 @@ class LLMEngine:
             prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
             metrics=metrics,
             num_cached_tokens=first.num_cached_prompt_tokens,
+            error=state.error,
         )
 
     def _record_step(self, plan: StepPlan, start: float, end: float, outputs: list[RequestOutput]) -> None:

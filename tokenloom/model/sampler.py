@@ -5,6 +5,9 @@ on output), then the row's constraint from the plan (logit bias, allowed ids, ba
 tokens under `min_tokens`, a grammar's bitmask) act on the logits; greedy rows take the argmax; the other rows divide by temperature, keep top-k / top-p / min-p, and draw with the exponential race
 (argmax of p / Exp(1)) from the row's own generator, so a seeded request draws the same numbers
 whatever else is in the batch. Logprobs are those of the raw model output, before any processing.
+
+Fault isolation: if the batch raises, each row is sampled alone; a row that still raises gets its
+exception in place of a token (and no logprobs), so the engine fails that request and no other.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from .. import faults
 from ..outputs import TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..step import RowConstraint
@@ -99,7 +103,27 @@ class Sampler:
         output_ids: list[Seq[int]],
         generators: list[torch.Generator | None],
         constraints: list[RowConstraint | None],
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+    ) -> tuple[list[int | Exception], list[TokenLogprobs | None]]:
+        args = (logits, params, prompt_ids, output_ids, generators, constraints)
+        try:
+            return self._sample(*args)
+        except Exception:  # noqa: BLE001 - find the row(s) at fault, sample the others alone
+            chosen: list[int | Exception] = []
+            logprobs: list[TokenLogprobs | None] = []
+            for r in range(len(params)):
+                try:
+                    tok, lp = self._sample(*(a[r : r + 1] for a in args))
+                    chosen.append(tok[0])
+                    logprobs.append(lp[0])
+                except Exception as exc:  # noqa: BLE001 - handed to the engine in place of the token
+                    chosen.append(exc)
+                    logprobs.append(None)
+            return chosen, logprobs
+
+    def _sample(self, logits, params, prompt_ids, output_ids, generators, constraints):
+        if faults.ACTIVE:
+            for ids in prompt_ids:
+                faults.maybe_raise_for_prompt("sampler", ids)
         raw = logits
         logits = logits.clone()
         for r, p in enumerate(params):

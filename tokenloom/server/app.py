@@ -107,10 +107,10 @@ def build_app(
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health():
-        if async_llm.is_healthy:
+        problem = async_llm.health_problem()  # 200 only while the engine thread is alive and stepping
+        if problem is None:
             return Response(status_code=200)
-        reason = f"the engine stopped: {async_llm.error!r}" if async_llm.error else "the engine is not running"
-        return APIError(503, reason, "server_error", code="engine_dead").response()
+        return APIError(503, problem, "server_error", code="engine_dead").response()
 
     @app.get("/version")
     async def version():

@@ -77,7 +77,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     names = args.served_model_name or _default_served_names(config.model)
     metrics = EngineMetrics(names[0], log_interval_s=args.log_interval, log_requests=not args.disable_log_requests)
-    async_llm = AsyncLLM(engine, max_queue_len=args.max_queue_len, metrics=metrics, num_threads=config.num_threads)
+    async_llm = AsyncLLM(engine, max_queue_len=args.max_queue_len, metrics=metrics, num_threads=config.num_threads,
+                         exit_on_fatal=True)
     app = build_app(
         async_llm, names, args.api_key, metrics=metrics, model_path=config.model,
         max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,

@@ -87,6 +87,8 @@ class GenerationView:
             group.abort_unfinished()
 
     def response(self, outputs: dict[int, RequestOutput], num_prompts: int) -> dict:
+        if failed := [out.error for out in outputs.values() if out.error is not None]:
+            raise APIError(500, failed[0], "server_error", code="internal_error")
         if len(outputs) < num_prompts or not all(out.finished for out in outputs.values()):
             raise _aborted()
         choices = [self._choice(ChoiceDelta.whole(self.n, p, out, c), False)
@@ -108,6 +110,8 @@ class GenerationView:
         finished: set[int] = set()
         try:
             async for p, out in group.outputs():
+                if out.error is not None:  # an internal error failed this request (alone)
+                    raise APIError(500, out.error, "server_error", code="internal_error")
                 if out.finished:
                     finished.add(p)
                 for d in tracker.deltas(p, out):
