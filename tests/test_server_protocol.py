@@ -54,9 +54,15 @@ def test_completion_prompt_forms():
 
 def test_chat_content_parts_are_flattened():
     req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                       {"type": "image_url"},
                                                                        {"type": "text", "text": "b"}]}])
     assert convert.chat_messages(req)[0]["content"] == "ab"
+
+
+def test_image_parts_are_refused_not_dropped():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                       {"type": "image_url"}]}])
+    with pytest.raises(APIError, match=r"messages\[0\]\.content: 'image_url' parts are not supported"):
+        convert.chat_messages(req)
 
 
 def test_completion_logprobs_echo_first_token_null(tokenizer):

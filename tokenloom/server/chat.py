@@ -20,7 +20,7 @@ from .structured import ToolChoice, tool_choice
 def render_prompt(state: ServerState, req: ChatCompletionRequest, tools: ToolChoice | None = None) -> str:
     try:
         return state.tokenizer.apply_chat_template(convert.chat_messages(req, tools), req.add_generation_prompt)
-    except ValueError:
+    except (ValueError, APIError):
         raise
     except Exception as exc:  # jinja errors: the messages do not fit the template
         raise APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
