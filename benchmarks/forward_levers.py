@@ -1,8 +1,9 @@
 """Time the model forward of the real bundled SmolLM2-135M (Q4_1 GGUF) under each weight format.
 
 Cases: a decode step at batch 1 and 32 (each sequence 256 tokens of context), and a 512-token prefill
-(one sequence). Variants: fp32 (today), bf16 dense, int4 weight-only from the Q4_1 blocks with bf16
-activations, int4 with an int8 LM head, int8, and (--compile) int4 with the per-layer MLP compiled.
+(one sequence). Variants: fp32 (today), bf16 dense, int4 weight-only from the Q4_1 blocks all in bf16,
+int4 with an int8 LM head, int4 and int8 with a float32 residual stream/KV cache (bf16 only at the
+matmul inputs), and (--compile) bf16 int4 with the per-layer MLP compiled.
 Variants are interleaved within every repeat, so machine noise hits them all alike; we report min and
 median per case. The QKV and gate/up projections are already fused at load in every variant.
 
@@ -90,8 +91,9 @@ def main() -> None:
     for name, kw in [
         ("fp32", {}),
         ("bf16", {"dtype": "bfloat16"}),
-        ("int4", {"quantization": "int4"}),
-        ("int8", {"quantization": "int8"}),
+        ("int4", {"quantization": "int4", "dtype": "bfloat16"}),
+        ("int4_f32res", {"quantization": "int4"}),
+        ("int8_f32res", {"quantization": "int8"}),
     ]:
         t0 = time.perf_counter()
         variants[name] = load_model(source, **kw)
@@ -104,12 +106,12 @@ def main() -> None:
     caches = {dt: make_caches(variants["fp32"], 32 * CTX, dt) for dt in (torch.float32, torch.bfloat16)}
 
     def run(name: str, case: str) -> None:
-        model = variants["int4" if name.startswith("int4") else name]
+        model = variants["int4" if name.startswith("int4+") else name]
         model.logits_proj = head8 if name in ("int4+int8head", "int4+compile") else None
         ids, batch = cases[case]
         model(ids, batch, caches[model.embed_tokens.weight.dtype])
 
-    names = ["fp32", "bf16", "int4", "int4+int8head", "int8"]
+    names = ["fp32", "bf16", "int4", "int4+int8head", "int4_f32res", "int8_f32res"]
     compile_s = None
     with torch.inference_mode():
         for name in names:

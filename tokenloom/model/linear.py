@@ -93,7 +93,10 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_zeros", sz)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        dt = self.scales_zeros.dtype
+        if x.dtype == dt:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(dt), self.packed, GROUP, self.scales_zeros).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
@@ -115,7 +118,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scale.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+        dt = self.scales.dtype
+        if x.dtype == dt:
+            return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+        return torch._weight_int8pack_mm(x.to(dt), self.qweight, self.scales).to(x.dtype)
 
 
 # --- start-up detection -----------------------------------------------------------------------------
@@ -169,17 +175,19 @@ def detect() -> dict:
 def choose(quantization: str | None, dtype: str) -> tuple[str, str]:
     """(quantization, dtype) to load with. "auto" -> int4/bfloat16 where int4 with bf16 activations
     runs and is vectorised, else none/float32. An explicit int4/int8 that does not run here falls back
-    to dense with a warning. int4/int8 compute in bfloat16, so they imply dtype bfloat16."""
+    to dense with a warning. int4/int8 matmuls take bfloat16 inputs; `dtype` is the residual stream /
+    KV cache dtype: "float32" keeps them in float32 and casts around each quantized matmul (better
+    quality), "bfloat16" runs everything in bfloat16 (fewest ops)."""
     cap = detect()
     if quantization == "auto":
-        return ("int4", "bfloat16") if cap["int4_bf16"] and cap["fast_bf16"] else ("none", dtype)
+        return ("int4", dtype) if cap["int4_bf16"] and cap["fast_bf16"] else ("none", dtype)
     method = resolve_quantization(quantization)
     if method == "none":
         return method, dtype
     if not cap.get(f"{method}_bf16"):
         logger.warning("quantization %s does not run on this CPU/torch (%s); using dense weights", method, cap)
         return "none", dtype
-    return method, "bfloat16"
+    return method, dtype
 
 
 def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor] | None = None, lm_head: str = "dense") -> nn.Module:
@@ -187,7 +195,7 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
     (e.g. "layers.0.mlp.gate_up_proj.weight") to its Q4_1 blocks; int4 layers without blocks are
     quantized from the dense weight. The LM head (tied embedding) stays dense unless lm_head="int8"."""
     blocks = blocks or {}
-    dtype = model.embed_tokens.weight.dtype
+    dtype = torch.bfloat16  # the dtype the int4/int8 kernels are vectorised for
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name == "lm_head":
             continue

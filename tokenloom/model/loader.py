@@ -69,9 +69,8 @@ def load_model(
     source: ModelSource, dtype: str = "float32", device: str = "cpu", quantization: str | None = None
 ) -> LlamaModel:
     """`quantization`: None/"none" (dense, `dtype`), "int4"/"q4" (weight-only 4-bit from the GGUF's Q4_1
-    blocks, bfloat16 activations), "int8", or "auto"; see model/linear.py. The quantized formats compute
-    in bfloat16, so they load in bfloat16 whatever `dtype` says: read the model's dtype back from
-    `next(model.parameters()).dtype` (or call `linear.choose` first) to size the KV cache."""
+    blocks), "int8", or "auto"; see model/linear.py. The quantized matmuls take bfloat16 inputs; `dtype`
+    stays the residual-stream/KV-cache dtype (float32 casts around them, bfloat16 runs all in bf16)."""
     from . import linear
 
     method, dtype = linear.choose(quantization, dtype) if quantization not in (None, "none") else ("none", dtype)
