@@ -166,10 +166,11 @@ def teacher_forced_logprobs(model, ids: torch.Tensor, chunk: int = 256) -> torch
         return torch.cat([F.log_softmax(model.compute_logits(hidden[i : i + chunk]), -1) for i in range(0, n, chunk)])
 
 
-@pytest.mark.slow
+
 _ALL_BF16 = pytest.mark.xfail(reason="all-bf16 residual stream: top-1 ~97% < 98% (KL ~0.001)", strict=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["int4", "int8", pytest.param("bf16", marks=_ALL_BF16), pytest.param("int4_bf16", marks=_ALL_BF16)])
 def test_fast_path_quality_vs_float32(real_models, tokenizer, path):
     """int4/int8 keep the residual stream and KV cache in float32. The all-bfloat16 paths (bf16 dense,
