@@ -18,7 +18,7 @@ import time
 import httpx
 
 # Small and quick on 2 shared cores: 256 MiB of KV (~5.8k tokens), a context that fits in it.
-BASE_ARGS = ["--max-num-seqs", "32", "--kv-cache-memory-bytes", "268435456", "--max-model-len", "2048",
+BASE_ARGS = ["--quantization", "none", "--max-num-seqs", "32", "--kv-cache-memory-bytes", "268435456", "--max-model-len", "2048",
              "--log-interval", "5"]
 
 

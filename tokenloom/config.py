@@ -18,7 +18,10 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: ~46k tokens of SmolLM2-135M KV
 @dataclass
 class EngineConfig:
     model: str | None = None  # GGUF file, HF directory, or None for the bundled SmolLM2-135M-Instruct
-    dtype: Dtype = "float32"
+    dtype: Dtype = "float32"  # the residual stream and KV cache (and dense weights)
+    # Weights: None/"none" dense in `dtype`; "int4" weight-only 4-bit from the GGUF's Q4_1 blocks; "int8";
+    # "auto" = the fastest that runs here and passed the quality check (int4 with float32 residual).
+    quantization: str | None = None
     device: str = "cpu"
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads; None = all cores
@@ -48,13 +51,14 @@ class EngineConfig:
 
         choices = {
             "dtype": DTYPES,
+            "quantization": (None, "none", "auto", "int4", "q4", "int8"),
             "preemption_mode": ("recompute", "swap"),
             "scheduling_policy": ("fcfs", "sjf", "priority"),
             "batching": ("continuous", "dynamic", "static"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                fail(name, f"must be one of {', '.join(allowed)}")
+                fail(name, f"must be one of {', '.join(map(str, allowed))}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             if int(getattr(self, name)) <= 0:
                 fail(name, "must be positive")
@@ -94,7 +98,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
-            kind = type(default) if default is not None else (str if f.name == "model" else int)
+            kind = type(default) if default is not None else (str if f.name in ("model", "quantization") else int)
             parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
 
 

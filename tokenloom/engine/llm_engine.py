@@ -130,7 +130,7 @@ class LLMEngine:
         self.clock = clock
         set_num_threads(config.num_threads)
         if model is None and runner is None:
-            model, loaded_tokenizer, _ = load(config.model, config.dtype, config.device)
+            model, loaded_tokenizer, _ = load(config.model, config.dtype, config.device, config.quantization)
             tokenizer = tokenizer or loaded_tokenizer
         if tokenizer is None:
             raise ValueError("tokenizer: required when a model or runner object is passed")

@@ -190,6 +190,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.dim_per_head, cfg.max_position_embeddings, cfg.rope_theta)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.logits_proj: nn.Module | None = None  # a quantized LM head (model/linear.py), when chosen
 
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -202,5 +203,7 @@ class LlamaModel(nn.Module):
         return x, self.compute_logits(x[batch.logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()

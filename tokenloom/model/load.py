@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+from . import linear
 from .llama import LlamaConfig, LlamaModel
 from .loader import ModelSource, bundled_model_path, load_model
 from .tokenizer import TokenizerWrapper, load_tokenizer
+
+logger = logging.getLogger("tokenloom.load")
 
 
 def model_path(source: str | None) -> str:
@@ -18,10 +22,14 @@ def model_path(source: str | None) -> str:
 
 
 def load(
-    source: str | None = None, dtype: str = "float32", device: str = "cpu"
+    source: str | None = None, dtype: str = "float32", device: str = "cpu", quantization: str | None = None
 ) -> tuple[LlamaModel, TokenizerWrapper, LlamaConfig]:
     resolved = ModelSource.resolve(model_path(source))
-    model = load_model(resolved, dtype=dtype, device=device)
+    model = load_model(resolved, dtype=dtype, device=device, quantization=quantization)
+    if quantization not in (None, "none"):
+        cap = linear.detect()
+        logger.info("forward path: %s weights, %s residual/KV (asked %s; torch CPU capability %s, bf16 %s)",
+                    model.quantization, dtype, quantization, cap["cpu_capability"], cap["avx512_bf16"])
     return model, load_tokenizer(resolved.path), model.config
 
 

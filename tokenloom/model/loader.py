@@ -64,14 +64,28 @@ class ModelSource:
         return cls("gguf", path)
 
 
-def load_model(source: ModelSource, dtype: str = "float32", device: str = "cpu") -> LlamaModel:
+def load_model(
+    source: ModelSource, dtype: str = "float32", device: str = "cpu", quantization: str | None = None
+) -> LlamaModel:
+    """`quantization`: None/"none" (dense, `dtype`), "int4"/"q4" (weight-only 4-bit from the GGUF's Q4_1
+    blocks), "int8", or "auto"; see model/linear.py. The quantized matmuls take bfloat16 inputs; `dtype`
+    stays the residual-stream/KV-cache dtype (float32 casts around them, bfloat16 runs all in bf16)."""
+    from . import linear
+
+    method, dtype = linear.choose(quantization, dtype) if quantization not in (None, "none") else ("none", dtype)
+    blocks: dict[str, torch.Tensor] | None = {} if method == "int4" else None
     if source.kind == "gguf":
-        config, state = _read_gguf(source.path)
+        config, state = _read_gguf(source.path, blocks)
+        model = _assemble(config, state, dtype, device)
     elif source.kind == "hf":
         config, state = _read_hf_dir(source.path)
+        model = _assemble(config, state, dtype, device)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
-    return _assemble(config, state, dtype, device)
+    if method != "none":
+        linear.quantize_model(model, method, blocks)
+    model.quantization = method
+    return model
 
 
 def random_model(config: LlamaConfig, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> LlamaModel:
@@ -123,7 +137,9 @@ def gguf_field(reader, key: str, default=None):
     return field.contents()
 
 
-def _read_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """(config, dequantized state). When `blocks` is a dict it also receives the raw Q4_1 blocks of
+    every linear weight stored as Q4_1 (see linear.q4_1_blocks), under the same names as the state."""
 
     reader = read_gguf_metadata(path)
     arch = gguf_field(reader, "general.architecture")
@@ -159,16 +175,34 @@ def _read_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     state = {"embed_tokens.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
     if not config.tie_word_embeddings:
         state["lm_head.weight"] = get("output.weight")
-    for i in range(config.num_layers):
-        p, b = f"layers.{i}.", f"blk.{i}."
+    def get_blocks(name: str) -> torch.Tensor | None:
+        from .linear import q4_1_blocks
+
+        t = tensors[name]
+        if t.tensor_type.name != "Q4_1":
+            raise LookupError(name)
+        return q4_1_blocks(t.data, tuple(int(d) for d in reversed(t.shape)))
+
+    def linear_weights(dest: dict, p: str, b: str, get) -> None:
         q = _unpermute_rope_rows(get(b + "attn_q.weight"), config.num_heads)
         k = _unpermute_rope_rows(get(b + "attn_k.weight"), config.num_kv_heads)
-        state[p + "self_attn.qkv_proj.weight"] = torch.cat([q, k, get(b + "attn_v.weight")])
-        state[p + "self_attn.o_proj.weight"] = get(b + "attn_output.weight")
-        state[p + "mlp.gate_up_proj.weight"] = torch.cat([get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")])
-        state[p + "mlp.down_proj.weight"] = get(b + "ffn_down.weight")
+        dest[p + "self_attn.qkv_proj.weight"] = torch.cat([q, k, get(b + "attn_v.weight")])
+        dest[p + "self_attn.o_proj.weight"] = get(b + "attn_output.weight")
+        dest[p + "mlp.gate_up_proj.weight"] = torch.cat([get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")])
+        dest[p + "mlp.down_proj.weight"] = get(b + "ffn_down.weight")
+
+    for i in range(config.num_layers):
+        p, b = f"layers.{i}.", f"blk.{i}."
+        linear_weights(state, p, b, get)
         state[p + "input_layernorm.weight"] = get(b + "attn_norm.weight")
         state[p + "post_attention_layernorm.weight"] = get(b + "ffn_norm.weight")
+        if blocks is not None:
+            layer: dict[str, torch.Tensor] = {}
+            try:
+                linear_weights(layer, p, b, get_blocks)
+            except LookupError:  # weights written before a non-Q4_1 one are kept; the rest are
+                pass  # quantized from the dense weights by linear.quantize_model
+            blocks.update(layer)
     return config, state
 
 

@@ -48,7 +48,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     add_engine_args(p)
-    p.set_defaults(func=cmd_serve)
+    # Serving takes the fastest weights that passed the quality check (int4 where it runs, with a
+    # float32 residual); --quantization none gives the exact float32 path.
+    p.set_defaults(func=cmd_serve, quantization="auto")
     return p
 
 

@@ -1,0 +1,217 @@
+"""Weight formats behind one linear layer, chosen once at load time.
+
+- dense (default): the GGUF weights dequantized to float32 (or cast to `dtype`), `F.linear`.
+- int4: weight-only 4-bit straight from the GGUF's Q4_1 blocks, run by
+  `aten._weight_int4pack_mm_for_cpu` with bfloat16 activations (the op is vectorised on x86 only
+  for bfloat16). Q4_1 stores w = d*q + m per block of 32 (q in 0..15); torch's op computes
+  w = (q - 8) * scale + zero, so scale = d and zero = m + 8*d. With float32 scales this is
+  bit-exact against the dequantized weights (tests/test_fast_paths.py); the bf16 scales the fast
+  kernel needs round d and zero to 8 mantissa bits.
+- int8: per-output-channel int8 (`torch._weight_int8pack_mm`), requantized from the dense weights.
+
+Every kernel here gives each row of the output the same bits whatever the number of rows (checked
+in the tests), so greedy decoding stays batch-invariant as long as one format serves all batch sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+GROUP = 32  # GGUF block size = int4 group size
+QUANTIZATIONS = ("none", "int4", "int8")
+_ALIASES = {None: "none", "": "none", "none": "none", "q4": "int4", "int4": "int4", "q4_1": "int4", "q8": "int8", "int8": "int8"}
+
+
+def resolve_quantization(name: str | None) -> str:
+    """vLLM-style `quantization` argument -> "none" | "int4" | "int8" (ValueError otherwise)."""
+    key = name.lower() if isinstance(name, str) else name
+    if key not in _ALIASES:
+        raise ValueError(f"quantization must be one of none, int4 (q4), int8, got {name!r}")
+    return _ALIASES[key]
+
+
+# --- Q4_1 blocks ------------------------------------------------------------------------------------
+# One weight's blocks as a float32 tensor [N, K/32, 34]: (d, m, q_0..q_31) per block, every value exact
+# in float32, rows first, so the loader can unpermute RoPE rows and concatenate Q/K/V exactly as it
+# does the dequantized weights.
+
+
+def q4_1_blocks(data, shape: tuple[int, int]) -> torch.Tensor:
+    """GGUF Q4_1 bytes of a [N, K] weight -> [N, K/32, 34] float32 blocks (d, m, codes)."""
+    import numpy as np
+
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8)).view(-1, 20)
+    d = raw[:, 0:2].contiguous().view(torch.float16).float()
+    m = raw[:, 2:4].contiguous().view(torch.float16).float()
+    packed = raw[:, 4:]
+    codes = torch.cat([packed & 0xF, packed >> 4], dim=1).float()  # low nibbles first, then high
+    n, k = shape
+    return torch.cat([d, m, codes], dim=1).view(n, k // GROUP, 2 + GROUP)
+
+
+def q4_1_from_dense(w: torch.Tensor) -> torch.Tensor:
+    """Asymmetric min/max 4-bit quantization of a dense [N, K] weight into the same block layout
+    (for models that do not come as Q4_1: Hugging Face directories, random test models)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    d = ((hi - lo) / 15).half().float()
+    m = lo.half().float()
+    codes = torch.where(d > 0, ((g - m) / d.clamp_min(1e-30)).round(), torch.zeros_like(g)).clamp(0, 15)
+    return torch.cat([d, m, codes], dim=-1)
+
+
+def dequantize_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    n, kb, _ = blocks.shape
+    return (blocks[..., 2:] * blocks[..., 0:1] + blocks[..., 1:2]).reshape(n, kb * GROUP)
+
+
+def pack_int4(blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks [N, K/32, 34] -> (packed weight for `_weight_int4pack_mm_for_cpu`, scales_and_zeros
+    [K/32, N, 2] in `dtype`)."""
+    n, kb, _ = blocks.shape
+    codes = blocks[..., 2:].reshape(n, kb * GROUP).to(torch.int32).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+    d, m = blocks[..., 0], blocks[..., 1]
+    scales_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().to(dtype)
+    return packed, scales_zeros
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, blocks: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * GROUP
+        packed, sz = pack_int4(blocks, dtype)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", sz)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = self.scales_zeros.dtype
+        if x.dtype == dt:
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(dt), self.packed, GROUP, self.scales_zeros).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (int8 [N, K], float32 scales [N])."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        q, scale = quantize_int8(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scale.to(dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = self.scales.dtype
+        if x.dtype == dt:
+            return torch._weight_int8pack_mm(x, self.qweight, self.scales)
+        return torch._weight_int8pack_mm(x.to(dt), self.qweight, self.scales).to(x.dtype)
+
+
+# --- start-up detection -----------------------------------------------------------------------------
+
+
+def cpu_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return sorted(set(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return []
+
+
+@functools.cache
+def detect() -> dict:
+    """What runs here, found by running tiny ops (never assumed from the CPU model): int4 with bf16
+    activations, int8 with bf16 activations, bf16 dense; plus torch's own ISA choice and CPU flags."""
+    flags = set(cpu_flags())
+    found: dict = {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "avx512_bf16": "avx512_bf16" in flags,
+        "avx512_vnni": "avx512_vnni" in flags,
+        "amx_bf16": "amx_bf16" in flags,
+    }
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=gen)
+    w = torch.randn(64, 64, generator=gen) * 0.1
+    ref = x @ w.t()
+
+    def ok(name, fn, expected=ref):
+        try:
+            out = fn().float()
+            found[name] = bool(torch.allclose(out, expected, rtol=0.05, atol=0.05))
+        except Exception as exc:  # noqa: BLE001 - op missing in this build, unsupported dtype, ...
+            found[name] = False
+            found[name + "_error"] = f"{type(exc).__name__}: {exc}"[:200]
+
+    blocks = q4_1_from_dense(w)
+    ok("int4_bf16", lambda: Int4Linear(blocks, torch.bfloat16)(x.bfloat16()), x @ dequantize_blocks(blocks).t())
+    ok("int8_bf16", lambda: Int8Linear(w, torch.bfloat16)(x.bfloat16()))
+    ok("bf16_dense", lambda: F.linear(x.bfloat16(), w.bfloat16()))
+    # The int4/bf16 kernels are only fast with AVX-512 (bf16 converts in-register); elsewhere they run
+    # scalar or emulated and lose to float32, so "auto" picks them only there.
+    found["fast_bf16"] = str(found["cpu_capability"]).upper().startswith(("AVX512", "AMX")) or found["avx512_bf16"]
+    return found
+
+
+def choose(quantization: str | None, dtype: str) -> tuple[str, str]:
+    """(quantization, dtype) to load with. "auto" -> int4/bfloat16 where int4 with bf16 activations
+    runs and is vectorised, else none/float32. An explicit int4/int8 that does not run here falls back
+    to dense with a warning. int4/int8 matmuls take bfloat16 inputs; `dtype` is the residual stream /
+    KV cache dtype: "float32" keeps them in float32 and casts around each quantized matmul (better
+    quality), "bfloat16" runs everything in bfloat16 (fewest ops)."""
+    cap = detect()
+    if quantization == "auto":
+        return ("int4", dtype) if cap["int4_bf16"] and cap["fast_bf16"] else ("none", dtype)
+    method = resolve_quantization(quantization)
+    if method == "none":
+        return method, dtype
+    if not cap.get(f"{method}_bf16"):
+        logger.warning("quantization %s does not run on this CPU/torch (%s); using dense weights", method, cap)
+        return "none", dtype
+    return method, dtype
+
+
+def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor] | None = None, lm_head: str = "dense") -> nn.Module:
+    """Swap the decoder's nn.Linear layers for `method` ("int4" | "int8"). `blocks` maps a weight name
+    (e.g. "layers.0.mlp.gate_up_proj.weight") to its Q4_1 blocks; int4 layers without blocks are
+    quantized from the dense weight. The LM head (tied embedding) stays dense unless lm_head="int8"."""
+    blocks = blocks or {}
+    dtype = torch.bfloat16  # the dtype the int4/int8 kernels are vectorised for
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or name == "lm_head":
+            continue
+        w = module.weight
+        if method == "int4":
+            b = blocks.get(name + ".weight")
+            if b is None:
+                b = q4_1_from_dense(w)
+            new: nn.Module = Int4Linear(b, dtype)
+        elif method == "int8":
+            new = Int8Linear(w, dtype)
+        else:
+            raise ValueError(method)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    if lm_head == "int8":
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        model.logits_proj = Int8Linear(head, dtype)
+    return model
