@@ -90,12 +90,12 @@ def test_quantization_names():
 @needs_int4
 def test_random_model_int4_runs_in_bfloat16():
     from tokenloom.model.llama import LlamaConfig
-    from tokenloom.model.loader import ModelSource, load_model
+    from tokenloom.model.loader import random_model
 
     TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
 
-    model = load_model(ModelSource("random", config=TINY), quantization="int4", dtype="bfloat16")
-    assert model.quantization == "int4" and next(model.parameters()).dtype == torch.bfloat16
+    model = linear.quantize_model(random_model(TINY, dtype="bfloat16"), "int4")
+    assert next(model.parameters()).dtype == torch.bfloat16
     assert isinstance(model.layers[0].mlp.down_proj, linear.Int4Linear)
 
 
