@@ -139,9 +139,9 @@ def main() -> None:
                     if name == "int4+compile":
                         m = variants["int4c"]
                         m.logits_proj = head8
-                        fn = lambda: m(cases[case][0], cases[case][1], caches[torch.bfloat16])  # noqa: E731
+                        fn = lambda m=m, case=case: m(cases[case][0], cases[case][1], caches[torch.bfloat16])
                     else:
-                        fn = lambda: run(name, case)  # noqa: E731
+                        fn = lambda name=name, case=case: run(name, case)
                     t0 = time.perf_counter()
                     for _ in range(inner):
                         fn()

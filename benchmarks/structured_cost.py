@@ -52,9 +52,9 @@ def run(engine: LLMEngine, constrained: bool, tag: str) -> dict:
         start = time.perf_counter()
         outs = engine.step()
         elapsed = time.perf_counter() - start
+        total += elapsed  # the whole run, prompts included: time per generated token
         if not first and engine.last_step.num_seqs == BATCH:  # all 32 generating (the first step is the prompts)
             durations.append(elapsed)
-            total += elapsed
         first = False
         tokens += sum(len(c.token_ids) for o in outs if o.finished for c in o.outputs)
     return {"steps": len(durations), "step_mean_s": statistics.fmean(durations), "tokens": tokens,
