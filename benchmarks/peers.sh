@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# tokenloom against llama.cpp's llama-server (and vLLM-CPU when PEERS includes vllm) on the same
+# cores and the same client, servers taking turns (never two up at once), two cells each:
+#   c1:    8 requests one at a time, ~128-token prompts, 128 tokens out (TPOT / TTFT at batch 1)
+#   mixed: 64 requests, 32 concurrent, outputs alternating 16 / 256 (throughput under load)
+# Results: benchmarks/results/peers/<server>-<cell>.json, summary in benchmarks/results/peers/summary.json.
+#   bash ../shared/tools/build_llamacpp.sh          # once (~10 min)
+#   bash ../shared/tools/vllm_cpu_peer.sh setup     # once, only for PEERS="... vllm"
+#   PEERS="llama tokenloom-fp32 tokenloom-int4" bash benchmarks/peers.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=benchmarks/results/peers
+mkdir -p "$OUT"
+PEERS=${PEERS:-"llama tokenloom-fp32 tokenloom-int4"}
+LLAMA_BIN=${LLAMA_BIN:-$(dirname "$(mktemp -u)")/llamacpp/build/bin/llama-server}
+GGUF=$(.venv/bin/python -c "from tokenloom.model.load import model_path; print(model_path(None))")
+PORT=8123
+
+start() {
+    case "$1" in
+        llama) "$LLAMA_BIN" -m "$GGUF" -t 2 --parallel 32 -c 16384 --port $PORT --alias SmolLM2-135M-Instruct >"$OUT/$1.log" 2>&1 & ;;
+        tokenloom-fp32) .venv/bin/tokenloom serve --port $PORT --quantization none >"$OUT/$1.log" 2>&1 & ;;
+        tokenloom-int4) .venv/bin/tokenloom serve --port $PORT --quantization auto >"$OUT/$1.log" 2>&1 & ;;
+        vllm) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT >"$OUT/$1.log" 2>&1 & ;;
+    esac
+    PID=$!
+    for _ in $(seq 600); do
+        curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && return 0
+        sleep 0.5
+    done
+    echo "$1 did not start" >&2; return 1
+}
+
+bench() {  # server cell args...
+    local name=$1 cell=$2; shift 2
+    .venv/bin/tokenloom bench serve --base-url "http://127.0.0.1:$PORT" --no-progress --no-align-prompts \
+        --input-len 128 --seed 0 --out "$OUT/$name-$cell.json" "$@" | tail -n 25
+}
+
+for server in $PEERS; do
+    echo "== $server"
+    start "$server"
+    bench "$server" warmup --dataset random --num-prompts 2 --output-len 8 >/dev/null
+    bench "$server" c1 --dataset random --num-prompts 8 --max-concurrency 1 --output-len 128
+    bench "$server" mixed --dataset mixed --num-prompts 64 --max-concurrency 32
+    kill "$PID"; wait "$PID" 2>/dev/null || true
+    sleep 2
+done
+
+.venv/bin/python - "$OUT" $PEERS <<'PY'
+import json, sys, platform
+out, servers = sys.argv[1], sys.argv[2:]
+flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]
+                if f.startswith(("avx", "amx", "fma"))})
+rows = {}
+for s in servers:
+    c1, mixed = (json.load(open(f"{out}/{s}-{cell}.json")) for cell in ("c1", "mixed"))
+    rows[s] = {"c1_output_tok_s": c1["output_throughput"], "c1_tpot_p50_ms": c1["median_tpot_ms"],
+               "c1_ttft_p50_ms": c1["median_ttft_ms"], "mixed_output_tok_s": mixed["output_throughput"]}
+base = rows.get("llama")
+if base:
+    for s, r in rows.items():
+        r["vs_llama"] = {"c1_tpot_ratio": r["c1_tpot_p50_ms"] / base["c1_tpot_p50_ms"],
+                         "mixed_throughput_ratio": r["mixed_output_tok_s"] / base["mixed_output_tok_s"]}
+summary = {"command": "PEERS='" + " ".join(servers) + "' bash benchmarks/peers.sh", "cpu_flags": flags,
+           "machine": platform.machine(), "servers": rows}
+json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
+print(json.dumps(rows, indent=2))
+PY
