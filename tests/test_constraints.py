@@ -111,3 +111,13 @@ def test_unconstrained_neighbour_is_unchanged(make_llm):
         use_tqdm=False,
     )
     assert mixed[0].outputs[0].token_ids == alone
+
+
+def test_allowed_ids_win_over_bans_that_leave_nothing(make_llm, tokenizer):
+    """Only the end-of-sequence token is allowed while min_tokens bans it: the allowed set wins
+    (never a token outside it, never NaN sampling)."""
+    eos = tokenizer.eos_token_ids[0]
+    for temperature in (0.0, 1.0):
+        out = make_llm().generate([PROMPT], SamplingParams(temperature=temperature, seed=1, max_tokens=5, min_tokens=3,
+                                                           allowed_token_ids=[eos]), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids and set(out.token_ids) == {eos}

@@ -140,9 +140,10 @@ def natural_text() -> str:
 
 @pytest.fixture(scope="module")
 def real_models():
+    from tokenloom.model.load import model_path
     from tokenloom.model.loader import ModelSource, load_model
 
-    source = ModelSource.resolve(None)
+    source = ModelSource.resolve(model_path(None))
     return {name: load_model(source, **kw) for name, kw in [
         ("fp32", {}), ("bf16", {"dtype": "bfloat16"}), ("int4_bf16", {"quantization": "int4", "dtype": "bfloat16"}),
         ("int4", {"quantization": "int4"}), ("int8", {"quantization": "int8"}),

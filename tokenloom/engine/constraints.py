@@ -58,7 +58,7 @@ def _bad_word_ids(words: list[str], tokenizer: TokenizerWrapper) -> list[list[in
     out: list[list[int]] = []
     for word in words:
         for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tokenizer.encode(text)
+            ids = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids  # no BOS
             if ids and ids not in out:
                 out.append(ids)
     return out

@@ -21,6 +21,7 @@ Fault isolation (no request can take the engine down):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -152,6 +153,7 @@ class LLMEngine:
         self.runner: Runner = runner or ModelRunner(model, num_blocks, config.block_size, num_host_blocks, config.seed)
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self.last_step: StepStats | None = None
         self.step_listeners: list = []  # callables(StepStats, RequestOutputs of the step): metrics, the lab
         self.num_generation_tokens = 0
@@ -198,9 +200,10 @@ class LLMEngine:
     def grammars(self) -> GrammarCompiler:
         """Structured-output grammars for this model's tokenizer, compiled once per text (the server
         compiles a request's grammar off the engine thread before adding it, so this is a cache hit)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        return self._grammars
+        with self._grammars_lock:  # first use may come from the server's compile thread and the engine thread
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+            return self._grammars
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

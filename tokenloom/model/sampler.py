@@ -52,7 +52,10 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: t
 def apply_constraints(logits: torch.Tensor, constraints: Seq[RowConstraint | None], raw: torch.Tensor) -> None:
     """In place, per row: logit bias, allowed ids, banned ids, then the grammar's bitmask (all rows with a
     grammar in one unpack). A row left with no finite logit (say `min_tokens` bans the end-of-sequence
-    token a finished grammar demands) falls back to the grammar's mask alone: the grammar wins."""
+    token a finished grammar demands) falls back to the grammar's mask alone: the grammar wins; without a
+    grammar, to the row's allowed ids (or to no constraint)."""
+    if not any(constraints):
+        return
     grammar_rows = []
     for r, c in enumerate(constraints):
         if c is None:
@@ -80,6 +83,14 @@ def apply_constraints(logits: torch.Tensor, constraints: Seq[RowConstraint | Non
         dead = ~logits[rows].isfinite().any(dim=-1)
         if dead.any():
             logits[rows[dead]] = raw[rows[dead]].masked_fill(~allowed[dead], float("-inf"))
+    for r in (~logits.isfinite().any(dim=-1)).nonzero().flatten().tolist():
+        # Banned ids (min_tokens, bad words) left nothing: the request's own allowed ids win over them.
+        c = constraints[r]
+        logits[r] = raw[r]
+        if c is not None and c.allowed_ids is not None:
+            keep = torch.full_like(raw[r], float("-inf"))
+            keep[list(c.allowed_ids)] = raw[r, list(c.allowed_ids)]
+            logits[r] = keep
 
 
 def top_logprobs(logprobs_row: torch.Tensor, chosen: int, n: int) -> TokenLogprobs:

@@ -70,11 +70,15 @@ class _ChatView(GenerationView):
         (streamed as one delta per call, OpenAI's shape); a truncated one stays text."""
         key = "delta" if streaming else "message"
         head = {"role": "assistant", "content": None} if d.first else {}
-        if d.choice.finish_reason != "stop":
-            if d.choice.finish_reason is None:
-                return {key: head}
-            return {key: {**head, "content": d.text}}  # cut by max_tokens: no valid call to report
-        calls = self.tools.calls(d.choice.text)
+        c = d.choice
+        if c.finish_reason is None:
+            return {key: head}
+        try:  # a call exists only if the grammar completed (not cut by max_tokens or a stop condition)
+            calls = self.tools.calls(c.text) if c.finish_reason == "stop" and c.stop_reason is None else None
+        except ValueError:
+            calls = None
+        if calls is None:
+            return {key: {**head, "content": c.text}}  # the whole text, also when streaming
         if streaming:
             calls = [{"index": i, **call} for i, call in enumerate(calls)]
         return {key: {**head, "tool_calls": calls}, "finish_reason": "tool_calls"}

@@ -66,10 +66,10 @@ class GenerationView:
         view = cls(state, req, state.check_model(req.model))
         params, prompts = await view.engine_inputs()
         view.n = params.n
-        if params.structured_outputs is not None:  # compiled (or found in the cache) off the event loop
-            await state.run_off_loop(state.async_llm.engine.grammars.compile, params.structured_outputs)
         for ids in prompts:  # the model-dependent checks, before anything reaches the engine thread
             check_request(params, ids, state.vocab_size, state.max_model_len)
+        if params.structured_outputs is not None:  # compiled (or found in the cache) off the event loop
+            await state.run_off_loop(state.async_llm.engine.grammars.compile, params.structured_outputs)
         group = RequestGroup(state.async_llm, view.id)
         await group.add_all(prompts, params, arrival)  # validation errors surface here, as 400s
         if req.stream:  # null = false

@@ -57,6 +57,7 @@ class ToolChoice:
 
     tools: dict[str, dict]  # name -> JSON schema of its parameters
     name: str | None
+    parallel: bool = True  # "required" may make several calls (OpenAI's parallel_tool_calls)
 
     def grammar(self) -> StructuredOutputsParams:
         if self.name is not None:
@@ -64,11 +65,13 @@ class ToolChoice:
         call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
                  "required": ["name", "parameters"], "additionalProperties": False}
                 for name, params in self.tools.items()]
-        return StructuredOutputsParams(json={"type": "array", "minItems": 1, "items": {"anyOf": call}})
+        most = {"maxItems": 1} if not self.parallel else {}
+        return StructuredOutputsParams(json={"type": "array", "minItems": 1, **most, "items": {"anyOf": call}})
 
     def calls(self, text: str) -> list[dict]:
-        """OpenAI `tool_calls` from the constrained output."""
+        """OpenAI `tool_calls` from the constrained output (ValueError if it is not complete JSON)."""
         if self.name is not None:
+            json.loads(text)
             pairs = [(self.name, text)]
         else:
             pairs = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
@@ -101,7 +104,7 @@ def tool_choice(req: ChatCompletionRequest, template_knows_tools: bool) -> ToolC
         raise APIError(400, "tool_choice: 'auto' needs a chat template that knows tools and this model's does "
                        "not; use 'required' or name a function", param="tool_choice")
     if choice == "required":
-        return ToolChoice(tools, None)
+        return ToolChoice(tools, None, req.parallel_tool_calls is not False)
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         if name not in tools:
