@@ -51,7 +51,7 @@ class EngineConfig:
 
         choices = {
             "dtype": DTYPES,
-            "quantization": (None, "none", "auto", "int4", "q4", "int8"),
+            "quantization": (None, "none", "auto", "int4", "q4", "q4_1", "int8", "q8"),
             "preemption_mode": ("recompute", "swap"),
             "scheduling_policy": ("fcfs", "sjf", "priority"),
             "batching": ("continuous", "dynamic", "static"),
