@@ -4,6 +4,7 @@ in-process (httpx ASGITransport) over the tiny random-weight Llama, including a 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -157,3 +158,14 @@ def test_dead_engine_fails_streams_and_health(tiny_model, tokenizer):
             await async_llm.add("x", "Hi", None)
 
     run_app(engine, scenario)
+
+
+def test_required_tool_schemas_keep_their_defs():
+    """A pydantic-made tool schema ($defs + $ref) nested under the call array still resolves."""
+    from tokenloom.server.structured import ToolChoice
+
+    params = {"type": "object", "$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string"}}}},
+              "properties": {"to": {"$ref": "#/$defs/Addr"}}}
+    schema = json.loads(ToolChoice({"send": params}, None, parallel=False).grammar().json)
+    assert schema["maxItems"] == 1 and "send.Addr" in schema["$defs"]
+    assert "#/$defs/send.Addr" in json.dumps(schema["items"])

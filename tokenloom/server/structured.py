@@ -62,11 +62,13 @@ class ToolChoice:
     def grammar(self) -> StructuredOutputsParams:
         if self.name is not None:
             return StructuredOutputsParams(json=self.tools[self.name])
-        call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+        defs: dict[str, dict] = {}
+        call = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _hoist(name, params, defs)},
                  "required": ["name", "parameters"], "additionalProperties": False}
                 for name, params in self.tools.items()]
         most = {"maxItems": 1} if not self.parallel else {}
-        return StructuredOutputsParams(json={"type": "array", "minItems": 1, **most, "items": {"anyOf": call}})
+        root = {"type": "array", "minItems": 1, **most, "items": {"anyOf": call}}
+        return StructuredOutputsParams(json={**root, "$defs": defs} if defs else root)
 
     def calls(self, text: str) -> list[dict]:
         """OpenAI `tool_calls` from the constrained output (ValueError if it is not complete JSON)."""
@@ -82,6 +84,24 @@ class ToolChoice:
         """What the model is told, since its chat template has no place for tools."""
         specs = json.dumps([{"name": n, "parameters": p} for n, p in self.tools.items()], ensure_ascii=False)
         return f"You can call these functions; answer with a call as JSON.\nFunctions: {specs}"
+
+
+def _hoist(tool: str, schema, defs: dict[str, dict]):
+    """A tool schema nested under the call array: its `$defs` move to the root under the tool's name,
+    and its `#/$defs/...` references follow them (they resolve against the root document)."""
+    if isinstance(schema, list):
+        return [_hoist(tool, item, defs) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$defs" and isinstance(value, dict):
+            defs.update({f"{tool}.{name}": _hoist(tool, sub, defs) for name, sub in value.items()})
+        elif key == "$ref" and isinstance(value, str) and value.startswith("#/$defs/"):
+            out[key] = f"#/$defs/{tool}.{value[len('#/$defs/'):]}"
+        else:
+            out[key] = _hoist(tool, value, defs)
+    return out
 
 
 def tool_choice(req: ChatCompletionRequest, template_knows_tools: bool) -> ToolChoice | None:
