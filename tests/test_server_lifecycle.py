@@ -37,7 +37,8 @@ def _stream_lines(url: str, body: dict, lines: list, started: threading.Event) -
 
 
 def test_full_queue_is_503_with_retry_after(server):
-    body = {"prompt": "Count to one hundred:", "max_tokens": 24, "ignore_eos": True}
+    # Long enough that the first request is still running when the third arrives, on any machine.
+    body = {"prompt": "Count to one hundred:", "max_tokens": 256, "ignore_eos": True}
     running, queued = [], []
     first, second = threading.Event(), threading.Event()
     t1 = threading.Thread(target=_stream_lines, args=(server.url, body, running, first))
@@ -46,7 +47,7 @@ def test_full_queue_is_503_with_retry_after(server):
     t2 = threading.Thread(target=_stream_lines, args=(server.url, body, queued, second))
     t2.start()
     time.sleep(1.0)  # the second request is accepted (status 200 sent) and waits in the queue
-    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
     assert r.status_code == 503, r.text
     assert int(r.headers["Retry-After"]) >= 1
     err = r.json()["error"]
