@@ -39,13 +39,19 @@ def test_exactly_one_kind():
         StructuredOutputsParams.from_dict({"jsn": {}})
 
 
-def test_same_schema_in_another_key_order_compiles_once(compiler):
+def test_same_schema_as_object_or_text_compiles_once(compiler):
     a = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
-    b = json.loads('{"required": ["x"], "properties": {"x": {"type": "integer"}}, "type": "object"}')
     before = compiler.num_compiled
     compiler.matcher(StructuredOutputsParams(json=a))
-    compiler.matcher(StructuredOutputsParams(json=json.dumps(b)))
+    compiler.matcher(StructuredOutputsParams(json=json.dumps(a, indent=2)))
     assert compiler.num_compiled == before + 1
+
+
+def test_properties_come_in_the_schema_order(compiler, tokenizer):
+    schema = {"type": "object", "properties": {"zeta": {"type": "boolean"}, "alpha": {"type": "boolean"}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    state = compiler.matcher(StructuredOutputsParams(json=schema))
+    assert tokenizer.decode(state.forced_tokens()).startswith('{"zeta')
 
 
 @pytest.mark.parametrize(

@@ -54,8 +54,9 @@ class StructuredOutputsParams:
                     raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("structured_outputs.json: a JSON schema must be an object")
-            # Canonical text: the same schema written twice in different key orders compiles once.
-            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+            # Canonical text (keys keep their order: properties are generated in the schema's order),
+            # so the same schema sent as an object or as text, spaced any way, compiles once.
+            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
         if self.choice is not None:
             if not isinstance(self.choice, list | tuple) or not self.choice or not all(
                 isinstance(c, str) and c for c in self.choice
