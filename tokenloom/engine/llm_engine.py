@@ -218,23 +218,14 @@ class LLMEngine:
             text = prompt
         else:
             ids, text = list(prompt), None
-            vocab = self.model_config.vocab_size
+            vocab = self.model_config.vocab_size  # named as the offline caller wrote it (check_request says "prompt")
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
                 raise ValueError(f"prompt_token_ids: every id must be an integer in [0, {vocab})")
-        if not ids:
-            raise ValueError("prompt: must not be empty")
-        return text, ids
+        return text, ids  # emptiness and lengths: `check_request`
 
     def _check_lengths(self, ids: list[int], params: SamplingParams) -> None:
-        max_len = self.config.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"prompt: {len(ids)} tokens, but max_model_len is {max_len} (room is needed to generate)")
+        """What `check_request` cannot know: whether the longest the sequence may grow fits the KV cache."""
         worst = len(ids) + self.max_tokens(len(ids), params)
-        if worst > max_len:
-            raise ValueError(
-                f"max_tokens: this model's maximum context length is {max_len} tokens, but {worst} "
-                f"were requested ({len(ids)} in the prompt, {params.max_tokens} in the completion)"
-            )
         if self.kv.blocks_needed(worst) > self.kv.num_blocks:
             raise ValueError(
                 f"max_tokens: a sequence of {worst} tokens needs {self.kv.blocks_needed(worst)} KV blocks but the cache "

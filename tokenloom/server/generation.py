@@ -9,6 +9,7 @@ unfinished when it exits. An endpoint subclasses it and says only how a choice i
 
 from __future__ import annotations
 
+import abc
 import time
 
 from fastapi import Request
@@ -33,7 +34,9 @@ from .streams import (
 )
 
 
-class GenerationView:
+class GenerationView(abc.ABC):
+    """Subclassed once per endpoint (`_CompletionView`, `_ChatView`), which supply the two abstract methods."""
+
     id_prefix: str  # "cmpl", "chatcmpl"
     object: str  # the response's "object"
     chunk_object: str  # a stream chunk's "object"
@@ -45,14 +48,14 @@ class GenerationView:
         self.tok = state.tokenizer
         self.n = 1  # choices per prompt, once the params are known
 
+    @abc.abstractmethod
     async def engine_inputs(self) -> tuple[SamplingParams, list[list[int]]]:
         """The sampling params and the prompts' token ids (raises APIError/ValueError for bad input);
         long texts are rendered and tokenized off the event loop."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def render(self, d: ChoiceDelta, streaming: bool) -> dict:
         """The endpoint's fields of one choice (text or message/delta, logprobs)."""
-        raise NotImplementedError
 
     def _choice(self, d: ChoiceDelta, streaming: bool) -> dict:
         c = d.choice
