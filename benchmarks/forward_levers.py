@@ -45,7 +45,7 @@ def decode_batch(batch_size: int) -> tuple[torch.Tensor, ForwardBatch]:
     batch = ForwardBatch(
         positions=torch.full((batch_size,), CTX - 1),
         slot_mapping=slots[:, -1].contiguous(),
-        decode_token_indices=seq,
+        num_decodes=batch_size,
         decode_context_slots=slots,
         decode_context_mask=torch.ones(batch_size, 1, 1, CTX, dtype=torch.bool),
         prefills=[],
@@ -59,7 +59,7 @@ def prefill_batch(n: int) -> tuple[torch.Tensor, ForwardBatch]:
     batch = ForwardBatch(
         positions=idx,
         slot_mapping=idx,
-        decode_token_indices=torch.empty(0, dtype=torch.long),
+        num_decodes=0,
         decode_context_slots=torch.empty((0, 0), dtype=torch.long),
         decode_context_mask=torch.empty((0, 1, 1, 0), dtype=torch.bool),
         prefills=[PrefillSpan(0, n, idx, None)],

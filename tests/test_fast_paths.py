@@ -61,6 +61,37 @@ def test_int4_bf16_close_and_row_invariant():
     assert torch.equal(out, rows), "a row's result must not depend on the other rows"
 
 
+@needs_int4
+def test_int4_decode_rows_and_prefill_rows_take_their_own_kernels():
+    """Decode rows (the first `num_decodes`) go through int4 and give the same bits as alone; prefill rows
+    go through the dense bfloat16 weights and give the same bits whatever sits before them."""
+    n, k = 96, 192
+    blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=3), (n, k))
+    int4_only = linear.Int4Linear(blocks, torch.bfloat16)
+    both = linear.Int4Linear(blocks, torch.bfloat16, dense_prefill=True)
+    x = torch.randn(30, k)  # float32 residual stream: cast around the kernels
+    mixed = both(x, 7)
+    assert mixed.dtype == torch.float32
+    assert torch.equal(mixed[:7], int4_only(x[:7]))
+    assert torch.equal(mixed[7:], both(x[7:], 0))
+    assert torch.equal(mixed[7:], F.linear(x[7:].bfloat16(), linear.dequantize_blocks(blocks).bfloat16()).float())
+    assert not torch.equal(both(x, 0)[:7], mixed[:7]), "the two kernels differ; the split must be by row kind"
+
+
+@needs_int8
+def test_rescored_head_has_the_float32_argmax_and_is_row_invariant():
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(5000, 64, generator=gen)
+    x = torch.randn(40, 64, generator=gen)
+    head = linear.RescoredInt8Head(w)
+    out, ref = head(x), x @ w.t()
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    top = ref.topk(4, dim=-1).indices
+    torch.testing.assert_close(out.gather(1, top), ref.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert (out - ref).abs().max() <= 0.05 * ref.abs().max()  # the rest: int8 noise
+    assert torch.equal(out, torch.cat([head(x[i : i + 1]) for i in range(40)]))
+
+
 def test_q4_1_from_dense_round_trip():
     w = torch.randn(32, 64) * 0.1
     err = (linear.dequantize_blocks(linear.q4_1_from_dense(w)) - w).abs()
@@ -147,7 +178,16 @@ def real_models():
     return {name: load_model(source, **kw) for name, kw in [
         ("fp32", {}), ("bf16", {"dtype": "bfloat16"}), ("int4_bf16", {"quantization": "int4", "dtype": "bfloat16"}),
         ("int4", {"quantization": "int4"}), ("int8", {"quantization": "int8"}),
-    ]}
+    ]} | {"int4_decode_kernel": int4_kernel_only(load_model(source, quantization="int4"))}
+
+
+def int4_kernel_only(model):
+    """The int4 model with every row through the int4 kernel, as decode rows are: a teacher-forced
+    prefill then measures the decode path."""
+    for m in model.modules():
+        if isinstance(m, linear.Int4Linear):
+            m.dense = None
+    return model
 
 
 def teacher_forced_logprobs(model, ids: torch.Tensor, chunk: int = 256) -> torch.Tensor:
@@ -159,23 +199,26 @@ def teacher_forced_logprobs(model, ids: torch.Tensor, chunk: int = 256) -> torch
     kv = torch.zeros(cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.dim_per_head, dtype=dtype)
     kv = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
     idx = torch.arange(n)
-    batch = ForwardBatch(idx, idx, torch.empty(0, dtype=torch.long), torch.empty((0, 0), dtype=torch.long),
+    batch = ForwardBatch(idx, idx, 0, torch.empty((0, 0), dtype=torch.long),
                          torch.empty((0, 1, 1, 0), dtype=torch.bool), [PrefillSpan(0, n, idx, None)],
                          torch.empty(0, dtype=torch.long))
     with torch.inference_mode():
         hidden, _ = model(ids, batch, kv)
         return torch.cat([F.log_softmax(model.compute_logits(hidden[i : i + chunk]), -1) for i in range(0, n, chunk)])
 
-_ALL_BF16 = pytest.mark.xfail(reason="all-bf16 residual stream: top-1 ~97% < 98% (KL ~0.001)", strict=False)
+_ALL_BF16 = pytest.mark.xfail(reason="all-bf16 residual stream: bf16 dense top-1 ~96.9%; int4_bf16 with the rescored "
+                              "head ~98.5%, too near the bar to rely on (KL ~0.0015)", strict=False)
 
 
 _INT8 = pytest.mark.xfail(reason="per-channel int8 re-quantized from Q4_1 weights: top-1 ~95.7%, KL ~0.004", strict=False)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["int4", pytest.param("int8", marks=_INT8), pytest.param("bf16", marks=_ALL_BF16), pytest.param("int4_bf16", marks=_ALL_BF16)])
+@pytest.mark.parametrize("path", ["int4", "int4_decode_kernel", pytest.param("int8", marks=_INT8), pytest.param("bf16", marks=_ALL_BF16), pytest.param("int4_bf16", marks=_ALL_BF16)])
 def test_fast_path_quality_vs_float32(real_models, tokenizer, path):
-    """int4/int8 keep the residual stream and KV cache in float32. The all-bfloat16 paths (bf16 dense,
+    """int4/int8 keep the residual stream and KV cache in float32; "int4" is what serving runs for
+    prefill rows (dense bf16 weights) and "int4_decode_kernel" what it runs for decode rows, both with
+    the rescored int8 LM head. The all-bfloat16 paths (bf16 dense,
     int4_bf16) have a tiny KL (~0.0013) but flip ~3% of near-tie argmaxes on this text: measured,
     expected to miss the 98% bar, kept as xfail so a change in either direction shows."""
     if path != "bf16" and not CAP[f"{path.split('_')[0]}_bf16"]:

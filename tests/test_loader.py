@@ -92,7 +92,7 @@ def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
 
     batch = ForwardBatch(
         positions=torch.arange(n), slot_mapping=torch.arange(n),
-        decode_token_indices=torch.empty(0, dtype=torch.long),
+        num_decodes=0,
         decode_context_slots=torch.empty((0, 0), dtype=torch.long),
         decode_context_mask=torch.empty((0, 1, 1, 0), dtype=torch.bool),
         prefills=[PrefillSpan(0, n, torch.arange(n), None)], logits_indices=torch.arange(n),

@@ -69,7 +69,14 @@ class ModelRunner(Runner):
         logits_rows: list[int] = []
         sample_rows: dict[int, int] = {}  # scheduled index -> logits row
         prompt_rows: dict[int, tuple[int, int, int]] = {}  # scheduled index -> (logits row, position, count)
-        for k, (seq, n) in enumerate(out.scheduled):
+        # Decode rows first (with any static-batch padding right after them), then prefill chunks:
+        # the model sends the two groups to different kernels (see model/llama.py).
+        decodes = [k for k, (_, n) in enumerate(out.scheduled) if is_decode(n)]
+        chunks = [k for k, (_, n) in enumerate(out.scheduled) if not is_decode(n)]
+        for k in decodes + chunks:
+            seq, n = out.scheduled[k]
+            if k == (chunks or [None])[0] and out.num_padding and decode_idx:
+                self._pad(out.num_padding, tokens, positions, slots, decode_idx, decode_tables, decode_ctx)
             start, ctx = seq.num_computed_tokens, seq.num_computed_tokens + n
             q0 = len(tokens)
             tokens.extend(seq.token_ids[start:ctx])
@@ -99,17 +106,8 @@ class ModelRunner(Runner):
             if samples(seq, n):
                 sample_rows[k] = len(logits_rows)
                 logits_rows.append(q0 + n - 1)
-
-        if out.num_padding and decode_idx:
-            # Padding rows repeat a live decode row: same token, position and slot, so they rewrite the
-            # identical K/V and change nothing, but cost what a padded slot of a static batch costs.
-            pad, k = out.num_padding, next(k for k, (_, n) in enumerate(out.scheduled) if is_decode(n))
-            decode_idx.extend(range(len(tokens), len(tokens) + pad))
-            tokens.extend([tokens[decode_idx[0]]] * pad)
-            positions.extend([positions[k]] * pad)
-            slots.extend([slots[k]] * pad)
-            decode_tables.extend([decode_tables[0]] * pad)
-            decode_ctx.extend([decode_ctx[0]] * pad)
+        if not chunks and out.num_padding and decode_idx:
+            self._pad(out.num_padding, tokens, positions, slots, decode_idx, decode_tables, decode_ctx)
 
         dev = self.device
         # Decode rows attend to every slot of their (zero-padded) block tables, masked beyond their context.
@@ -122,13 +120,24 @@ class ModelRunner(Runner):
         batch = ForwardBatch(
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            decode_token_indices=torch.tensor(decode_idx, dtype=torch.long, device=dev),
+            num_decodes=len(decode_idx),
             decode_context_slots=torch.from_numpy(ctx_slots).to(dev),
             decode_context_mask=torch.from_numpy(ctx_mask)[:, None, None, :].to(dev),
             prefills=prefills,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
         return torch.tensor(tokens, dtype=torch.long, device=dev), batch, sample_rows, prompt_rows
+
+    @staticmethod
+    def _pad(pad, tokens, positions, slots, decode_idx, decode_tables, decode_ctx) -> None:
+        """Padding rows repeat the first decode row: same token, position and slot, so they rewrite the
+        identical K/V and change nothing, but cost what a padded slot of a static batch costs."""
+        decode_idx.extend(range(len(tokens), len(tokens) + pad))
+        tokens.extend([tokens[0]] * pad)
+        positions.extend([positions[0]] * pad)
+        slots.extend([slots[0]] * pad)
+        decode_tables.extend([decode_tables[0]] * pad)
+        decode_ctx.extend([decode_ctx[0]] * pad)
 
     def _sample(self, out, logits, sample_rows, prompt_rows) -> list[StepResult]:
         logits = logits.cpu()

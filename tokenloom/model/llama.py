@@ -3,8 +3,10 @@
 Read top to bottom: config → RMSNorm → RoPE → attention over the paged KV cache → SwiGLU MLP →
 decoder layer → model. A forward takes the tokens of many sequences concatenated (prefill chunks and
 single decode tokens together) plus a `ForwardBatch` saying where each token's K/V goes in the paged
-cache (`slot_mapping`) and which cache slots each sequence attends to. Nothing is padded except the
-decode group's context, which is masked. The LM head runs only on `logits_indices`.
+cache (`slot_mapping`) and which cache slots each sequence attends to. Decode tokens come first in the
+flat batch (`num_decodes` of them), then the prefill chunks, so a projection can send the two groups
+to different kernels (model/linear.py: int4 for decode rows, dense bfloat16 for prefill rows). Nothing
+is padded except the decode group's context, which is masked. The LM head runs only on `logits_indices`.
 
 The math mirrors Hugging Face's LlamaForCausalLM operation by operation (RMSNorm in float32,
 rotate-half RoPE, scaled-dot-product attention, SiLU-gated MLP), so float32 output matches it token
@@ -55,11 +57,19 @@ class ForwardBatch:
 
     positions: torch.Tensor  # [T] position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) each new K/V is written to
-    decode_token_indices: torch.Tensor  # [D] flat indices of single-token (decode) queries
+    num_decodes: int  # rows [0, D) of the flat batch are single-token (decode) queries
     decode_context_slots: torch.Tensor  # [D, L] slots each decode query attends to (padded)
     decode_context_mask: torch.Tensor  # [D, 1, 1, L] True where the slot is within the context
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor  # [S] flat indices whose hidden state goes through the LM head
+
+
+class Linear(nn.Linear):
+    """A dense projection. Projections take the number of leading decode rows so that quantized ones
+    (model/linear.py) can run decode and prefill rows through different kernels; a dense one needs not."""
+
+    def forward(self, x: torch.Tensor, num_decodes: int | None = None) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -76,7 +86,8 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with cos/sin precomputed for every position (looked up, never recomputed)."""
+    """Rotate-half RoPE with cos/sin precomputed for every position, looked up once per forward
+    (`forward`) and applied in every layer to Q and K together (`apply_rope`)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
@@ -86,15 +97,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, head_dim], for the tokens at `positions`."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]: x·cos + rotate_half(x)·sin, element for element as Hugging Face does."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -106,39 +117,41 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # Q, K and V in one matmul: one pass over the activations instead of three.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],  # (cos, sin) of this step's positions
         k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim] (a view of this layer's blocks)
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(batch.positions, q, k)
+        num_tokens, d = x.shape[0], batch.num_decodes
+        qkv = self.qkv_proj(x, d)
+        # RoPE on Q and K in one go: they sit side by side in the fused projection's output.
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         # Write the new K/V first: every query then reads its whole context from the cache,
         # including tokens of its own chunk and blocks shared with other sequences in this step.
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
 
-        out = torch.empty_like(q)
-        if batch.decode_token_indices.numel():
+        out = torch.empty_like(q) if batch.prefills else None
+        if d:
             slots = batch.decode_context_slots
-            qd = q[batch.decode_token_indices].unsqueeze(2)  # [D, H, 1, hd]
             kd = k_cache[slots].transpose(1, 2)  # [D, KVH, L, hd]
             vd = v_cache[slots].transpose(1, 2)
             od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=batch.decode_context_mask, scale=self.scale, enable_gqa=True
-            )
-            out[batch.decode_token_indices] = od.squeeze(2)
+                q[:d].unsqueeze(2), kd, vd, attn_mask=batch.decode_context_mask, scale=self.scale, enable_gqa=True
+            ).squeeze(2)  # [D, H, hd]
+            if out is None:
+                out = od
+            else:
+                out[:d] = od
         for span in batch.prefills:
             qs = q[span.query_start : span.query_start + span.query_len].transpose(0, 1)  # [H, Q, hd]
             ks = k_cache[span.context_slots].transpose(0, 1)  # [KVH, C, hd]
@@ -153,19 +166,19 @@ class Attention(nn.Module):
                 enable_gqa=True,
             )
             out[span.query_start : span.query_start + span.query_len] = os_.transpose(0, 1)
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), d)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, num_decodes: int) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, num_decodes).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up, num_decodes)
 
 
 class DecoderLayer(nn.Module):
@@ -178,7 +191,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, batch, rope, k_cache, v_cache):
         x = x + self.self_attn(self.input_layernorm(x), batch, rope, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), batch.num_decodes)
 
 
 class LlamaModel(nn.Module):
@@ -189,7 +202,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg.dim_per_head, cfg.max_position_embeddings, cfg.rope_theta)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.logits_proj: nn.Module | None = None  # a quantized LM head (model/linear.py), when chosen
 
     def forward(
@@ -197,8 +210,9 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden states of all tokens, float32 logits at `batch.logits_indices`)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rope(batch.positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, batch, self.rope, k_cache, v_cache)
+            x = layer(x, batch, rope, k_cache, v_cache)
         x = self.norm(x)
         return x, self.compute_logits(x[batch.logits_indices])
 

@@ -82,7 +82,9 @@ def load_model(
         model = _assemble(config, state, dtype, device)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
-    if method != "none":
+    if method == "int4":  # decode rows int4, prefill rows bf16, the head int8 rescored (model/linear.py)
+        linear.quantize_model(model, method, blocks, lm_head="rescored", dense_prefill=True)
+    elif method != "none":
         linear.quantize_model(model, method, blocks)
     model.quantization = method
     return model
