@@ -46,8 +46,9 @@ def decode_batch(batch_size: int) -> tuple[torch.Tensor, ForwardBatch]:
         positions=torch.full((batch_size,), CTX - 1),
         slot_mapping=slots[:, -1].contiguous(),
         num_decodes=batch_size,
-        decode_context_slots=slots,
-        decode_context_mask=torch.ones(batch_size, 1, 1, CTX, dtype=torch.bool),
+        decode_block_tables=seq[:, None] * (CTX // BLOCK) + torch.arange(CTX // BLOCK),
+        decode_context_lens=torch.full((batch_size,), CTX),
+        block_size=BLOCK,
         prefills=[],
         logits_indices=seq,
     )
@@ -60,8 +61,9 @@ def prefill_batch(n: int) -> tuple[torch.Tensor, ForwardBatch]:
         positions=idx,
         slot_mapping=idx,
         num_decodes=0,
-        decode_context_slots=torch.empty((0, 0), dtype=torch.long),
-        decode_context_mask=torch.empty((0, 1, 1, 0), dtype=torch.bool),
+        decode_block_tables=torch.empty((0, 0), dtype=torch.long),
+        decode_context_lens=torch.empty(0, dtype=torch.long),
+        block_size=16,
         prefills=[PrefillSpan(0, n, idx, None)],
         logits_indices=torch.tensor([n - 1]),
     )

@@ -199,8 +199,8 @@ def teacher_forced_logprobs(model, ids: torch.Tensor, chunk: int = 256) -> torch
     kv = torch.zeros(cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.dim_per_head, dtype=dtype)
     kv = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
     idx = torch.arange(n)
-    batch = ForwardBatch(idx, idx, 0, torch.empty((0, 0), dtype=torch.long),
-                         torch.empty((0, 1, 1, 0), dtype=torch.bool), [PrefillSpan(0, n, idx, None)],
+    batch = ForwardBatch(idx, idx, 0, torch.empty((0, 0), dtype=torch.long), torch.empty(0, dtype=torch.long),
+                         16, [PrefillSpan(0, n, idx, None)],
                          torch.empty(0, dtype=torch.long))
     with torch.inference_mode():
         hidden, _ = model(ids, batch, kv)

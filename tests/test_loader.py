@@ -93,8 +93,9 @@ def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
     batch = ForwardBatch(
         positions=torch.arange(n), slot_mapping=torch.arange(n),
         num_decodes=0,
-        decode_context_slots=torch.empty((0, 0), dtype=torch.long),
-        decode_context_mask=torch.empty((0, 1, 1, 0), dtype=torch.bool),
+        decode_block_tables=torch.empty((0, 0), dtype=torch.long),
+        decode_context_lens=torch.empty(0, dtype=torch.long),
+        block_size=16,
         prefills=[PrefillSpan(0, n, torch.arange(n), None)], logits_indices=torch.arange(n),
     )
     with torch.inference_mode():

@@ -110,19 +110,17 @@ class ModelRunner(Runner):
             self._pad(out.num_padding, tokens, positions, slots, decode_idx, decode_tables, decode_ctx)
 
         dev = self.device
-        # Decode rows attend to every slot of their (zero-padded) block tables, masked beyond their context.
         max_blocks = max((len(t) for t in decode_tables), default=0)
-        padded = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
+        tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
         for r, t in enumerate(decode_tables):
-            padded[r, : len(t)] = t
-        ctx_slots = (padded[:, :, None] * bs + np.arange(bs)).reshape(len(decode_tables), max_blocks * bs)
-        ctx_mask = np.arange(max_blocks * bs)[None, :] < np.asarray(decode_ctx, dtype=np.int64)[:, None]
+            tables[r, : len(t)] = t
         batch = ForwardBatch(
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             num_decodes=len(decode_idx),
-            decode_context_slots=torch.from_numpy(ctx_slots).to(dev),
-            decode_context_mask=torch.from_numpy(ctx_mask)[:, None, None, :].to(dev),
+            decode_block_tables=torch.from_numpy(tables).to(dev),
+            decode_context_lens=torch.tensor(decode_ctx, dtype=torch.long, device=dev),
+            block_size=bs,
             prefills=prefills,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )

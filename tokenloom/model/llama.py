@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .paged_attention import TorchDecodeAttention
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -58,8 +60,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) each new K/V is written to
     num_decodes: int  # rows [0, D) of the flat batch are single-token (decode) queries
-    decode_context_slots: torch.Tensor  # [D, L] slots each decode query attends to (padded)
-    decode_context_mask: torch.Tensor  # [D, 1, 1, L] True where the slot is within the context
+    decode_block_tables: torch.Tensor  # [D, max blocks] each decode sequence's block table (zero-padded)
+    decode_context_lens: torch.Tensor  # [D] context length of each decode query (its own token included)
+    block_size: int
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor  # [S] flat indices whose hidden state goes through the LM head
 
@@ -126,6 +129,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         batch: ForwardBatch,
         rope: tuple[torch.Tensor, torch.Tensor],  # (cos, sin) of this step's positions
+        decode,  # (decode attention, what it prepared for this step), see model/paged_attention.py
         k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim] (a view of this layer's blocks)
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -142,12 +146,8 @@ class Attention(nn.Module):
 
         out = torch.empty_like(q) if batch.prefills else None
         if d:
-            slots = batch.decode_context_slots
-            kd = k_cache[slots].transpose(1, 2)  # [D, KVH, L, hd]
-            vd = v_cache[slots].transpose(1, 2)
-            od = F.scaled_dot_product_attention(
-                q[:d].unsqueeze(2), kd, vd, attn_mask=batch.decode_context_mask, scale=self.scale, enable_gqa=True
-            ).squeeze(2)  # [D, H, hd]
+            attend, prepared = decode
+            od = attend(prepared, q[:d], k_cache, v_cache, self.scale)  # [D, H, hd]
             if out is None:
                 out = od
             else:
@@ -189,8 +189,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, batch, rope, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), batch, rope, k_cache, v_cache)
+    def forward(self, x, batch, rope, decode, k_cache, v_cache):
+        x = x + self.self_attn(self.input_layernorm(x), batch, rope, decode, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x), batch.num_decodes)
 
 
@@ -204,6 +204,7 @@ class LlamaModel(nn.Module):
         self.rope = RotaryEmbedding(cfg.dim_per_head, cfg.max_position_embeddings, cfg.rope_theta)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.logits_proj: nn.Module | None = None  # a quantized LM head (model/linear.py), when chosen
+        self.decode_attention = TorchDecodeAttention()  # or the paged C kernel, chosen at load
 
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -211,8 +212,12 @@ class LlamaModel(nn.Module):
         """Returns (hidden states of all tokens, float32 logits at `batch.logits_indices`)."""
         x = self.embed_tokens(input_ids)
         rope = self.rope(batch.positions, x.dtype)
+        decode = None
+        if batch.num_decodes:
+            attend = self.decode_attention
+            decode = attend, attend.prepare(batch.decode_block_tables, batch.decode_context_lens, batch.block_size)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, batch, rope, k_cache, v_cache)
+            x = layer(x, batch, rope, decode, k_cache, v_cache)
         x = self.norm(x)
         return x, self.compute_logits(x[batch.logits_indices])
 

@@ -28,8 +28,9 @@ def load(
     model = load_model(resolved, dtype=dtype, device=device, quantization=quantization)
     if quantization not in (None, "none"):
         cap = linear.detect()
-        logger.info("forward path: %s weights, %s residual/KV (asked %s; torch CPU capability %s, bf16 %s)",
-                    model.quantization, dtype, quantization, cap["cpu_capability"], cap["avx512_bf16"])
+        logger.info("forward path: %s weights, %s residual/KV, %s decode attention (asked %s; torch CPU "
+                    "capability %s, bf16 %s)", model.quantization, dtype, model.decode_attention.name, quantization,
+                    cap["cpu_capability"], cap["avx512_bf16"])
     return model, load_tokenizer(resolved.path), model.config
 
 

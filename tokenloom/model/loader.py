@@ -87,6 +87,12 @@ def load_model(
     elif method != "none":
         linear.quantize_model(model, method, blocks)
     model.quantization = method
+    if method != "none":  # the fast path; float32 "none" stays on torch ops, token-exact against transformers
+        from .paged_attention import decode_attention_for
+
+        cfg = model.config
+        model.decode_attention = decode_attention_for(torch_dtype(dtype), cfg.dim_per_head, cfg.num_heads,
+                                                      cfg.num_kv_heads, want=True)
     return model
 
 
