@@ -40,6 +40,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's context length
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0 = a prefill may take the whole remaining budget
+    # Stall-free batching (Sarathi-Serve): while sequences decode, a step carrying prefill tokens is sized
+    # from measured step costs to take at most this many times the step without them (engine/step_cost.py).
+    # 0 = off (the library default: fixed budgets); `tokenloom serve` uses 1.5. Continuous batching only.
+    stall_free_factor: float = 0.0
     scheduling_policy: Literal["fcfs", "sjf", "priority"] = "fcfs"
     priority_aging_s: float = 10.0  # a waiting request gains one priority level per this many seconds
     batching: Literal["continuous", "dynamic", "static"] = "continuous"
@@ -72,6 +76,8 @@ class EngineConfig:
             fail("swap_space", "preemption_mode=swap needs swap_space > 0")
         if self.max_wait_ms < 0:
             fail("max_wait_ms", "must be >= 0")
+        if not (self.stall_free_factor == 0 or 1 <= self.stall_free_factor < float("inf")):
+            fail("stall_free_factor", "must be 0 (off) or a finite factor >= 1")
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None

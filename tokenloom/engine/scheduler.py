@@ -12,6 +12,10 @@ therefore share a step.
 2. Then, if nobody was preempted this step, waiting sequences in policy order while the budget,
    `max_num_seqs` and the KV cache allow; prefix-cache hits are taken on first admission.
 
+With stall-free batching (`stall_free_factor` > 0, engine/step_cost.py), a prefill chunk is also
+capped so that, while sequences decode, the step is predicted to take at most that factor times the
+same step without prefill: decodes never wait behind a long prompt's whole chunks.
+
 The batching mode only decides who may be admitted: `continuous` admits at every step; `static`
 forms a batch of up to `max_num_seqs` only when nothing runs, and admits no one else until the
 whole batch has finished, computing the slots of finished members as padding the way a padded static
@@ -25,14 +29,19 @@ import time
 
 from ..config import EngineConfig
 from ..step import Sequence, SequenceStatus, StepPlan
+from ..step import is_decode
 from .kv_cache import KVCacheManager
 from .policies import get_policy
+from .step_cost import OnlineStepCost
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, step_cost: OnlineStepCost | None = None):
         self.config = config
         self.kv = kv
+        self.step_cost = step_cost
+        self._decode_rows: list[tuple[int, int]] = []  # this step's, for the stall-free cap
+        self._prefill_rows: list[tuple[int, int]] = []
         self.policy = get_policy(config.scheduling_policy, config.priority_aging_s)
         self.waiting: list[Sequence] = []  # WAITING and SWAPPED sequences
         self.running: list[Sequence] = []
@@ -64,18 +73,24 @@ class Scheduler:
         out = StepPlan()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: self.policy(s, now))
+        self._prefill_rows = []
+        self._decode_rows = [(1, s.num_computed_tokens + 1) for s in self.running
+                             if s.num_tokens - s.num_computed_tokens == 1] if self.step_cost else []
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, seq.num_computed_tokens)
+            if n == 0:  # a prefill chunk with no room left under the stall-free cap: next step
+                i += 1
+                continue
             while not self.kv.allocate_slots(seq, n):
                 victim = self.running.pop()  # the worst by policy; `seq` itself when it is the last
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append((seq, n))
+                self._plan(out, seq, n)
                 budget -= n
                 i += 1
 
@@ -87,9 +102,19 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         return out
 
-    def _chunk(self, remaining: int, budget: int) -> int:
+    def _chunk(self, remaining: int, budget: int, computed: int) -> int:
+        """Tokens a sequence computes this step: its remaining ones within the budget, the long-prefill
+        threshold and (for a prefill chunk, when stall-free) the step-cost cap."""
         limit = self.config.long_prefill_token_threshold
-        return min(remaining, budget, limit) if limit > 0 else min(remaining, budget)
+        n = min(remaining, budget, limit) if limit > 0 else min(remaining, budget)
+        if self.step_cost is not None and not is_decode(n):
+            n = self.step_cost.chunk_limit(self._decode_rows, self._prefill_rows, computed, n)
+        return n
+
+    def _plan(self, out: StepPlan, seq: Sequence, n: int) -> None:
+        out.scheduled.append((seq, n))
+        if not is_decode(n):
+            self._prefill_rows.append((n, seq.num_computed_tokens + n))
 
     def _admit(self, out: StepPlan, budget: int, now: float) -> None:
         if not self._batch_open(now):
@@ -107,13 +132,15 @@ class Scheduler:
             self.waiting.pop(idx)
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
-            out.scheduled.append((seq, n))
+            self._plan(out, seq, n)
             budget -= n
 
     def _admit_one(self, seq: Sequence, budget: int, out: StepPlan, now: float) -> int:
         """Allocate for a waiting sequence; returns the tokens it computes this step (0 = not admitted)."""
         if seq.status == SequenceStatus.SWAPPED:
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, seq.num_computed_tokens)
+            if n == 0:
+                return 0
             needed = max(self.kv.blocks_needed(seq.num_computed_tokens + n), len(seq.host_blocks))
             if needed > self.kv.num_free_blocks:
                 return 0
@@ -126,8 +153,8 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed_tokens - hit_tokens
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
-        n = self._chunk(remaining, budget)
-        if not self.kv.allocate_slots(seq, n, hits):
+        n = self._chunk(remaining, budget, seq.num_computed_tokens + hit_tokens)
+        if n == 0 or not self.kv.allocate_slots(seq, n, hits):
             return 0
         seq.num_computed_tokens += hit_tokens
         if seq.times.first_scheduled is None:  # first admission; lookups of retries that did not fit don't count

@@ -49,8 +49,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
     add_engine_args(p)
     # Serving takes the fastest weights that passed the quality check (int4 where it runs, with a
-    # float32 residual); --quantization none gives the exact float32 path.
-    p.set_defaults(func=cmd_serve, quantization="auto")
+    # float32 residual); --quantization none gives the exact float32 path. Prefill slices are sized
+    # stall-free (decodes slow down at most 1.5x while a prompt prefills); --stall-free-factor 0: off.
+    p.set_defaults(func=cmd_serve, quantization="auto", stall_free_factor=1.5)
     return p
 
 
