@@ -28,8 +28,7 @@ from __future__ import annotations
 import time
 
 from ..config import EngineConfig
-from ..step import Sequence, SequenceStatus, StepPlan
-from ..step import is_decode
+from ..step import Sequence, SequenceStatus, StepPlan, is_decode
 from .kv_cache import KVCacheManager
 from .policies import get_policy
 from .step_cost import OnlineStepCost
