@@ -153,9 +153,11 @@ class Attention(nn.Module):
             else:
                 out[:d] = od
         for span in batch.prefills:
-            qs = q[span.query_start : span.query_start + span.query_len].transpose(0, 1)  # [H, Q, hd]
-            ks = k_cache[span.context_slots].transpose(0, 1)  # [KVH, C, hd]
-            vs = v_cache[span.context_slots].transpose(0, 1)
+            # 4-D [1, heads, tokens, head_dim]: SDPA's CPU flash kernel (3-D inputs take the math path,
+            # which materialises the whole score matrix: 2.7x slower for 512 queries over 6,000 keys).
+            qs = q[span.query_start : span.query_start + span.query_len].transpose(0, 1)[None]
+            ks = k_cache[span.context_slots].transpose(0, 1)[None]  # [1, KVH, C, hd]
+            vs = v_cache[span.context_slots].transpose(0, 1)[None]
             os_ = F.scaled_dot_product_attention(
                 qs,
                 ks,
@@ -165,7 +167,7 @@ class Attention(nn.Module):
                 scale=self.scale,
                 enable_gqa=True,
             )
-            out[span.query_start : span.query_start + span.query_len] = os_.transpose(0, 1)
+            out[span.query_start : span.query_start + span.query_len] = os_[0].transpose(0, 1)
         return self.o_proj(out.reshape(num_tokens, self.q_size), d)
 
 
