@@ -63,8 +63,8 @@ def test_int4_bf16_close_and_row_invariant():
 
 @needs_int4
 def test_int4_decode_rows_and_prefill_rows_take_their_own_kernels():
-    """Decode rows (the first `num_decodes`) go through int4 and give the same bits as alone; prefill rows
-    go through the dense bfloat16 weights and give the same bits whatever sits before them."""
+    """Decode-like rows (the first `decode_like_rows`) go through int4 and give the same bits as alone;
+    long prefill chunks go through the dense bfloat16 weights, with the same bits whatever comes first."""
     n, k = 96, 192
     blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=3), (n, k))
     int4_only = linear.Int4Linear(blocks, torch.bfloat16)
@@ -199,7 +199,7 @@ def teacher_forced_logprobs(model, ids: torch.Tensor, chunk: int = 256) -> torch
     kv = torch.zeros(cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.dim_per_head, dtype=dtype)
     kv = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
     idx = torch.arange(n)
-    batch = ForwardBatch(idx, idx, 0, torch.empty((0, 0), dtype=torch.long), torch.empty(0, dtype=torch.long),
+    batch = ForwardBatch(idx, idx, 0, 0, torch.empty((0, 0), dtype=torch.long), torch.empty(0, dtype=torch.long),
                          16, [PrefillSpan(0, n, idx, None)],
                          torch.empty(0, dtype=torch.long))
     with torch.inference_mode():

@@ -93,6 +93,7 @@ def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
     batch = ForwardBatch(
         positions=torch.arange(n), slot_mapping=torch.arange(n),
         num_decodes=0,
+        decode_like_rows=0,
         decode_block_tables=torch.empty((0, 0), dtype=torch.long),
         decode_context_lens=torch.empty(0, dtype=torch.long),
         block_size=16,

@@ -1,13 +1,13 @@
-"""Stall-free batching (engine/step_cost.py): prefill chunks beside decodes are sized from the fitted
-step cost so the step stays within `stall_free_factor` x the decode-only step; a long prompt still
-moves on every step; without decodes a prompt takes the whole budget."""
+"""Stall-free batching (engine/stall_free.py): beside decodes, prefill chunks are capped by an allowance
+steered by measured step times against `stall_free_factor` x the predicted decode-only step; a long
+prompt still moves on every step; without decodes a prompt takes the whole budget."""
 
 from __future__ import annotations
 
 import pytest
 
 from tokenloom import SamplingParams
-from tokenloom.engine.step_cost import OnlineStepCost
+from tokenloom.engine.stall_free import StallFreeBudget
 from tokenloom.step import StepShape
 
 GREEDY = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -18,37 +18,53 @@ def ids(n: int, start: int = 100) -> list[int]:
     return list(range(start, start + n))
 
 
-def fitted(factor: float = 3.0) -> OnlineStepCost:
-    """A cost model taught by steps costing 10 ms + 1 ms a token (exact, so the fit is too)."""
-    cost = OnlineStepCost(block_size=16, factor=factor, refit_every=8, min_samples=8)
+def taught(factor: float = 1.5) -> StallFreeBudget:
+    """Decode-only steps costing 10 ms + 1 ms a sequence (exact, so the fit is too)."""
+    budget = StallFreeBudget(block_size=16, factor=factor, refit_every=4, min_samples=4, start_tokens=16)
     for decodes in range(1, 9):
-        for chunk in (0, 16, 40, 100):
-            rows = [(1, 50)] * decodes + ([(chunk, chunk)] if chunk else [])
-            cost.observe(StepShape(rows, len(rows), 0), (10 + decodes + chunk) * MS)
-    assert cost.model is not None
-    return cost
+        rows = [(1, 50)] * decodes
+        budget.observe(StepShape(rows, decodes, 0), (10 + decodes) * MS, rows, 0)
+    assert budget.decode_model is not None
+    return budget
 
 
-def test_fit_and_chunk_limit():
-    cost = fitted()
-    decodes = [(1, 50)] * 8  # 18 ms alone, so 54 ms allowed: 36 prefill tokens
-    assert cost.predict(decodes) == pytest.approx(18 * MS, rel=0.02)
-    assert cost.chunk_limit(decodes, [], 0, 500) == pytest.approx(36, abs=1)
-    assert cost.chunk_limit(decodes, [], 0, 20) == 20  # never more than asked
-    assert cost.chunk_limit([], [], 0, 500) == 500  # nobody decodes: the whole budget
-    assert cost.chunk_limit(decodes, [(36, 36)], 0, 500) <= 1  # the step is full
-    assert fitted(factor=1.0).chunk_limit(decodes, [], 0, 500) == 16  # the first chunk always moves: min_chunk
+def test_decode_time_is_learned_from_decode_only_steps():
+    budget = taught()
+    assert budget.decode_time([(1, 50)] * 8) == pytest.approx(18 * MS, rel=0.02)
 
 
-def test_cold_model_gives_a_small_fixed_chunk():
-    cost = OnlineStepCost(block_size=16, factor=1.5, cold_chunk=64)
-    assert cost.chunk_limit([(1, 10)], [], 0, 500) == 64
-    assert cost.chunk_limit([(1, 10)], [(60, 60)], 0, 500) == 4
+def test_allowance_shrinks_after_a_slow_step_and_grows_after_a_fast_one():
+    budget = taught()
+    decodes = [(1, 50)] * 8  # 18 ms alone: a step with prefill should take <= 27 ms
+    def step(chunk: int, ms: float) -> None:
+        budget.observe(StepShape([*decodes, (chunk, chunk)], 9, 0), ms * MS, decodes, chunk)
+
+    step(16, 54)  # 2x over target
+    assert budget.allowance == int(16 / 2 * 0.9) == 7
+    step(7, 13.5)  # half the target, limited by it
+    assert budget.allowance == 12  # 7 / 0.5 * 0.9, at most 2 x 7
+    step(5, 13.5)  # under target but not limited: keep
+    assert budget.allowance == 12
+    step(12, 500)
+    assert budget.allowance == 1  # never below min_chunk
+    step(1, 13.5)  # a one-token prompt slice is prefill too: the allowance grows again
+    assert budget.allowance == 2
+
+
+def test_chunk_limit():
+    budget = taught()
+    budget.allowance = 20
+    assert budget.chunk_limit(False, 0, 500) == 500  # nobody decodes: the whole budget
+    assert budget.chunk_limit(True, 0, 500) == 20
+    assert budget.chunk_limit(True, 0, 8) == 8
+    assert budget.chunk_limit(True, 15, 500) == 5
+    assert budget.chunk_limit(True, 20, 500) == 0
+    budget.allowance = 0
+    assert budget.chunk_limit(True, 0, 500) == 1  # the step's first chunk always moves
 
 
 def test_engine_slices_a_long_prompt_beside_decodes(make_engine):
     engine = make_engine(max_num_batched_tokens=256, stall_free_factor=1.5)
-    engine.step_cost.cold_chunk = 24
     for i in range(3):
         engine.add_request(f"s{i}", ids(6, 100 + 10 * i), GREEDY)
     engine.step()  # their prefills: nobody decodes yet, whole budget
@@ -61,8 +77,7 @@ def test_engine_slices_a_long_prompt_beside_decodes(make_engine):
         engine.step()
         assert engine.last_step.num_decode_tokens == 3  # the streams decode every step
         chunks.append(long_seq.num_computed_tokens - before)
-    assert chunks[0] == 24 and all(0 < c <= 256 for c in chunks), chunks
-    assert len(chunks) > 1
+    assert chunks[0] == 16 and all(0 < c <= 256 for c in chunks), chunks
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_kv_invariants()

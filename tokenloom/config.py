@@ -41,7 +41,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0 = a prefill may take the whole remaining budget
     # Stall-free batching (Sarathi-Serve): while sequences decode, a step carrying prefill tokens is sized
-    # from measured step costs to take at most this many times the step without them (engine/step_cost.py).
+    # from measured step costs to take at most this many times the step without them (engine/stall_free.py).
     # 0 = off (the library default: fixed budgets); `tokenloom serve` uses 1.5. Continuous batching only.
     stall_free_factor: float = 0.0
     scheduling_policy: Literal["fcfs", "sjf", "priority"] = "fcfs"

@@ -18,6 +18,12 @@ from .model.sampler import Sampler, top_logprobs
 from .step import Runner, StepPlan, StepResult, is_decode, samples
 
 
+# A prefill chunk shorter than this runs with the decode rows through the kernel built for few rows (int4:
+# it reads 4-bit weights); longer chunks go through the one built for many rows (dense bf16), whose
+# weights the step then reads as well. Where the two cost the same on a 2-core AVX-512 machine.
+SHORT_CHUNK = 16
+
+
 class ModelRunner(Runner):
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_host_blocks: int = 0, seed: int = 0):
         self.model = model
@@ -69,10 +75,11 @@ class ModelRunner(Runner):
         logits_rows: list[int] = []
         sample_rows: dict[int, int] = {}  # scheduled index -> logits row
         prompt_rows: dict[int, tuple[int, int, int]] = {}  # scheduled index -> (logits row, position, count)
-        # Decode rows first (with any static-batch padding right after them), then prefill chunks:
-        # the model sends the two groups to different kernels (see model/llama.py).
+        # Decode rows first (with any static-batch padding right after them), then short prefill chunks,
+        # then long ones: the model sends the first groups and the last to different kernels.
         decodes = [k for k, (_, n) in enumerate(out.scheduled) if is_decode(n)]
-        chunks = [k for k, (_, n) in enumerate(out.scheduled) if not is_decode(n)]
+        chunks = sorted((k for k, (_, n) in enumerate(out.scheduled) if not is_decode(n)),
+                        key=lambda k: out.scheduled[k][1] >= SHORT_CHUNK)
         for k in decodes + chunks:
             seq, n = out.scheduled[k]
             if k == (chunks or [None])[0] and out.num_padding and decode_idx:
@@ -118,6 +125,7 @@ class ModelRunner(Runner):
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             num_decodes=len(decode_idx),
+            decode_like_rows=len(decode_idx) + sum(n for _, n in out.scheduled if 1 < n < SHORT_CHUNK),
             decode_block_tables=torch.from_numpy(tables).to(dev),
             decode_context_lens=torch.tensor(decode_ctx, dtype=torch.long, device=dev),
             block_size=bs,

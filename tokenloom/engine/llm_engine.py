@@ -43,7 +43,7 @@ from ..structured_outputs import GrammarCompiler
 from .constraints import RequestConstraints
 from .kv_cache import KVCacheManager, kv_cache_size
 from .scheduler import Scheduler
-from .step_cost import OnlineStepCost
+from .stall_free import StallFreeBudget
 
 logger = logging.getLogger("tokenloom.engine")
 
@@ -150,18 +150,19 @@ class LLMEngine:
 
         num_blocks, num_host_blocks, block_bytes = kv_cache_size(config, model_config)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
-        self.step_cost = None
+        self.stall_free = None
         if config.stall_free_factor and config.batching == "continuous":
-            self.step_cost = OnlineStepCost(config.block_size, config.stall_free_factor)
-        self.scheduler = Scheduler(config, self.kv, self.step_cost)
+            self.stall_free = StallFreeBudget(config.block_size, config.stall_free_factor,
+                                              max_tokens=config.max_num_batched_tokens)
+        self.scheduler = Scheduler(config, self.kv, self.stall_free)
         self.runner: Runner = runner or ModelRunner(model, num_blocks, config.block_size, num_host_blocks, config.seed)
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         self.last_step: StepStats | None = None
         self.step_listeners: list = []  # callables(StepStats, RequestOutputs of the step): metrics, the lab
-        if self.step_cost is not None:
-            self.step_listeners.append(self.step_cost.on_step)
+        if self.stall_free is not None:
+            self.step_listeners.append(self.stall_free.on_step)
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         self.num_steps = 0

@@ -12,9 +12,10 @@ therefore share a step.
 2. Then, if nobody was preempted this step, waiting sequences in policy order while the budget,
    `max_num_seqs` and the KV cache allow; prefix-cache hits are taken on first admission.
 
-With stall-free batching (`stall_free_factor` > 0, engine/step_cost.py), a prefill chunk is also
-capped so that, while sequences decode, the step is predicted to take at most that factor times the
-same step without prefill: decodes never wait behind a long prompt's whole chunks.
+With stall-free batching (`stall_free_factor` > 0, engine/stall_free.py), while sequences decode the
+prefill chunks of a step are also capped by an allowance steered by measured step times, so the step
+takes about that factor times the same step without prefill: decodes never wait behind a long
+prompt's whole chunks.
 
 The batching mode only decides who may be admitted: `continuous` admits at every step; `static`
 forms a batch of up to `max_num_seqs` only when nothing runs, and admits no one else until the
@@ -28,19 +29,20 @@ from __future__ import annotations
 import time
 
 from ..config import EngineConfig
-from ..step import Sequence, SequenceStatus, StepPlan, is_decode
+from ..step import Sequence, SequenceStatus, StepPlan
 from .kv_cache import KVCacheManager
 from .policies import get_policy
-from .step_cost import OnlineStepCost
+from .stall_free import StallFreeBudget
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, step_cost: OnlineStepCost | None = None):
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, stall_free: StallFreeBudget | None = None):
         self.config = config
         self.kv = kv
-        self.step_cost = step_cost
-        self._decode_rows: list[tuple[int, int]] = []  # this step's, for the stall-free cap
-        self._prefill_rows: list[tuple[int, int]] = []
+        self.stall_free = stall_free
+        # This step, for the stall-free cap: does anybody decode, and the prompt tokens planned so far.
+        self._decoding = False
+        self._planned_prefill = 0
         self.policy = get_policy(config.scheduling_policy, config.priority_aging_s)
         self.waiting: list[Sequence] = []  # WAITING and SWAPPED sequences
         self.running: list[Sequence] = []
@@ -72,14 +74,13 @@ class Scheduler:
         out = StepPlan()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: self.policy(s, now))
-        self._prefill_rows = []
-        self._decode_rows = [(1, s.num_computed_tokens + 1) for s in self.running
-                             if s.num_tokens - s.num_computed_tokens == 1] if self.step_cost else []
+        self._planned_prefill = 0
+        self._decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, seq.num_computed_tokens)
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:  # a prefill chunk with no room left under the stall-free cap: next step
                 i += 1
                 continue
@@ -95,25 +96,29 @@ class Scheduler:
 
         if not out.preempted:
             self._admit(out, budget, now)
+        if self.stall_free is not None:
+            decode_rows = [(1, s.num_computed_tokens + 1) for s, n in out.scheduled
+                           if s.num_tokens - s.num_computed_tokens == 1]
+            self.stall_free.planned(decode_rows, self._planned_prefill)
         if self.batch is not None:
             out.num_padding = max(len(self.batch) - len(out.scheduled), 0)
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
         assert len(self.running) <= self.config.max_num_seqs
         return out
 
-    def _chunk(self, remaining: int, budget: int, computed: int) -> int:
+    def _chunk(self, remaining: int, budget: int) -> int:
         """Tokens a sequence computes this step: its remaining ones within the budget, the long-prefill
-        threshold and (for a prefill chunk, when stall-free) the step-cost cap."""
+        threshold and (for a prefill chunk, when stall-free) the measured allowance."""
         limit = self.config.long_prefill_token_threshold
         n = min(remaining, budget, limit) if limit > 0 else min(remaining, budget)
-        if self.step_cost is not None and not is_decode(n):
-            n = self.step_cost.chunk_limit(self._decode_rows, self._prefill_rows, computed, n)
+        if self.stall_free is not None and remaining > 1:  # a prompt (or recompute): capped beside decodes
+            n = self.stall_free.chunk_limit(self._decoding, self._planned_prefill, n)
         return n
 
     def _plan(self, out: StepPlan, seq: Sequence, n: int) -> None:
         out.scheduled.append((seq, n))
-        if not is_decode(n):
-            self._prefill_rows.append((n, seq.num_computed_tokens + n))
+        if seq.num_tokens - seq.num_computed_tokens > 1:
+            self._planned_prefill += n
 
     def _admit(self, out: StepPlan, budget: int, now: float) -> None:
         if not self._batch_open(now):
@@ -137,7 +142,7 @@ class Scheduler:
     def _admit_one(self, seq: Sequence, budget: int, out: StepPlan, now: float) -> int:
         """Allocate for a waiting sequence; returns the tokens it computes this step (0 = not admitted)."""
         if seq.status == SequenceStatus.SWAPPED:
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget, seq.num_computed_tokens)
+            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:
                 return 0
             needed = max(self.kv.blocks_needed(seq.num_computed_tokens + n), len(seq.host_blocks))
@@ -152,7 +157,7 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed_tokens - hit_tokens
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
-        n = self._chunk(remaining, budget, seq.num_computed_tokens + hit_tokens)
+        n = self._chunk(remaining, budget)
         if n == 0 or not self.kv.allocate_slots(seq, n, hits):
             return 0
         seq.num_computed_tokens += hit_tokens

@@ -8,10 +8,11 @@
   bit-exact against the dequantized weights (tests/test_fast_paths.py); the bf16 scales the fast
   kernel needs round d and zero to 8 mantissa bits.
 - int8: per-output-channel int8 (`torch._weight_int8pack_mm`), requantized from the dense weights.
-- int4 + dense prefill (what `auto` picks): int4 for decode rows, where a step reads every weight for
-  a few rows and 4-bit weights move 7x fewer bytes; the same weights dequantized to bfloat16 for
-  prefill rows, where oneDNN's bf16 matmul does 2.4x the FLOP/s of the int4 kernel (measured at 128+
-  rows). A row's kernel depends only on its kind (decode or prefill), never on the batch size.
+- int4 + dense prefill (what `auto` picks): int4 for decode rows and short prefill chunks, where a
+  step reads every weight for a few rows per sequence and 4-bit weights move 7x fewer bytes; the same
+  weights dequantized to bfloat16 for long prefill chunks, where oneDNN's bf16 matmul does 2.4x the
+  FLOP/s of the int4 kernel (measured at 128+ rows). A row's kernel depends on its own sequence's
+  chunk length (runner.SHORT_CHUNK), never on the rest of the batch.
 - the LM head (`RescoredInt8Head`): int8 logits over the vocabulary, then the best candidates of each
   row recomputed exactly in float32: the argmax is the float32 head's, the rest within int8's error.
 
@@ -100,13 +101,13 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_zeros", sz)
         self.dense = dequantize_blocks(blocks).to(dtype) if dense_prefill else None
 
-    def forward(self, x: torch.Tensor, num_decodes: int | None = None) -> torch.Tensor:
-        """Rows [0, num_decodes) through the int4 kernel, the rest through `dense` when it is set
-        (num_decodes None: every row int4)."""
+    def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
+        """Rows [0, decode_like_rows) through the int4 kernel, the rest through `dense` when it is set
+        (None: every row int4)."""
         dt = self.scales_zeros.dtype
         xq = x if x.dtype == dt else x.to(dt)
         rows = x.shape[0]
-        d = rows if self.dense is None or num_decodes is None else num_decodes
+        d = rows if self.dense is None or decode_like_rows is None else decode_like_rows
         if d >= rows:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(xq, self.packed, GROUP, self.scales_zeros)
         elif d == 0:
@@ -135,7 +136,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scale.to(dtype))
 
-    def forward(self, x: torch.Tensor, num_decodes: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
         dt = self.scales.dtype
         if x.dtype == dt:
             return torch._weight_int8pack_mm(x, self.qweight, self.scales)

@@ -4,9 +4,10 @@ Read top to bottom: config → RMSNorm → RoPE → attention over the paged KV 
 decoder layer → model. A forward takes the tokens of many sequences concatenated (prefill chunks and
 single decode tokens together) plus a `ForwardBatch` saying where each token's K/V goes in the paged
 cache (`slot_mapping`) and which cache slots each sequence attends to. Decode tokens come first in the
-flat batch (`num_decodes` of them), then the prefill chunks, so a projection can send the two groups
-to different kernels (model/linear.py: int4 for decode rows, dense bfloat16 for prefill rows). Nothing
-is padded except the decode group's context, which is masked. The LM head runs only on `logits_indices`.
+flat batch (`num_decodes` of them), then short prefill chunks, then long ones: the first
+`decode_like_rows` rows are few per sequence, the rest are long chunks, and a projection may send the
+two groups to different kernels (model/linear.py: int4 for the former, dense bfloat16 for the latter).
+Nothing is padded. The LM head runs only on `logits_indices`.
 
 The math mirrors Hugging Face's LlamaForCausalLM operation by operation (RMSNorm in float32,
 rotate-half RoPE, scaled-dot-product attention, SiLU-gated MLP), so float32 output matches it token
@@ -60,6 +61,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) each new K/V is written to
     num_decodes: int  # rows [0, D) of the flat batch are single-token (decode) queries
+    decode_like_rows: int  # rows [0, R), R >= D: decodes and short prefill chunks (runner.SHORT_CHUNK)
     decode_block_tables: torch.Tensor  # [D, max blocks] each decode sequence's block table (zero-padded)
     decode_context_lens: torch.Tensor  # [D] context length of each decode query (its own token included)
     block_size: int
@@ -68,10 +70,11 @@ class ForwardBatch:
 
 
 class Linear(nn.Linear):
-    """A dense projection. Projections take the number of leading decode rows so that quantized ones
-    (model/linear.py) can run decode and prefill rows through different kernels; a dense one needs not."""
+    """A dense projection. Projections take the number of leading decode-like rows so that quantized
+    ones (model/linear.py) can run them and long prefill chunks through different kernels; a dense one
+    needs not."""
 
-    def forward(self, x: torch.Tensor, num_decodes: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
         return F.linear(x, self.weight)
 
 
@@ -134,7 +137,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens, d = x.shape[0], batch.num_decodes
-        qkv = self.qkv_proj(x, d)
+        qkv = self.qkv_proj(x, batch.decode_like_rows)
         # RoPE on Q and K in one go: they sit side by side in the fused projection's output.
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
@@ -168,7 +171,7 @@ class Attention(nn.Module):
                 enable_gqa=True,
             )
             out[span.query_start : span.query_start + span.query_len] = os_[0].transpose(0, 1)
-        return self.o_proj(out.reshape(num_tokens, self.q_size), d)
+        return self.o_proj(out.reshape(num_tokens, self.q_size), batch.decode_like_rows)
 
 
 class MLP(nn.Module):
@@ -178,9 +181,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, num_decodes: int) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, num_decodes).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up, num_decodes)
+    def forward(self, x: torch.Tensor, decode_like_rows: int) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, decode_like_rows).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up, decode_like_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -193,7 +196,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, batch, rope, decode, k_cache, v_cache):
         x = x + self.self_attn(self.input_layernorm(x), batch, rope, decode, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.num_decodes)
+        return x + self.mlp(self.post_attention_layernorm(x), batch.decode_like_rows)
 
 
 class LlamaModel(nn.Module):
