@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -83,7 +84,7 @@ async def one_run(seed: int, with_long: bool) -> dict:
         window = (long_result.start_time, long_result.start_time + long_result.ttft)
     for r in results:
         times = chunk_times(r)
-        for a, b in zip(times, times[1:], strict=False):
+        for a, b in itertools.pairwise(times):
             gaps.append(b - a)
             if window and b > window[0] and a < window[1]:
                 window_gaps.append(b - a)
