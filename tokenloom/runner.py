@@ -17,7 +17,6 @@ from .model.llama import ForwardBatch, LlamaModel, PrefillSpan
 from .model.sampler import Sampler, top_logprobs
 from .step import Runner, StepPlan, StepResult, is_decode, samples
 
-
 # A prefill chunk shorter than this runs with the decode rows through the kernel built for few rows (int4:
 # it reads 4-bit weights); longer chunks go through the one built for many rows (dense bf16), whose
 # weights the step then reads as well. Where the two cost the same on a 2-core AVX-512 machine.
