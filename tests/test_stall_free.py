@@ -63,12 +63,20 @@ def test_chunk_limit():
     assert budget.chunk_limit(True, 0, 500) == 1  # the step's first chunk always moves
 
 
+def test_no_cap_before_the_decode_cost_is_known():
+    budget = StallFreeBudget(block_size=16, factor=1.5)
+    assert budget.chunk_limit(True, 0, 500) == 500
+
+
 def test_engine_slices_a_long_prompt_beside_decodes(make_engine):
-    engine = make_engine(max_num_batched_tokens=256, stall_free_factor=1.5)
+    engine = make_engine(max_num_batched_tokens=128, stall_free_factor=1.5)
     for i in range(3):
         engine.add_request(f"s{i}", ids(6, 100 + 10 * i), GREEDY)
     engine.step()  # their prefills: nobody decodes yet, whole budget
     assert engine.last_step.num_prefill_tokens == 18
+    for _ in range(20):  # decode-only steps: the engine learns what they cost
+        engine.step()
+    assert engine.stall_free.decode_model is not None
     engine.add_request("long", ids(200, 1000), GREEDY)
     long_seq = engine.requests["long"].seqs[0]
     chunks = []
@@ -77,7 +85,10 @@ def test_engine_slices_a_long_prompt_beside_decodes(make_engine):
         engine.step()
         assert engine.last_step.num_decode_tokens == 3  # the streams decode every step
         chunks.append(long_seq.num_computed_tokens - before)
-    assert chunks[0] == 16 and all(0 < c <= 256 for c in chunks), chunks
+    assert chunks[0] == 16 and all(0 < c <= 128 for c in chunks), chunks
+    engine.add_request("short", ids(100, 3000), GREEDY)  # fits one step's budget: not sliced
+    engine.step()
+    assert engine.requests["short"].seqs[0].num_computed_tokens == 100
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_kv_invariants()

@@ -12,9 +12,9 @@ therefore share a step.
 2. Then, if nobody was preempted this step, waiting sequences in policy order while the budget,
    `max_num_seqs` and the KV cache allow; prefix-cache hits are taken on first admission.
 
-With stall-free batching (`stall_free_factor` > 0, engine/stall_free.py), while sequences decode the
-prefill chunks of a step are also capped by an allowance steered by measured step times, so the step
-takes about that factor times the same step without prefill: decodes never wait behind a long
+With stall-free batching (`stall_free_factor` > 0, engine/stall_free.py), while sequences decode, a
+prompt longer than one step's budget is sliced by an allowance steered by measured step times, so the
+step takes about that factor times the same step without prefill: decodes never wait behind a long
 prompt's whole chunks.
 
 The batching mode only decides who may be admitted: `continuous` admits at every step; `static`
@@ -80,7 +80,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:  # a prefill chunk with no room left under the stall-free cap: next step
                 i += 1
                 continue
@@ -106,12 +106,14 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         return out
 
-    def _chunk(self, remaining: int, budget: int) -> int:
+    def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         """Tokens a sequence computes this step: its remaining ones within the budget, the long-prefill
-        threshold and (for a prefill chunk, when stall-free) the measured allowance."""
+        threshold and, when stall-free, the measured allowance for a prompt longer than one step's
+        budget (a shorter one goes whole: slicing it would cost throughput, each slice re-reading the
+        weights, to smooth a single step)."""
         limit = self.config.long_prefill_token_threshold
         n = min(remaining, budget, limit) if limit > 0 else min(remaining, budget)
-        if self.stall_free is not None and remaining > 1:  # a prompt (or recompute): capped beside decodes
+        if self.stall_free is not None and remaining > 1 and seq.num_tokens > self.config.max_num_batched_tokens:
             n = self.stall_free.chunk_limit(self._decoding, self._planned_prefill, n)
         return n
 
@@ -142,7 +144,7 @@ class Scheduler:
     def _admit_one(self, seq: Sequence, budget: int, out: StepPlan, now: float) -> int:
         """Allocate for a waiting sequence; returns the tokens it computes this step (0 = not admitted)."""
         if seq.status == SequenceStatus.SWAPPED:
-            n = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:
                 return 0
             needed = max(self.kv.blocks_needed(seq.num_computed_tokens + n), len(seq.host_blocks))
@@ -157,7 +159,7 @@ class Scheduler:
         remaining = seq.num_tokens - seq.num_computed_tokens - hit_tokens
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
-        n = self._chunk(remaining, budget)
+        n = self._chunk(seq, remaining, budget)
         if n == 0 or not self.kv.allocate_slots(seq, n, hits):
             return 0
         seq.num_computed_tokens += hit_tokens

@@ -13,6 +13,10 @@ A feedback loop rather than a fitted prefill cost, because a prefill slice's cos
 grows with the prompt's context (attention), and a long slice switches its matmuls to the dense
 kernel (runner.SHORT_CHUNK). The decoding streams' inter-token gap thus grows by about `factor` while
 a long prompt prefills in slices; the prompt moves on by at least `min_chunk` tokens a step.
+
+Until the engine has seen enough decode-only steps to fit their cost there is no cap (the fixed token
+budget applies): a workload that always has prompts waiting never stops to teach it, and then keeps
+the throughput of whole chunks.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ DECODE_FEATURES = ("seqs", "kv_read")
 
 class StallFreeBudget:
     def __init__(self, block_size: int, factor: float, *, max_tokens: int = 512, start_tokens: int = 16,
-                 min_chunk: int = 1, window: int = 256, refit_every: int = 16, min_samples: int = 8):
+                 min_chunk: int = 1, window: int = 256, refit_every: int = 8, min_samples: int = 8):
         self.block_size = block_size
         self.factor = factor
         self.max_tokens = max_tokens
@@ -84,8 +88,8 @@ class StallFreeBudget:
     def chunk_limit(self, decoding: bool, planned_prefill: int, want: int) -> int:
         """Tokens the next prefill chunk may take (at most `want`), when `planned_prefill` prefill tokens
         are already in this step. Nobody decoding: all of `want`. The step's first chunk gets at least
-        `min_chunk`, so a prompt moves on every step."""
-        if not decoding or want <= 0:
+        `min_chunk`, so a prompt moves on every step. No cap before the decode cost is known."""
+        if not decoding or want <= 0 or self.decode_model is None:
             return want
         floor = min(want, self.min_chunk) if planned_prefill == 0 else 0
         return max(min(want, self.allowance - planned_prefill), floor)
