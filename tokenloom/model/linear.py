@@ -206,21 +206,42 @@ def detect() -> dict:
     ok("int4_bf16", lambda: Int4Linear(blocks, torch.bfloat16)(x.bfloat16()), x @ dequantize_blocks(blocks).t())
     ok("int8_bf16", lambda: Int8Linear(w, torch.bfloat16)(x.bfloat16()))
     ok("bf16_dense", lambda: F.linear(x.bfloat16(), w.bfloat16()))
-    # The int4/bf16 kernels are only fast with AVX-512 (bf16 converts in-register); elsewhere they run
-    # scalar or emulated and lose to float32, so "auto" picks them only there.
-    found["fast_bf16"] = str(found["cpu_capability"]).upper().startswith(("AVX512", "AMX")) or found["avx512_bf16"]
+    found["int4_speedup_b1"] = _int4_speedup() if found["int4_bf16"] else 0.0
+    # The int4 kernel takes bf16 activations; where bf16 is emulated it could lose to float32, so "auto"
+    # takes int4 only where a decode-sized matmul measured faster than float32 here.
+    found["fast_int4"] = found["int4_speedup_b1"] > 1.2
     return found
 
 
+def _int4_speedup() -> float:
+    """float32 time / int4 time of one decode-row matmul with an MLP-sized weight (1536 x 576), best of
+    a few runs (~20 ms in all)."""
+    import time
+
+    w = torch.randn(1536, 576) * 0.05
+    x = torch.randn(1, 576)
+    layer = Int4Linear(q4_1_from_dense(w), torch.bfloat16)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(30):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return best(lambda: F.linear(x, w)) / max(best(lambda: layer(x)), 1e-9)
+
+
 def choose(quantization: str | None, dtype: str) -> tuple[str, str]:
-    """(quantization, dtype) to load with. "auto" -> int4/bfloat16 where int4 with bf16 activations
-    runs and is vectorised, else none/float32. An explicit int4/int8 that does not run here falls back
+    """(quantization, dtype) to load with. "auto" -> int4 where int4 with bf16 activations runs and
+    measured faster than float32, else none. An explicit int4/int8 that does not run here falls back
     to dense with a warning. int4/int8 matmuls take bfloat16 inputs; `dtype` is the residual stream /
     KV cache dtype: "float32" keeps them in float32 and casts around each quantized matmul (better
     quality), "bfloat16" runs everything in bfloat16 (fewest ops)."""
     cap = detect()
     if quantization == "auto":
-        return ("int4", dtype) if cap["int4_bf16"] and cap["fast_bf16"] else ("none", dtype)
+        return ("int4", dtype) if cap["int4_bf16"] and cap["fast_int4"] else ("none", dtype)
     method = resolve_quantization(quantization)
     if method == "none":
         return method, dtype
