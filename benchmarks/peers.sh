@@ -6,7 +6,7 @@
 # Results: benchmarks/results/peers/<server>-<cell>.json, summary in benchmarks/results/peers/summary.json.
 #   bash ../shared/tools/build_llamacpp.sh          # once (~10 min)
 #   bash ../shared/tools/vllm_cpu_peer.sh setup     # once, only for PEERS="... vllm"
-#   PEERS="llama tokenloom-fp32 tokenloom-int4" bash benchmarks/peers.sh
+#   PEERS="llama tokenloom-int4 vllm" bash benchmarks/peers.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=benchmarks/results/peers
@@ -57,11 +57,13 @@ for s in servers:
     c1, mixed = (json.load(open(f"{out}/{s}-{cell}.json")) for cell in ("c1", "mixed"))
     rows[s] = {"c1_output_tok_s": c1["output_throughput"], "c1_tpot_p50_ms": c1["median_tpot_ms"],
                "c1_ttft_p50_ms": c1["median_ttft_ms"], "mixed_output_tok_s": mixed["output_throughput"]}
-base = rows.get("llama")
-if base:
-    for s, r in rows.items():
-        r["vs_llama"] = {"c1_tpot_ratio": r["c1_tpot_p50_ms"] / base["c1_tpot_p50_ms"],
-                         "mixed_throughput_ratio": r["mixed_output_tok_s"] / base["mixed_output_tok_s"]}
+for peer in ("llama", "vllm"):
+    base = rows.get(peer)
+    if base:
+        for s, r in rows.items():
+            r[f"vs_{peer}"] = {"c1_tpot_ratio": r["c1_tpot_p50_ms"] / base["c1_tpot_p50_ms"],
+                               "c1_ttft_ratio": r["c1_ttft_p50_ms"] / base["c1_ttft_p50_ms"],
+                               "mixed_throughput_ratio": r["mixed_output_tok_s"] / base["mixed_output_tok_s"]}
 summary = {"command": "PEERS='" + " ".join(servers) + "' bash benchmarks/peers.sh", "cpu_flags": flags,
            "machine": platform.machine(), "servers": rows}
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
