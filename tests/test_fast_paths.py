@@ -17,6 +17,14 @@ from tokenloom.model.loader import dequantize
 CAP = linear.detect()
 needs_int4 = pytest.mark.skipif(not CAP["int4_bf16"], reason="int4 with bf16 activations does not run here")
 needs_int8 = pytest.mark.skipif(not CAP["int8_bf16"], reason="int8 with bf16 activations does not run here")
+# The int4 kernels that run here: torch's, and the project's C kernel where the CPU has AVX512-BF16.
+INT4_KERNELS = [pytest.param(None, id="torch", marks=needs_int4),
+                pytest.param("c", id="c", marks=pytest.mark.skipif(linear.int4_gemm() is None,
+                                                                   reason="no AVX512-BF16 C kernel here"))]
+
+
+def int4_kernel(name):
+    return linear.int4_gemm() if name == "c" else None
 
 
 def random_q4_1_bytes(n: int, k: int, seed: int = 0) -> bytes:
@@ -47,12 +55,12 @@ def test_int4_pack_is_bit_exact_with_float32_scales():
     torch.testing.assert_close(layer(x), x @ w.t(), rtol=1e-5, atol=1e-5)
 
 
-@needs_int4
-def test_int4_bf16_close_and_row_invariant():
+@pytest.mark.parametrize("kernel", INT4_KERNELS)
+def test_int4_bf16_close_and_row_invariant(kernel):
     n, k = 96, 192
     blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=2), (n, k))
     w = linear.dequantize_blocks(blocks)
-    layer = linear.Int4Linear(blocks, torch.bfloat16)
+    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     x = torch.randn(40, k).bfloat16()
     out = layer(x)
     ref = x.float() @ w.t()
@@ -61,14 +69,30 @@ def test_int4_bf16_close_and_row_invariant():
     assert torch.equal(out, rows), "a row's result must not depend on the other rows"
 
 
-@needs_int4
-def test_int4_decode_rows_and_prefill_rows_take_their_own_kernels():
+@pytest.mark.skipif(linear.int4_gemm() is None, reason="no AVX512-BF16 C kernel here")
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 33])
+def test_int4_c_kernel_matches_the_q4_1_weights(rows):
+    """Only the activations are rounded (to bfloat16): against the dequantized weights in float64 the
+    error is float32 accumulation noise; every tile shape (rows % 4, columns % 48) gives the same bits."""
+    n, k = 112, 96  # 7 column blocks: a full tile of 3, another, and one of 1
+    blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=5), (n, k))
+    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=linear.int4_gemm())
+    x = torch.randn(rows, k)
+    out = layer(x)
+    ref = x.bfloat16().double() @ linear.dequantize_blocks(blocks).double().t()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
+
+
+@pytest.mark.parametrize("kernel", INT4_KERNELS)
+def test_int4_decode_rows_and_prefill_rows_take_their_own_kernels(kernel):
     """Decode-like rows (the first `decode_like_rows`) go through int4 and give the same bits as alone;
     long prefill chunks go through the dense bfloat16 weights, with the same bits whatever comes first."""
     n, k = 96, 192
     blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=3), (n, k))
-    int4_only = linear.Int4Linear(blocks, torch.bfloat16)
-    both = linear.Int4Linear(blocks, torch.bfloat16, dense_prefill=True)
+    int4_only = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    both = linear.Int4Linear(blocks, torch.bfloat16, dense_prefill=True, kernel=int4_kernel(kernel))
     x = torch.randn(30, k)  # float32 residual stream: cast around the kernels
     mixed = both(x, 7)
     assert mixed.dtype == torch.float32

@@ -91,34 +91,131 @@ def pack_int4(blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
     return packed, scales_zeros
 
 
+def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks [N, K/32, 34] -> the C kernel's layout (csrc/int4_gemm.c): codes [N/16, K/32, 16, 16] bytes
+    (two inputs per byte, low nibble first), scales and offsets [N/16, K/32, 16] float16 (Q4_1's own)."""
+    n, kb, _ = blocks.shape
+    codes = blocks[..., 2:].to(torch.uint8).reshape(n // 16, 16, kb, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).contiguous()
+
+    def per_block(v: torch.Tensor) -> torch.Tensor:
+        return v.to(torch.float16).reshape(n // 16, 16, kb).transpose(1, 2).contiguous()
+
+    return packed, per_block(blocks[..., 0]), per_block(blocks[..., 1])
+
+
+class Int4Gemm:
+    """ctypes front of csrc/int4_gemm.c: float32 x [M, K] -> float32 [M, N]."""
+
+    def __init__(self, lib):
+        import ctypes
+
+        self._fn = lib.int4_gemm
+        self._fn.restype = ctypes.c_int
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [p, i64, i64, p, p, p, i64, p]
+
+    def __call__(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        n = codes.shape[0] * 16
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        if x.shape[0] and self._fn(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(),
+                                   offsets.data_ptr(), n, out.data_ptr()):
+            raise MemoryError("int4 gemm: out of memory for the activation buffer")
+        return out
+
+
+def _int4_gemm_check() -> str:
+    return r"""
+import ctypes, random, struct, sys
+lib = ctypes.CDLL(sys.argv[1])
+fn = lib.int4_gemm
+fn.restype = ctypes.c_int
+fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
+rng = random.Random(0)
+M, K, N = 5, 64, 48
+G = K // 32
+bf16 = lambda v: struct.unpack("<f", struct.pack("<I", (struct.unpack("<I", struct.pack("<f", v))[0] + 0x8000) & 0xFFFF0000))[0]
+half = lambda v: struct.unpack("<e", struct.pack("<e", v))[0]
+x = [rng.choice([0.5, -1.25, 2.0, 0.75, -0.125]) for _ in range(M * K)]  # exact in bfloat16
+q = [[rng.randrange(16) for _ in range(K)] for _ in range(N)]
+d = [[half(rng.uniform(0.01, 0.1)) for _ in range(G)] for _ in range(N)]
+m = [[half(rng.uniform(-0.5, 0)) for _ in range(G)] for _ in range(N)]
+codes = bytearray()
+for nb in range(N // 16):
+    for g in range(G):
+        for j in range(16):
+            for c in range(16):
+                n, k = nb * 16 + c, g * 32 + 2 * j
+                codes.append(q[n][k] | q[n][k + 1] << 4)
+pack = lambda t: b"".join(struct.pack("<e", t[nb * 16 + c][g]) for nb in range(N // 16) for g in range(G) for c in range(16))
+cbuf = (ctypes.c_uint8 * len(codes)).from_buffer(codes)
+sbuf, obuf = ctypes.create_string_buffer(pack(d)), ctypes.create_string_buffer(pack(m))
+xbuf = (ctypes.c_float * (M * K))(*x)
+y = (ctypes.c_float * (M * N))()
+assert fn(xbuf, M, K, cbuf, sbuf, obuf, N, y) == 0
+for r in range(M):
+    for n in range(N):
+        ref = sum(x[r * K + k] * (d[n][k // 32] * q[n][k] + m[n][k // 32]) for k in range(K))
+        assert abs(y[r * N + n] - ref) < 1e-4 * (1 + abs(ref)), (r, n, y[r * N + n], ref)
+"""
+
+
+@functools.cache
+def int4_gemm() -> Int4Gemm | None:
+    """The C int4 kernel where this CPU runs AVX512-BF16 (checked in a child process), else None."""
+    from . import kernels
+
+    spec = kernels.KernelSpec("int4_gemm", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+                              ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), _int4_gemm_check())
+    lib = kernels.load(spec)
+    return Int4Gemm(lib) if lib is not None else None
+
+
 class Int4Linear(nn.Module):
-    def __init__(self, blocks: torch.Tensor, dtype: torch.dtype, dense_prefill: bool = False):
-        """`dense_prefill`: also keep the weights dequantized to `dtype` for prefill rows."""
+    def __init__(self, blocks: torch.Tensor, dtype: torch.dtype, dense_prefill: bool = False,
+                 kernel: Int4Gemm | None = None):
+        """`kernel`: the C kernel (int4_gemm()), or None for torch's `_weight_int4pack_mm_for_cpu`.
+        `dense_prefill`: also keep the weights dequantized to `dtype` for long prefill chunks."""
         super().__init__()
         self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * GROUP
-        packed, sz = pack_int4(blocks, dtype)
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales_zeros", sz)
+        self.kernel = kernel if self.out_features % 16 == 0 else None
+        if self.kernel is not None:
+            codes, scales, offsets = pack_c_layout(blocks)
+            self.register_buffer("codes", codes)
+            self.register_buffer("scales", scales)
+            self.register_buffer("offsets", offsets)
+            self.compute_dtype = torch.float32
+        else:
+            packed, sz = pack_int4(blocks, dtype)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales_zeros", sz)
+            self.compute_dtype = dtype
         self.dense = dequantize_blocks(blocks).to(dtype) if dense_prefill else None
+
+    def _int4(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.codes, self.scales, self.offsets)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
     def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
         """Rows [0, decode_like_rows) through the int4 kernel, the rest through `dense` when it is set
         (None: every row int4)."""
-        dt = self.scales_zeros.dtype
-        xq = x if x.dtype == dt else x.to(dt)
         rows = x.shape[0]
         d = rows if self.dense is None or decode_like_rows is None else decode_like_rows
         if d >= rows:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(xq, self.packed, GROUP, self.scales_zeros)
+            out = self._int4(x if x.dtype == self.compute_dtype else x.to(self.compute_dtype))
         elif d == 0:
-            out = F.linear(xq, self.dense)
+            out = F.linear(x.to(self.dense.dtype), self.dense)
         else:
-            out = torch.cat([torch.ops.aten._weight_int4pack_mm_for_cpu(xq[:d], self.packed, GROUP, self.scales_zeros),
-                             F.linear(xq[d:], self.dense)])
+            xq = x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
+            # Joined in float32: a decode row keeps the bits it has in a step without long chunks.
+            out = torch.cat([self._int4(xq[:d]).float(), F.linear(x[d:].to(self.dense.dtype), self.dense).float()])
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}"
+        kernel = "c" if self.kernel is not None else "torch"
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, kernel={kernel}"
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,14 +265,9 @@ class RescoredInt8Head(nn.Module):
 
 
 def cpu_flags() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return sorted(set(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return []
+    from .kernels import cpu_flags
+
+    return cpu_flags()
 
 
 @functools.cache
@@ -206,21 +298,25 @@ def detect() -> dict:
     ok("int4_bf16", lambda: Int4Linear(blocks, torch.bfloat16)(x.bfloat16()), x @ dequantize_blocks(blocks).t())
     ok("int8_bf16", lambda: Int8Linear(w, torch.bfloat16)(x.bfloat16()))
     ok("bf16_dense", lambda: F.linear(x.bfloat16(), w.bfloat16()))
-    found["int4_speedup_b1"] = _int4_speedup() if found["int4_bf16"] else 0.0
-    # The int4 kernel takes bf16 activations; where bf16 is emulated it could lose to float32, so "auto"
-    # takes int4 only where a decode-sized matmul measured faster than float32 here.
+    kernel = int4_gemm()
+    found["int4_kernel"] = "c" if kernel is not None else "torch"
+    if kernel is not None:
+        ok("int4_c", lambda: Int4Linear(blocks, torch.bfloat16, kernel=kernel)(x), x @ dequantize_blocks(blocks).t())
+    found["int4_speedup_b1"] = _int4_speedup(kernel) if found["int4_bf16"] or found.get("int4_c") else 0.0
+    # torch's int4 kernel takes bf16 activations; where bf16 is emulated it could lose to float32, so
+    # "auto" takes int4 only where a decode-sized matmul measured faster than float32 here.
     found["fast_int4"] = found["int4_speedup_b1"] > 1.2
     return found
 
 
-def _int4_speedup(layers: int = 24) -> float:
+def _int4_speedup(kernel: Int4Gemm | None, layers: int = 24) -> float:
     """float32 time / int4 time of a decode row through `layers` MLP-sized weights (1536 x 576), more
     float32 bytes (85 MB) than a CPU cache holds, as in a real forward; best of 5 passes (~0.1 s)."""
     import time
 
     gen = torch.Generator().manual_seed(1)
     dense = [torch.randn(1536, 576, generator=gen) * 0.05 for _ in range(layers)]
-    quant = [Int4Linear(q4_1_from_dense(w), torch.bfloat16) for w in dense]
+    quant = [Int4Linear(q4_1_from_dense(w), torch.bfloat16, kernel=kernel) for w in dense]
     x = torch.randn(1, 576, generator=gen)
 
     def best(fn) -> float:
@@ -243,11 +339,12 @@ def choose(quantization: str | None, dtype: str) -> tuple[str, str]:
     quality), "bfloat16" runs everything in bfloat16 (fewest ops)."""
     cap = detect()
     if quantization == "auto":
-        return ("int4", dtype) if cap["int4_bf16"] and cap["fast_int4"] else ("none", dtype)
+        runs = cap["int4_bf16"] or cap.get("int4_c", False)
+        return ("int4", dtype) if runs and cap["fast_int4"] else ("none", dtype)
     method = resolve_quantization(quantization)
     if method == "none":
         return method, dtype
-    if not cap.get(f"{method}_bf16"):
+    if not (cap.get(f"{method}_bf16") or cap.get(f"{method}_c")):
         logger.warning("quantization %s does not run on this CPU/torch (%s); using dense weights", method, cap)
         return "none", dtype
     return method, dtype
@@ -261,6 +358,7 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
     to bfloat16. The LM head (tied embedding) stays dense, or lm_head="int8" (plain) / "rescored"."""
     blocks = blocks or {}
     dtype = torch.bfloat16  # the dtype the int4/int8 kernels are vectorised for
+    kernel = int4_gemm() if method == "int4" else None
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name == "lm_head":
             continue
@@ -269,7 +367,7 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
             b = blocks.get(name + ".weight")
             if b is None:
                 b = q4_1_from_dense(w)
-            new: nn.Module = Int4Linear(b, dtype, dense_prefill)
+            new: nn.Module = Int4Linear(b, dtype, dense_prefill, kernel)
         elif method == "int8":
             new = Int8Linear(w, dtype)
         else:

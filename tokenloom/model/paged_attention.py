@@ -5,10 +5,8 @@ its block table. Two implementations of one interface, chosen once at load:
   (padded, masked) and runs SDPA. Always available; the float32 reference path uses it.
 - `PagedDecodeAttention`: a small C kernel (csrc/paged_attention.c) that reads K/V in place through
   the block tables, one OpenMP task per (sequence, KV head): no gathered copy, no padding. At 32
-  sequences of ~300 tokens the gather and SDPA were 40% of a decode step. Built at first use with the
-  system C compiler into ~/.cache/tokenloom (keyed by source, flags and CPU flags), then run once in a
-  child process before this process loads it, so an instruction the CPU advertises but traps on kills
-  the child, not the server. Unavailable (no compiler, no AVX2+FMA, a failed check) -> the torch path,
+  sequences of ~300 tokens the gather and SDPA were 40% of a decode step. Built and checked at first
+  use (model/kernels.py); unavailable (no compiler, no AVX2+FMA, a failed check) -> the torch path,
   with the reason logged.
 
 Both are per-sequence computations: a row's result does not depend on the rest of the batch.
@@ -17,23 +15,11 @@ Both are per-sequence computations: a row's result does not depend on the rest o
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+from . import kernels
 
 
 class TorchDecodeAttention:
@@ -95,52 +81,11 @@ def decode_attention_for(dtype: torch.dtype, head_dim: int, num_heads: int, num_
     return TorchDecodeAttention()
 
 
-# --- building and checking the kernel ------------------------------------------------------------------
+# --- building and checking the kernel (model/kernels.py) ----------------------------------------------
 
 
-def _cpu_flags() -> str:
-    from .linear import cpu_flags
-
-    return " ".join(cpu_flags())
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("TOKENLOOM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenloom")
-    return Path(base) / "kernels"
-
-
-@functools.cache
 def load_kernel() -> ctypes.CDLL | None:
-    """Compile (once per source/flags/CPU), check in a child process, load. None (logged) if any step fails."""
-    flags = set(_cpu_flags().split())
-    if not {"avx2", "fma"} <= flags:
-        logger.info("paged decode attention: no AVX2+FMA on this CPU; using the torch path")
-        return None
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        logger.info("paged decode attention: no C compiler found; using the torch path")
-        return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"paged_attention-{key}.so"
-    checked = lib_path.with_suffix(".checked")
-    try:
-        if not lib_path.exists():
-            lib_path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-                tmp_lib = Path(tmp) / lib_path.name
-                subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(tmp_lib), "-lm"], check=True,
-                               capture_output=True, text=True, timeout=120)
-                os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never load a half-written file
-        if not checked.exists():
-            subprocess.run([sys.executable, "-c", _CHECK, str(lib_path)], check=True, capture_output=True,
-                           text=True, timeout=60)
-            checked.touch()
-        return ctypes.CDLL(str(lib_path))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or ""
-        logger.warning("paged decode attention unavailable (%s %s); using the torch path", exc, detail[-300:])
-        return None
+    return kernels.load(SPEC)
 
 
 # Run in a child: load the library and compare one small case with a direct computation (no torch, so it
@@ -168,3 +113,5 @@ for h in range(H):
         ref = sum(w[p] / z * v[(slot(p) * KVH + kvh) * D + i] for p in range(CTX))
         assert abs(out[h * D + i] - ref) < 1e-5, (h, i, out[h * D + i], ref)
 """
+
+SPEC = kernels.KernelSpec("paged_attention", frozenset({"avx2", "fma"}), ("-mavx2", "-mfma"), _CHECK)
