@@ -19,12 +19,12 @@ needs_int4 = pytest.mark.skipif(not CAP["int4_bf16"], reason="int4 with bf16 act
 needs_int8 = pytest.mark.skipif(not CAP["int8_bf16"], reason="int8 with bf16 activations does not run here")
 # The int4 kernels that run here: torch's, and the project's C kernel where the CPU has AVX512-BF16.
 INT4_KERNELS = [pytest.param(None, id="torch", marks=needs_int4),
-                pytest.param("c", id="c", marks=pytest.mark.skipif(linear.int4_gemm() is None,
+                pytest.param("c", id="c", marks=pytest.mark.skipif(linear.quant_gemm() is None,
                                                                    reason="no AVX512-BF16 C kernel here"))]
 
 
 def int4_kernel(name):
-    return linear.int4_gemm() if name == "c" else None
+    return linear.quant_gemm() if name == "c" else None
 
 
 def random_q4_1_bytes(n: int, k: int, seed: int = 0) -> bytes:
@@ -69,14 +69,14 @@ def test_int4_bf16_close_and_row_invariant(kernel):
     assert torch.equal(out, rows), "a row's result must not depend on the other rows"
 
 
-@pytest.mark.skipif(linear.int4_gemm() is None, reason="no AVX512-BF16 C kernel here")
+@pytest.mark.skipif(linear.quant_gemm() is None, reason="no AVX512-BF16 C kernel here")
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 33])
 def test_int4_c_kernel_matches_the_q4_1_weights(rows):
     """Only the activations are rounded (to bfloat16): against the dequantized weights in float64 the
     error is float32 accumulation noise; every tile shape (rows % 4, columns % 48) gives the same bits."""
     n, k = 112, 96  # 7 column blocks: a full tile of 3, another, and one of 1
     blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=5), (n, k))
-    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=linear.int4_gemm())
+    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=linear.quant_gemm())
     x = torch.randn(rows, k)
     out = layer(x)
     ref = x.bfloat16().double() @ linear.dequantize_blocks(blocks).double().t()
@@ -102,12 +102,12 @@ def test_int4_decode_rows_and_prefill_rows_take_their_own_kernels(kernel):
     assert not torch.equal(both(x, 0)[:7], mixed[:7]), "the two kernels differ; the split must be by row kind"
 
 
-@needs_int8
-def test_rescored_head_has_the_float32_argmax_and_is_row_invariant():
+@pytest.mark.parametrize("kernel", [pytest.param(None, id="torch", marks=needs_int8), *INT4_KERNELS[1:]])
+def test_rescored_head_has_the_float32_argmax_and_is_row_invariant(kernel):
     gen = torch.Generator().manual_seed(4)
-    w = torch.randn(5000, 64, generator=gen)
+    w = torch.randn(5008, 64, generator=gen)
     x = torch.randn(40, 64, generator=gen)
-    head = linear.RescoredInt8Head(w)
+    head = linear.RescoredInt8Head(w, kernel=int4_kernel(kernel))
     out, ref = head(x), x @ w.t()
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
     top = ref.topk(4, dim=-1).indices
@@ -121,6 +121,19 @@ def test_q4_1_from_dense_round_trip():
     err = (linear.dequantize_blocks(linear.q4_1_from_dense(w)) - w).abs()
     step = (w.view(32, 2, 32).amax(-1) - w.view(32, 2, 32).amin(-1)) / 15
     assert (err.view(32, 2, 32) <= step[..., None] * 0.51 + 1e-3).all()
+
+
+@pytest.mark.skipif(linear.quant_gemm() is None, reason="no AVX512-BF16 C kernel here")
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_int8_c_kernel_is_exact_on_bfloat16_activations(rows):
+    w = torch.randn(112, 96) * 0.1
+    layer = linear.Int8Linear(w, torch.bfloat16, kernel=linear.quant_gemm())
+    q, scale = linear.quantize_int8(w)
+    x = torch.randn(rows, 96)
+    out = layer(x)
+    ref = (x.bfloat16().double() @ q.double().t()) * scale.double()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
 
 
 @needs_int8
@@ -219,7 +232,7 @@ def teacher_forced_logprobs(model, ids: torch.Tensor, chunk: int = 256) -> torch
     from tokenloom.model.llama import ForwardBatch, PrefillSpan
 
     n, cfg = ids.numel(), model.config
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.kv_cache_dtype or model.embed_tokens.weight.dtype  # the fast path's float16 cache included
     kv = torch.zeros(cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.dim_per_head, dtype=dtype)
     kv = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
     idx = torch.arange(n)

@@ -7,10 +7,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenloom.model import kernels
 from tokenloom.model import paged_attention as pa
 
 LIB = pa.load_kernel()
+LIB512 = kernels.load(pa.SPEC_AVX512)
 needs_kernel = pytest.mark.skipif(LIB is None, reason="the C kernel does not build or run here (logged)")
+# Each kernel the machine runs: AVX2 alone, and with the AVX-512 one (head_dim 64, GQA groups up to 4).
+KERNELS = [pytest.param(None, id="avx2"),
+           pytest.param("avx512", id="avx512", marks=pytest.mark.skipif(LIB512 is None, reason="no AVX-512 kernel here"))]
+
+
+def kernel_for(name):
+    return pa.PagedDecodeAttention(LIB, LIB512 if name == "avx512" else None)
 
 
 def random_case(num_seqs: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int):
@@ -31,19 +40,26 @@ def random_case(num_seqs: int, heads: int, kv_heads: int, head_dim: int, block_s
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 4)])
-def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("which", KERNELS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 4),
+                                                               (8, 2, 64, 16), (8, 1, 64, 8)])
+def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size, kv_dtype, which):
+    """Float16 caches too: the kernel widens each element to float32 as the torch path does. Shapes the
+    AVX-512 kernel does not take (head_dim != 64, 8 query heads per KV head) go to the AVX2 one."""
     q, k, v, tables, lens = random_case(7, heads, kv_heads, head_dim, block_size, seed=heads)
-    ref_impl, kernel = pa.TorchDecodeAttention(), pa.PagedDecodeAttention(LIB)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    ref_impl, kernel = pa.TorchDecodeAttention(), kernel_for(which)
     ref = ref_impl(ref_impl.prepare(tables, lens, block_size), q, k, v, 0.125)
     out = kernel(kernel.prepare(tables, lens, block_size), q, k, v, 0.125)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
-def test_kernel_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("which", KERNELS)
+def test_kernel_rows_do_not_depend_on_the_batch(which):
     q, k, v, tables, lens = random_case(9, 9, 3, 64, 16, seed=1)
-    kernel = pa.PagedDecodeAttention(LIB)
+    kernel = kernel_for(which)
     full = kernel(kernel.prepare(tables, lens, 16), q, k, v, 0.125)
     for s in range(9):
         one = kernel(kernel.prepare(tables[s : s + 1, :], lens[s : s + 1], 16), q[s : s + 1], k, v, 0.125)
@@ -51,6 +67,7 @@ def test_kernel_rows_do_not_depend_on_the_batch():
 
 
 def test_the_torch_path_is_used_where_the_kernel_does_not_apply():
-    assert isinstance(pa.decode_attention_for(torch.bfloat16, 64, 9, 3, want=True), pa.TorchDecodeAttention)
-    assert isinstance(pa.decode_attention_for(torch.float32, 48, 9, 3, want=True), pa.TorchDecodeAttention)
-    assert isinstance(pa.decode_attention_for(torch.float32, 64, 9, 3, want=False), pa.TorchDecodeAttention)
+    assert isinstance(pa.decode_attention_for(torch.bfloat16, torch.float32, 64, 9, 3, want=True), pa.TorchDecodeAttention)
+    assert isinstance(pa.decode_attention_for(torch.float32, torch.float32, 48, 9, 3, want=True), pa.TorchDecodeAttention)
+    assert isinstance(pa.decode_attention_for(torch.float32, torch.float32, 64, 9, 3, want=False), pa.TorchDecodeAttention)
+    assert isinstance(pa.decode_attention_for(torch.float32, torch.bfloat16, 64, 9, 3, want=True), pa.TorchDecodeAttention)

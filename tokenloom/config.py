@@ -18,7 +18,7 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: ~46k tokens of SmolLM2-135M KV
 @dataclass
 class EngineConfig:
     model: str | None = None  # GGUF file, HF directory, or None for the bundled SmolLM2-135M-Instruct
-    dtype: Dtype = "float32"  # the residual stream and KV cache (and dense weights)
+    dtype: Dtype = "float32"  # the residual stream (and dense weights)
     # Weights: None/"none" dense in `dtype`; "int4" weight-only 4-bit from the GGUF's Q4_1 blocks; "int8";
     # "auto" = the fastest that runs here and passed the quality check (int4 with float32 residual).
     quantization: str | None = None
@@ -27,6 +27,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads; None = all cores
 
     # KV cache
+    # "auto": float16 on the quantized fast path (half the bytes decode attention reads, as llama.cpp
+    # keeps its cache), else `dtype`: the float32 reference path stays exact.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     block_size: int = 16
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
     num_kv_blocks: int | None = None  # overrides the count derived from kv_cache_memory_bytes
@@ -55,6 +58,7 @@ class EngineConfig:
 
         choices = {
             "dtype": DTYPES,
+            "kv_cache_dtype": ("auto", *DTYPES),
             "quantization": (None, "none", "auto", "int4", "q4", "q4_1", "int8", "q8"),
             "preemption_mode": ("recompute", "swap"),
             "scheduling_policy": ("fcfs", "sjf", "priority"),

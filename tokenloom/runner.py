@@ -24,11 +24,13 @@ SHORT_CHUNK = 16
 
 
 class ModelRunner(Runner):
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_host_blocks: int = 0, seed: int = 0):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_host_blocks: int = 0, seed: int = 0,
+                 kv_dtype: torch.dtype | None = None):
+        """`kv_dtype`: the KV cache's element type; None = the model's `kv_cache_dtype`, else its weights'."""
         self.model = model
         cfg = model.config
         param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device, self.dtype = param.device, kv_dtype or model.kv_cache_dtype or param.dtype
         self.block_size = block_size
 
         def cache(n: int, device) -> torch.Tensor:  # [layer, K/V, slot, kv head, head dim]

@@ -23,18 +23,24 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
 from ..model.llama import LlamaConfig
 from ..model.loader import kv_bytes_per_block_for, torch_dtype
 from ..step import Sequence
 
+if TYPE_CHECKING:
+    import torch
+
 BlockKey = tuple  # (parent key hash or None, token ids tuple, extra keys)
 
 
-def kv_cache_size(config: EngineConfig, model_config: LlamaConfig) -> tuple[int, int, int]:
-    """(device blocks, host blocks for swap, bytes per block) that the config's memory budget holds."""
-    block_bytes = kv_bytes_per_block_for(model_config, config.block_size, torch_dtype(config.dtype))
+def kv_cache_size(config: EngineConfig, model_config: LlamaConfig, kv_dtype: torch.dtype | None = None
+                  ) -> tuple[int, int, int]:
+    """(device blocks, host blocks for swap, bytes per block) that the config's memory budget holds, for
+    a cache of `kv_dtype` (default: the config's `dtype`)."""
+    block_bytes = kv_bytes_per_block_for(model_config, config.block_size, kv_dtype or torch_dtype(config.dtype))
     num_blocks = config.num_kv_blocks or config.kv_cache_memory_bytes // block_bytes
     if num_blocks < 2:
         raise ValueError(

@@ -33,6 +33,7 @@ from .. import step as steps
 from ..config import EngineConfig
 from ..model.llama import LlamaConfig
 from ..model.load import load, set_num_threads
+from ..model.loader import torch_dtype
 from ..model.tokenizer import IncrementalDetokenizer, TokenizerWrapper
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..request_checks import check_request
@@ -132,7 +133,8 @@ class LLMEngine:
         self.clock = clock
         set_num_threads(config.num_threads)
         if model is None and runner is None:
-            model, loaded_tokenizer, _ = load(config.model, config.dtype, config.device, config.quantization)
+            model, loaded_tokenizer, _ = load(config.model, config.dtype, config.device, config.quantization,
+                                              config.kv_cache_dtype)
             tokenizer = tokenizer or loaded_tokenizer
         if tokenizer is None:
             raise ValueError("tokenizer: required when a model or runner object is passed")
@@ -148,14 +150,20 @@ class LLMEngine:
             )
         config.validate()
 
-        num_blocks, num_host_blocks, block_bytes = kv_cache_size(config, model_config)
+        kv_dtype = None  # the config's dtype, unless asked for or chosen at load
+        if config.kv_cache_dtype != "auto":
+            kv_dtype = torch_dtype(config.kv_cache_dtype)
+        elif model is not None:
+            kv_dtype = getattr(model, "kv_cache_dtype", None)
+        num_blocks, num_host_blocks, block_bytes = kv_cache_size(config, model_config, kv_dtype)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.stall_free = None
         if config.stall_free_factor and config.batching == "continuous":
             self.stall_free = StallFreeBudget(config.block_size, config.stall_free_factor,
                                               max_tokens=config.max_num_batched_tokens)
         self.scheduler = Scheduler(config, self.kv, self.stall_free)
-        self.runner: Runner = runner or ModelRunner(model, num_blocks, config.block_size, num_host_blocks, config.seed)
+        self.runner: Runner = runner or ModelRunner(model, num_blocks, config.block_size, num_host_blocks, config.seed,
+                                                    kv_dtype)
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -168,8 +176,9 @@ class LLMEngine:
         self.num_steps = 0
         self.fault_stats = FaultStats()
         logger.info(
-            "engine ready: %d KV blocks of %d tokens (%.0f MiB), max_model_len %d, dtype %s",
-            num_blocks, config.block_size, num_blocks * block_bytes / 2**20, config.max_model_len, config.dtype,
+            "engine ready: %d KV blocks of %d tokens (%.0f MiB, %s), max_model_len %d, dtype %s",
+            num_blocks, config.block_size, num_blocks * block_bytes / 2**20,
+            str(kv_dtype or config.dtype).removeprefix("torch."), config.max_model_len, config.dtype,
         )
 
     # -- requests --------------------------------------------------------------------------------

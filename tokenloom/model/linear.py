@@ -104,28 +104,40 @@ def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return packed, per_block(blocks[..., 0]), per_block(blocks[..., 1])
 
 
-class Int4Gemm:
-    """ctypes front of csrc/int4_gemm.c: float32 x [M, K] -> float32 [M, N]."""
+def pack_int8_c_layout(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the C kernel's layout [N/16, K/2, 16, 2]: each pair of inputs of 16 columns together."""
+    n, k = q.shape
+    return q.reshape(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+
+
+class QuantGemm:
+    """ctypes front of csrc/quant_gemm.c: float32 x [M, K] -> float32 [M, N] over int4 or int8 weights."""
 
     def __init__(self, lib):
         import ctypes
 
-        self._fn = lib.int4_gemm
-        self._fn.restype = ctypes.c_int
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [p, i64, i64, p, p, p, i64, p]
+        self._int4, self._int8 = lib.int4_gemm, lib.int8_gemm
+        self._int4.argtypes = [p, i64, i64, p, p, p, i64, p]
+        self._int8.argtypes = [p, i64, i64, p, p, i64, p]
+        self._int4.restype = self._int8.restype = ctypes.c_int
 
-    def __call__(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _run(fn, x: torch.Tensor, n: int, *weights: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        n = codes.shape[0] * 16
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        if x.shape[0] and self._fn(x.data_ptr(), x.shape[0], x.shape[1], codes.data_ptr(), scales.data_ptr(),
-                                   offsets.data_ptr(), n, out.data_ptr()):
-            raise MemoryError("int4 gemm: out of memory for the activation buffer")
+        if x.shape[0] and fn(x.data_ptr(), x.shape[0], x.shape[1], *(w.data_ptr() for w in weights), n, out.data_ptr()):
+            raise MemoryError("quantized gemm: out of memory for the activation buffer")
         return out
 
+    def int4(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self._run(self._int4, x, codes.shape[0] * 16, codes, scales, offsets)
 
-def _int4_gemm_check() -> str:
+    def int8(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return self._run(self._int8, x, codes.shape[0] * 16, codes, scales)
+
+
+def _quant_gemm_check() -> str:
     return r"""
 import ctypes, random, struct, sys
 lib = ctypes.CDLL(sys.argv[1])
@@ -158,24 +170,35 @@ for r in range(M):
     for n in range(N):
         ref = sum(x[r * K + k] * (d[n][k // 32] * q[n][k] + m[n][k // 32]) for k in range(K))
         assert abs(y[r * N + n] - ref) < 1e-4 * (1 + abs(ref)), (r, n, y[r * N + n], ref)
+fn8 = lib.int8_gemm
+fn8.restype = ctypes.c_int
+fn8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+w8 = [[rng.randrange(-127, 128) for _ in range(K)] for _ in range(N)]
+s8 = [rng.uniform(0.001, 0.01) for _ in range(N)]
+c8 = bytearray(w8[nb * 16 + c][2 * j + i] & 0xFF for nb in range(N // 16) for j in range(K // 2) for c in range(16) for i in range(2))
+assert fn8(xbuf, M, K, (ctypes.c_uint8 * len(c8)).from_buffer(c8), (ctypes.c_float * N)(*s8), N, y) == 0
+for r in range(M):
+    for n in range(N):
+        ref = sum(x[r * K + k] * w8[n][k] for k in range(K)) * struct.unpack("<f", struct.pack("<f", s8[n]))[0]
+        assert abs(y[r * N + n] - ref) < 1e-4 * (1 + abs(ref)), (r, n, y[r * N + n], ref)
 """
 
 
 @functools.cache
-def int4_gemm() -> Int4Gemm | None:
-    """The C int4 kernel where this CPU runs AVX512-BF16 (checked in a child process), else None."""
+def quant_gemm() -> QuantGemm | None:
+    """The C int4/int8 kernels where this CPU runs AVX512-BF16 (checked in a child process), else None."""
     from . import kernels
 
-    spec = kernels.KernelSpec("int4_gemm", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
-                              ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), _int4_gemm_check())
+    spec = kernels.KernelSpec("quant_gemm", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+                              ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), _quant_gemm_check())
     lib = kernels.load(spec)
-    return Int4Gemm(lib) if lib is not None else None
+    return QuantGemm(lib) if lib is not None else None
 
 
 class Int4Linear(nn.Module):
     def __init__(self, blocks: torch.Tensor, dtype: torch.dtype, dense_prefill: bool = False,
-                 kernel: Int4Gemm | None = None):
-        """`kernel`: the C kernel (int4_gemm()), or None for torch's `_weight_int4pack_mm_for_cpu`.
+                 kernel: QuantGemm | None = None):
+        """`kernel`: the C kernels (quant_gemm()), or None for torch's `_weight_int4pack_mm_for_cpu`.
         `dense_prefill`: also keep the weights dequantized to `dtype` for long prefill chunks."""
         super().__init__()
         self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * GROUP
@@ -195,7 +218,7 @@ class Int4Linear(nn.Module):
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            return self.kernel(x, self.codes, self.scales, self.offsets)
+            return self.kernel.int4(x, self.codes, self.scales, self.offsets)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
     def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
@@ -226,14 +249,23 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, kernel: QuantGemm | None = None):
+        """`kernel`: the C kernels (quant_gemm()), or None for torch's `_weight_int8pack_mm`."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         q, scale = quantize_int8(weight)
-        self.register_buffer("qweight", q)
-        self.register_buffer("scales", scale.to(dtype))
+        self.kernel = kernel if self.out_features % 16 == 0 and self.in_features % 32 == 0 else None
+        if self.kernel is not None:
+            self.register_buffer("codes", pack_int8_c_layout(q))
+            self.register_buffer("scales", scale.float())
+        else:
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scale.to(dtype))
 
     def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
+        if self.kernel is not None:
+            out = self.kernel.int8(x.float(), self.codes, self.scales)
+            return out if x.dtype == torch.float32 else out.to(x.dtype)
         dt = self.scales.dtype
         if x.dtype == dt:
             return torch._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -247,14 +279,14 @@ class RescoredInt8Head(nn.Module):
     int8 head flips ~4% of near-tie argmaxes on natural text; rescored, the argmax is the float32
     head's whenever it is among the int8 top `top` (the gap it must bridge is int8 rounding noise)."""
 
-    def __init__(self, weight: torch.Tensor, top: int = 16):
+    def __init__(self, weight: torch.Tensor, top: int = 16, kernel: QuantGemm | None = None):
         super().__init__()
-        self.approx = Int8Linear(weight, torch.bfloat16)
+        self.approx = Int8Linear(weight, torch.bfloat16, kernel)
         self.weight = weight
         self.top = top
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.approx(x.to(torch.bfloat16)).float()
+        logits = self.approx(x if self.approx.kernel is not None else x.to(torch.bfloat16)).float()
         idx = logits.topk(min(self.top, logits.shape[-1]), dim=-1).indices  # [rows, top]
         # Elementwise product and sum: each row's result is the same whatever the number of rows.
         exact = (self.weight[idx].float() * x.float().unsqueeze(1)).sum(-1)
@@ -298,7 +330,7 @@ def detect() -> dict:
     ok("int4_bf16", lambda: Int4Linear(blocks, torch.bfloat16)(x.bfloat16()), x @ dequantize_blocks(blocks).t())
     ok("int8_bf16", lambda: Int8Linear(w, torch.bfloat16)(x.bfloat16()))
     ok("bf16_dense", lambda: F.linear(x.bfloat16(), w.bfloat16()))
-    kernel = int4_gemm()
+    kernel = quant_gemm()
     found["int4_kernel"] = "c" if kernel is not None else "torch"
     if kernel is not None:
         ok("int4_c", lambda: Int4Linear(blocks, torch.bfloat16, kernel=kernel)(x), x @ dequantize_blocks(blocks).t())
@@ -309,7 +341,7 @@ def detect() -> dict:
     return found
 
 
-def _int4_speedup(kernel: Int4Gemm | None, layers: int = 24) -> float:
+def _int4_speedup(kernel: QuantGemm | None, layers: int = 24) -> float:
     """float32 time / int4 time of a decode row through `layers` MLP-sized weights (1536 x 576), more
     float32 bytes (85 MB) than a CPU cache holds, as in a real forward; best of 5 passes (~0.1 s)."""
     import time
@@ -358,7 +390,7 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
     to bfloat16. The LM head (tied embedding) stays dense, or lm_head="int8" (plain) / "rescored"."""
     blocks = blocks or {}
     dtype = torch.bfloat16  # the dtype the int4/int8 kernels are vectorised for
-    kernel = int4_gemm() if method == "int4" else None
+    kernel = quant_gemm()
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name == "lm_head":
             continue
@@ -369,16 +401,16 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
                 b = q4_1_from_dense(w)
             new: nn.Module = Int4Linear(b, dtype, dense_prefill, kernel)
         elif method == "int8":
-            new = Int8Linear(w, dtype)
+            new = Int8Linear(w, dtype, kernel)
         else:
             raise ValueError(method)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     if lm_head == "int8":
-        model.logits_proj = Int8Linear(head, dtype)
+        model.logits_proj = Int8Linear(head, dtype, kernel)
     elif lm_head == "rescored":
-        model.logits_proj = RescoredInt8Head(head)
+        model.logits_proj = RescoredInt8Head(head, kernel=kernel)
     elif lm_head != "dense":
         raise ValueError(f"lm_head: {lm_head!r}")
     return model

@@ -146,8 +146,8 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         # Write the new K/V first: every query then reads its whole context from the cache,
         # including tokens of its own chunk and blocks shared with other sequences in this step.
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
+        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty_like(q) if batch.prefills else None
         if d:
@@ -161,8 +161,8 @@ class Attention(nn.Module):
             # 4-D [1, heads, tokens, head_dim]: SDPA's CPU flash kernel (3-D inputs take the math path,
             # which materialises the whole score matrix: 2.7x slower for 512 queries over 6,000 keys).
             qs = q[span.query_start : span.query_start + span.query_len].transpose(0, 1)[None]
-            ks = k_cache[span.context_slots].transpose(0, 1)[None]  # [1, KVH, C, hd]
-            vs = v_cache[span.context_slots].transpose(0, 1)[None]
+            ks = k_cache[span.context_slots].to(qs.dtype).transpose(0, 1)[None]  # [1, KVH, C, hd]
+            vs = v_cache[span.context_slots].to(qs.dtype).transpose(0, 1)[None]
             os_ = F.scaled_dot_product_attention(
                 qs,
                 ks,
@@ -212,6 +212,7 @@ class LlamaModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.logits_proj: nn.Module | None = None  # a quantized LM head (model/linear.py), when chosen
         self.decode_attention = TorchDecodeAttention()  # or the paged C kernel, chosen at load
+        self.kv_cache_dtype: torch.dtype | None = None  # None: the activations' dtype; set at load
 
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]

@@ -22,14 +22,17 @@ def model_path(source: str | None) -> str:
 
 
 def load(
-    source: str | None = None, dtype: str = "float32", device: str = "cpu", quantization: str | None = None
+    source: str | None = None, dtype: str = "float32", device: str = "cpu", quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[LlamaModel, TokenizerWrapper, LlamaConfig]:
     resolved = ModelSource.resolve(model_path(source))
-    model = load_model(resolved, dtype=dtype, device=device, quantization=quantization)
+    model = load_model(resolved, dtype=dtype, device=device, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     if quantization not in (None, "none"):
         cap = linear.detect()
-        logger.info("forward path: %s weights, %s residual/KV, %s decode attention (asked %s; torch CPU "
-                    "capability %s, bf16 %s)", model.quantization, dtype, model.decode_attention.name, quantization,
+        kernel = f" ({cap['int4_kernel']} kernel)" if model.quantization == "int4" else ""
+        logger.info("forward path: %s weights%s, %s residual, %s KV cache, %s decode attention (asked %s; torch CPU "
+                    "capability %s, bf16 %s)", model.quantization, kernel, dtype,
+                    str(model.kv_cache_dtype).removeprefix("torch."), model.decode_attention.name, quantization,
                     cap["cpu_capability"], cap["avx512_bf16"])
     return model, load_tokenizer(resolved.path), model.config
 

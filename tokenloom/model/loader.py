@@ -65,11 +65,13 @@ class ModelSource:
 
 
 def load_model(
-    source: ModelSource, dtype: str = "float32", device: str = "cpu", quantization: str | None = None
+    source: ModelSource, dtype: str = "float32", device: str = "cpu", quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> LlamaModel:
     """`quantization`: None/"none" (dense, `dtype`), "int4"/"q4" (weight-only 4-bit from the GGUF's Q4_1
     blocks), "int8", or "auto"; see model/linear.py. The quantized matmuls take bfloat16 inputs; `dtype`
-    stays the residual-stream/KV-cache dtype (float32 casts around them, bfloat16 runs all in bf16)."""
+    stays the residual-stream dtype (float32 casts around them, bfloat16 runs all in bf16).
+    `kv_cache_dtype` "auto": float16 on a quantized path, else `dtype` (sets `model.kv_cache_dtype`)."""
     from . import linear
 
     method, dtype = linear.choose(quantization, dtype) if quantization not in (None, "none") else ("none", dtype)
@@ -87,12 +89,15 @@ def load_model(
     elif method != "none":
         linear.quantize_model(model, method, blocks)
     model.quantization = method
+    if kv_cache_dtype == "auto":
+        kv_cache_dtype = "float16" if method != "none" else dtype
+    model.kv_cache_dtype = torch_dtype(kv_cache_dtype)
     if method != "none":  # the fast path; float32 "none" stays on torch ops, token-exact against transformers
         from .paged_attention import decode_attention_for
 
         cfg = model.config
-        model.decode_attention = decode_attention_for(torch_dtype(dtype), cfg.dim_per_head, cfg.num_heads,
-                                                      cfg.num_kv_heads, want=True)
+        model.decode_attention = decode_attention_for(torch_dtype(dtype), model.kv_cache_dtype, cfg.dim_per_head,
+                                                      cfg.num_heads, cfg.num_kv_heads, want=True)
     return model
 
 

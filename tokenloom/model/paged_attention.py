@@ -6,7 +6,7 @@ its block table. Two implementations of one interface, chosen once at load:
 - `PagedDecodeAttention`: a small C kernel (csrc/paged_attention.c) that reads K/V in place through
   the block tables, one OpenMP task per (sequence, KV head): no gathered copy, no padding. At 32
   sequences of ~300 tokens the gather and SDPA were 40% of a decode step. Built and checked at first
-  use (model/kernels.py); unavailable (no compiler, no AVX2+FMA, a failed check) -> the torch path,
+  use (model/kernels.py); unavailable (no compiler, no AVX2+FMA+F16C, a failed check) -> the torch path,
   with the reason logged.
 
 Both are per-sequence computations: a row's result does not depend on the rest of the batch.
@@ -35,22 +35,29 @@ class TorchDecodeAttention:
 
     def __call__(self, prepared, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
         slots, mask = prepared
-        kd = k_cache[slots].transpose(1, 2)  # [D, KVH, L, hd]
-        vd = v_cache[slots].transpose(1, 2)
+        kd = k_cache[slots].to(q.dtype).transpose(1, 2)  # [D, KVH, L, hd]
+        vd = v_cache[slots].to(q.dtype).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
         return out.squeeze(2)  # [D, H, hd]
 
 
 class PagedDecodeAttention:
-    """The C kernel. q [D, H, hd], caches [slots, KVH, hd], all float32."""
+    """The C kernel. q [D, H, hd] float32, caches [slots, KVH, hd] float32 or float16."""
 
     name = "paged-c"
 
-    def __init__(self, lib: ctypes.CDLL):
-        self._fn = lib.paged_decode_attention
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
-            ctypes.c_float, ctypes.c_void_p]
+    def __init__(self, lib: ctypes.CDLL, lib512: ctypes.CDLL | None = None):
+        """`lib512`: the AVX-512 kernel for head_dim 64 and up to 4 query heads per KV head, when it runs."""
+        self._fns = {torch.float32: lib.paged_decode_attention_f32, torch.float16: lib.paged_decode_attention_f16}
+        self._fns512 = {} if lib512 is None else {
+            torch.float32: lib512.paged_decode_attention_avx512_f32,
+            torch.float16: lib512.paged_decode_attention_avx512_f16}
+        for fn in [*self._fns.values(), *self._fns512.values()]:
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
+                ctypes.c_float, ctypes.c_void_p]
+        if self._fns512:
+            self.name = "paged-c-avx512"
 
     def prepare(self, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
         return tables.contiguous(), context_lens.contiguous(), block_size
@@ -60,7 +67,9 @@ class PagedDecodeAttention:
         q = q.contiguous()
         num_seqs, num_heads, head_dim = q.shape
         out = torch.empty_like(q)
-        status = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+        fits512 = head_dim == 64 and num_heads <= 4 * k_cache.shape[1]
+        fn = (self._fns512 if fits512 and self._fns512 else self._fns)[k_cache.dtype]
+        status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
                           context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim, block_size,
                           scale, out.data_ptr())
         if status != 0:
@@ -68,16 +77,18 @@ class PagedDecodeAttention:
         return out
 
 
-def supports(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
-    return dtype == torch.float32 and head_dim % 32 == 0 and num_heads % num_kv_heads == 0
+def supports(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    return (dtype == torch.float32 and kv_dtype in (torch.float32, torch.float16) and head_dim % 32 == 0
+            and num_heads % num_kv_heads == 0)
 
 
-def decode_attention_for(dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int, want: bool):
-    """The kernel when asked for and usable for this model, else the torch path."""
-    if want and supports(dtype, head_dim, num_heads, num_kv_heads):
+def decode_attention_for(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, num_heads: int,
+                         num_kv_heads: int, want: bool):
+    """The kernel when asked for and usable for this model and cache, else the torch path."""
+    if want and supports(dtype, kv_dtype, head_dim, num_heads, num_kv_heads):
         lib = load_kernel()
         if lib is not None:
-            return PagedDecodeAttention(lib)
+            return PagedDecodeAttention(lib, kernels.load(SPEC_AVX512))
     return TorchDecodeAttention()
 
 
@@ -93,12 +104,12 @@ def load_kernel() -> ctypes.CDLL | None:
 _CHECK = r"""
 import ctypes, math, random, sys
 lib = ctypes.CDLL(sys.argv[1])
-fn = lib.paged_decode_attention
+fn = lib.paged_decode_attention_f32
 fn.restype = ctypes.c_int
 fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p]
 rng = random.Random(0)
 H, KVH, D, BS, NB, CTX = 4, 2, 32, 4, 3, 10
-tables = [2, 0, 1]  # logical block i lives in physical block tables[i]
+tables = [(i + 2) % NB for i in range(NB)]  # logical block i lives in physical block tables[i]
 F = lambda n: (ctypes.c_float * n)(*[rng.uniform(-1, 1) for _ in range(n)])
 q, k, v = F(H * D), F(NB * BS * KVH * D), F(NB * BS * KVH * D)
 out = (ctypes.c_float * (H * D))()
@@ -114,4 +125,9 @@ for h in range(H):
         assert abs(out[h * D + i] - ref) < 1e-5, (h, i, out[h * D + i], ref)
 """
 
-SPEC = kernels.KernelSpec("paged_attention", frozenset({"avx2", "fma"}), ("-mavx2", "-mfma"), _CHECK)
+SPEC = kernels.KernelSpec("paged_attention", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"), _CHECK)
+# The same check through the AVX-512 entry point (head_dim 64, 2 query heads per KV head).
+SPEC_AVX512 = kernels.KernelSpec(
+    "paged_attention_avx512", frozenset({"avx512f", "f16c"}), ("-mavx512f", "-mf16c"),
+    _CHECK.replace("paged_decode_attention_f32", "paged_decode_attention_avx512_f32").replace(
+        "H, KVH, D, BS, NB, CTX = 4, 2, 32, 4, 3, 10", "H, KVH, D, BS, NB, CTX = 4, 2, 64, 4, 6, 21"))

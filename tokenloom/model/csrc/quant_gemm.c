@@ -1,5 +1,7 @@
-/* y[M, N] = x[M, K] @ W[N, K]^T with W in the GGUF's own Q4_1 blocks (w = d*q + m per 32 weights,
- * q in 0..15), for every batch size: decode rows, short and long prefill chunks.
+/* Matmuls over quantized weights with AVX512-BF16 dot products, for every batch size:
+ *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T with W in the GGUF's own Q4_1 blocks (w = d*q + m per 32
+ *              weights, q in 0..15): the decoder's projections;
+ *   int8_gemm: the same with W = scale[n] * q[n][k], q in -127..127: the LM head's approximate logits.
  *
  * Per output element and block of 32 weights:  y += d * sum(x_bf16 * q) + m * sum(x_bf16),
  * where the codes q are exact in bfloat16 and `vdpbf16ps` multiplies them with the activations
@@ -12,7 +14,7 @@
  *
  * Layout (model/linear.py packs it): for each block of 16 output columns, each group of 32 inputs
  * and each pair j of inputs (k = 32g + 2j, k + 1): 16 bytes, byte c = q[c][k] | q[c][k+1] << 4.
- * Scales d and offsets m: float16, [N/16][K/32][16].
+ * Scales d and offsets m: float16, [N/16][K/32][16]. int8: [N/16][K/2][16][2] bytes, scales float32 [N].
  *
  * Built at run time by model/kernels.py with -mavx512f -mavx512bw -mavx512vl -mavx512bf16.
  */
@@ -97,6 +99,18 @@ static void column_tile(const uint16_t *xb, const float *sums, int64_t M, int64_
     }
 }
 
+/* Activations to bfloat16 (round to nearest even) and each group of 32's sum of the rounded values. */
+static void to_bf16(const float *x, int64_t M, int64_t G, uint16_t *xb, float *sums) {
+    for (int64_t i = 0; i < M * G; i++) {
+        const float *src = x + i * GROUP;
+        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
+        _mm512_store_si512(xb + i * GROUP, h);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32((int)0xFFFF0000u)));
+        sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+    }
+}
+
 /* Returns 0, or 1 when the scratch buffers cannot be allocated. K % 32 == 0 and N % 16 == 0. */
 int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
               const uint16_t *offset, int64_t N, float *y) {
@@ -108,15 +122,7 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
         free(sums);
         return 1;
     }
-    /* Activations to bfloat16 (round to nearest even) and each group's sum of the rounded values. */
-    for (int64_t i = 0; i < M * G; i++) {
-        const float *src = x + i * GROUP;
-        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
-        _mm512_store_si512(xb + i * GROUP, h);
-        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32((int)0xFFFF0000u)));
-        sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
-    }
+    to_bf16(x, M, G, xb, sums);
     uint16_t lut[32];
     for (int i = 0; i < 32; i++) {
         const float f = (float)(i & 15);
@@ -131,6 +137,77 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
         const int64_t nb0 = t * TILE_COLS;
         const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
         column_tile(xb, sums, M, K, G, codes, scale, offset, nb0, nb, y, N, table);
+    }
+    free(xb);
+    free(sums);
+    return 0;
+}
+
+/* --- int8 ---------------------------------------------------------------------------------------- */
+
+/* 32 bytes of codes (16 columns x 2 inputs, signed) -> 32 bfloat16, exact (|q| <= 127 < 2^8). */
+INLINE __m512i int8_to_bf16(const int8_t *p) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+INLINE void tile8(const uint16_t *xb, int64_t K, const int MR, const int NB, const int8_t *codes,
+                  const float *scale, int64_t nb0, float *y, int64_t N) {
+    __m512 acc[TILE_ROWS][TILE_COLS];
+    for (int r = 0; r < MR; r++)
+        for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < K / 2; j++) {
+        __m512i w[TILE_COLS];
+        for (int b = 0; b < NB; b++) w[b] = int8_to_bf16(codes + ((nb0 + b) * (K / 2) + j) * 2 * COLS);
+        for (int r = 0; r < MR; r++) {
+            const __m512i xv = _mm512_set1_epi32(*(const int32_t *)(xb + r * K + 2 * j));
+            for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)w[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) {
+        const __m512 s = _mm512_loadu_ps(scale + (nb0 + b) * COLS);
+        for (int r = 0; r < MR; r++) _mm512_storeu_ps(y + r * N + (nb0 + b) * COLS, _mm512_mul_ps(acc[r][b], s));
+    }
+}
+
+/* y[M, N] = (x[M, K] rounded to bfloat16) @ (scale[n] * q[n][k])^T. K % 32 == 0, N % 16 == 0. */
+int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, int64_t N, float *y) {
+    const int64_t G = K / GROUP, blocks = N / COLS;
+    uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * M * K + 63) / 64 * 64);
+    float *sums = malloc(sizeof(float) * M * G);
+    if (!xb || !sums) {
+        free(xb);
+        free(sums);
+        return 1;
+    }
+    to_bf16(x, M, G, xb, sums);
+    const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t nb0 = t * TILE_COLS;
+        const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
+        for (int64_t m = 0; m < M; m += TILE_ROWS) {
+            const int mr = (int)(M - m < TILE_ROWS ? M - m : TILE_ROWS);
+            const uint16_t *xm = xb + m * K;
+            float *ym = y + m * N;
+#define TILE8(MR, NB) tile8(xm, K, MR, NB, codes, scale, nb0, ym, N)
+            switch (mr * 4 + nb) {
+                case 4 * 4 + 3: TILE8(4, 3); break;
+                case 4 * 4 + 2: TILE8(4, 2); break;
+                case 4 * 4 + 1: TILE8(4, 1); break;
+                case 3 * 4 + 3: TILE8(3, 3); break;
+                case 3 * 4 + 2: TILE8(3, 2); break;
+                case 3 * 4 + 1: TILE8(3, 1); break;
+                case 2 * 4 + 3: TILE8(2, 3); break;
+                case 2 * 4 + 2: TILE8(2, 2); break;
+                case 2 * 4 + 1: TILE8(2, 1); break;
+                case 1 * 4 + 3: TILE8(1, 3); break;
+                case 1 * 4 + 2: TILE8(1, 2); break;
+                default: TILE8(1, 1); break;
+            }
+#undef TILE8
+        }
     }
     free(xb);
     free(sums);

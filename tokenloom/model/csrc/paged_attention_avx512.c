@@ -1,0 +1,131 @@
+/* Decode attention from the paged KV cache, AVX-512 version for head_dim 64 (SmolLM2, TinyLlama,
+ * Llama-3.2-1B) and up to 4 query heads per KV head.
+ *
+ * The AVX2 kernel (paged_attention.c) goes over the context once per query head; this one reads each
+ * cached K and V row once per KV head and uses it for all the query heads that share it (GQA), with
+ * the row held in four 16-wide registers. Same structure otherwise: one OpenMP task per (sequence,
+ * KV head), scores in full, softmax, weighted sum of V; a fixed summation order, float32 arithmetic,
+ * float32 or float16 cache. A sequence's result never depends on the rest of the batch.
+ *
+ * Built at run time by model/kernels.py with -mavx512f -mf16c.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define HD 64        /* head_dim */
+#define MAX_GROUP 4  /* query heads per KV head */
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
+/* exp(x) for x <= 0, 16 lanes: 2^n * p(r), the same Cephes polynomial as the AVX2 kernel's scalar one. */
+static inline __m512 exp16_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    const __m512 r2 = _mm512_mul_ps(r, r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* scores[g][t] -> softmax over t in place (max, exp, sum, scale, 16 positions at a time). */
+static void softmax_rows(float *scores, int64_t group, int64_t n, int64_t ctx) {
+    for (int64_t g = 0; g < group; g++) {
+        float *sc = scores + g * n;
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        int64_t t = 0;
+        for (; t + 16 <= ctx; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sc + t));
+        float m = _mm512_reduce_max_ps(mv);
+        for (; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
+        __m512 sv = _mm512_setzero_ps();
+        const __m512 mb = _mm512_set1_ps(m);
+        for (t = 0; t + 16 <= ctx; t += 16) {
+            const __m512 e = exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mb));
+            _mm512_storeu_ps(sc + t, e);
+            sv = _mm512_add_ps(sv, e);
+        }
+        if (t < ctx) {  /* the tail through a mask: the same arithmetic as a full vector */
+            const __mmask16 k = (__mmask16)((1u << (ctx - t)) - 1);
+            const __m512 e = exp16_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), mb));
+            _mm512_mask_storeu_ps(sc + t, k, e);
+            sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sv));
+        for (t = 0; t + 16 <= ctx; t += 16) _mm512_storeu_ps(sc + t, _mm512_mul_ps(_mm512_loadu_ps(sc + t), inv));
+        for (; t < ctx; t++) sc[t] *= _mm512_cvtss_f32(inv);
+    }
+}
+
+#define DEFINE_ATTENTION(SUFFIX, T, LOAD16)                                                                   \
+int paged_decode_attention_avx512_##SUFFIX(const float *q, const T *k, const T *v, const int64_t *tables,  \
+                                           int64_t max_blocks, const int64_t *context_lens, int64_t num_seqs, \
+                                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,       \
+                                           int64_t block_size, float scale, float *out) {                   \
+    const int64_t group = num_heads / num_kv_heads;                                                         \
+    const int64_t slot_stride = num_kv_heads * head_dim;                                                    \
+    if (head_dim != HD || group > MAX_GROUP) return -2;                                                     \
+    int failed = 0;                                                                                         \
+    _Pragma("omp parallel for schedule(static) reduction(| : failed)")                                      \
+    for (int64_t task = 0; task < num_seqs * num_kv_heads; task++) {                                        \
+        const int64_t s = task / num_kv_heads, kvh = task % num_kv_heads;                                   \
+        const int64_t ctx = context_lens[s];                                                                \
+        const int64_t *table = tables + s * max_blocks;                                                     \
+        const int64_t n = ctx > 0 ? ctx : 1;                                                                \
+        int64_t *offsets = malloc(sizeof(int64_t) * (size_t)n + sizeof(float) * (size_t)(group * n));      \
+        if (!offsets) { failed = 1; continue; }                                                             \
+        float *scores = (float *)(offsets + n);                                                             \
+        for (int64_t t = 0; t < ctx; t++)                                                                   \
+            offsets[t] = (table[t / block_size] * block_size + t % block_size) * slot_stride + kvh * HD;    \
+        __m512 qv[MAX_GROUP][HD / 16];                                                                      \
+        for (int g = 0; g < MAX_GROUP; g++) if (g < group) /* unrolled: registers, not memory */           \
+            for (int i = 0; i < HD / 16; i++)                                                               \
+                qv[g][i] = _mm512_loadu_ps(q + (s * num_heads + kvh * group + g) * HD + 16 * i);           \
+        for (int64_t t = 0; t < ctx; t++) {                                                                 \
+            const T *kt = k + offsets[t];                                                                   \
+            const __m512 k0 = LOAD16(kt), k1 = LOAD16(kt + 16), k2 = LOAD16(kt + 32), k3 = LOAD16(kt + 48); \
+            for (int g = 0; g < MAX_GROUP; g++) if (g < group) {                                            \
+                __m512 a = _mm512_mul_ps(qv[g][0], k0);                                                     \
+                a = _mm512_fmadd_ps(qv[g][1], k1, a);                                                       \
+                a = _mm512_fmadd_ps(qv[g][2], k2, a);                                                       \
+                a = _mm512_fmadd_ps(qv[g][3], k3, a);                                                       \
+                scores[g * n + t] = _mm512_reduce_add_ps(a) * scale;                                        \
+            }                                                                                               \
+        }                                                                                                   \
+        softmax_rows(scores, group, n, ctx);                                                                \
+        __m512 acc[MAX_GROUP][HD / 16];                                                                     \
+        for (int g = 0; g < MAX_GROUP; g++) if (g < group) /* unrolled: registers, not memory */           \
+            for (int i = 0; i < HD / 16; i++) acc[g][i] = _mm512_setzero_ps();                              \
+        for (int64_t t = 0; t < ctx; t++) {                                                                 \
+            const T *vt = v + offsets[t];                                                                   \
+            const __m512 v0 = LOAD16(vt), v1 = LOAD16(vt + 16), v2 = LOAD16(vt + 32), v3 = LOAD16(vt + 48); \
+            for (int g = 0; g < MAX_GROUP; g++) if (g < group) {                                            \
+                const __m512 p = _mm512_set1_ps(scores[g * n + t]);                                         \
+                acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);                                              \
+                acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);                                              \
+                acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);                                              \
+                acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);                                              \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int g = 0; g < MAX_GROUP; g++) if (g < group) /* unrolled: registers, not memory */           \
+            for (int i = 0; i < HD / 16; i++)                                                               \
+                _mm512_storeu_ps(out + (s * num_heads + kvh * group + g) * HD + 16 * i, acc[g][i]);        \
+        free(offsets);                                                                                      \
+    }                                                                                                       \
+    return failed ? -1 : 0;                                                                                 \
+}
+
+/* Arguments as paged_decode_attention_f32/_f16 in paged_attention.c; returns -2 for a shape it does
+ * not handle (head_dim != 64 or more than 4 query heads per KV head). */
+DEFINE_ATTENTION(f32, float, load16_f32)
+DEFINE_ATTENTION(f16, uint16_t, load16_f16)
