@@ -71,3 +71,44 @@ def test_the_torch_path_is_used_where_the_kernel_does_not_apply():
     assert isinstance(pa.decode_attention_for(torch.float32, torch.float32, 48, 9, 3, want=True), pa.TorchDecodeAttention)
     assert isinstance(pa.decode_attention_for(torch.float32, torch.float32, 64, 9, 3, want=False), pa.TorchDecodeAttention)
     assert isinstance(pa.decode_attention_for(torch.float32, torch.bfloat16, 64, 9, 3, want=True), pa.TorchDecodeAttention)
+
+
+@needs_kernel
+def test_prompt_tokens_are_single_queries_through_the_kernel(tokenizer):
+    """With the C kernel, every prompt token is a query with its own context length (the causal mask),
+    while the projections still split decode-like rows from long chunks; logits match the span path."""
+    from tokenloom import EngineConfig, SamplingParams
+    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.model.llama import LlamaConfig
+    from tokenloom.model.loader import random_model
+    from tokenloom.runner import SHORT_CHUNK
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                      num_kv_heads=2, max_position_embeddings=512)
+    batches, logits = [], []
+    for kernel in (pa.TorchDecodeAttention(), kernel_for(None)):
+        model = random_model(cfg, seed=3)
+        model.decode_attention = kernel
+        forward = model.forward
+
+        def spy(ids, batch, kv, forward=forward):
+            batches.append(batch)
+            out = forward(ids, batch, kv)
+            logits.append(out[1])
+            return out
+
+        model.forward = spy
+        engine = LLMEngine(EngineConfig(max_num_batched_tokens=64, num_kv_blocks=64), model=model, tokenizer=tokenizer)
+        greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        engine.add_request("short", list(range(100, 100 + SHORT_CHUNK - 6)), greedy)
+        engine.add_request("long", list(range(300, 340)), greedy)
+        while engine.has_unfinished_requests():
+            engine.step()
+    spans, single = batches[: len(batches) // 2], batches[len(batches) // 2 :]
+    first = single[0]
+    assert first.prefills == [] and first.num_decodes == len(first.positions) == SHORT_CHUNK - 6 + 40
+    assert first.decode_like_rows == SHORT_CHUNK - 6
+    assert torch.equal(first.decode_context_lens, first.positions + 1)
+    assert spans[0].num_decodes == 0 and len(spans[0].prefills) == 2
+    for a, b in zip(logits[: len(logits) // 2], logits[len(logits) // 2 :], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -72,6 +72,9 @@ class ModelRunner(Runner):
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         decode_idx, decode_tables, decode_ctx = [], [], []
+        # The paged C kernel also takes prompt tokens as single queries (each with its own context
+        # length, i.e. the causal mask): faster than gather + SDPA at every length measured.
+        per_token = self.model.decode_attention.takes_prefill_rows
         prefills: list[PrefillSpan] = []
         logits_rows: list[int] = []
         sample_rows: dict[int, int] = {}  # scheduled index -> logits row
@@ -92,10 +95,10 @@ class ModelRunner(Runner):
             pos = np.arange(start, ctx)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            if is_decode(n):
-                decode_idx.append(q0)
-                decode_tables.append(table)
-                decode_ctx.append(ctx)
+            if is_decode(n) or per_token:
+                decode_idx.extend(range(q0, q0 + n))
+                decode_tables.extend([table] * n)
+                decode_ctx.extend(range(start + 1, ctx + 1))
             else:
                 ctx_pos = np.arange(ctx)
                 ctx_slots = torch.from_numpy(table[ctx_pos // bs] * bs + ctx_pos % bs).to(self.device)
@@ -126,7 +129,7 @@ class ModelRunner(Runner):
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             num_decodes=len(decode_idx),
-            decode_like_rows=len(decode_idx) + sum(n for _, n in out.scheduled if 1 < n < SHORT_CHUNK),
+            decode_like_rows=sum(n for _, n in out.scheduled if n < SHORT_CHUNK) + (out.num_padding if decodes else 0),
             decode_block_tables=torch.from_numpy(tables).to(dev),
             decode_context_lens=torch.tensor(decode_ctx, dtype=torch.long, device=dev),
             block_size=bs,

@@ -4,10 +4,12 @@ Read top to bottom: config → RMSNorm → RoPE → attention over the paged KV 
 decoder layer → model. A forward takes the tokens of many sequences concatenated (prefill chunks and
 single decode tokens together) plus a `ForwardBatch` saying where each token's K/V goes in the paged
 cache (`slot_mapping`) and which cache slots each sequence attends to. Decode tokens come first in the
-flat batch (`num_decodes` of them), then short prefill chunks, then long ones: the first
-`decode_like_rows` rows are few per sequence, the rest are long chunks, and a projection may send the
-two groups to different kernels (model/linear.py: int4 for the former, dense bfloat16 for the latter).
-Nothing is padded. The LM head runs only on `logits_indices`.
+flat batch, then short prefill chunks, then long ones: the first `decode_like_rows` rows are few per
+sequence, the rest are long chunks, and a projection may send the two groups to different kernels
+(model/linear.py: int4 for the former, dense bfloat16 for the latter). Attention takes the first
+`num_decodes` rows one query at a time through the paged decode attention (decode tokens; every token
+when the C kernel runs) and the rest as prefill spans through SDPA. Nothing is padded. The LM head
+runs only on `logits_indices`.
 
 The math mirrors Hugging Face's LlamaForCausalLM operation by operation (RMSNorm in float32,
 rotate-half RoPE, scaled-dot-product attention, SiLU-gated MLP), so float32 output matches it token
@@ -60,10 +62,12 @@ class ForwardBatch:
 
     positions: torch.Tensor  # [T] position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) each new K/V is written to
-    num_decodes: int  # rows [0, D) of the flat batch are single-token (decode) queries
+    # Rows [0, D) of the flat batch are queried one token at a time through the paged decode attention:
+    # decode tokens, and prompt tokens too when it `takes_prefill_rows` (each with its own context length).
+    num_decodes: int
     decode_like_rows: int  # rows [0, R), R >= D: decodes and short prefill chunks (runner.SHORT_CHUNK)
-    decode_block_tables: torch.Tensor  # [D, max blocks] each decode sequence's block table (zero-padded)
-    decode_context_lens: torch.Tensor  # [D] context length of each decode query (its own token included)
+    decode_block_tables: torch.Tensor  # [D, max blocks] each such row's sequence's block table (zero-padded)
+    decode_context_lens: torch.Tensor  # [D] context length of each such query (its own token included)
     block_size: int
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor  # [S] flat indices whose hidden state goes through the LM head

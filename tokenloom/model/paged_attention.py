@@ -26,6 +26,7 @@ class TorchDecodeAttention:
     """Gather + SDPA. `prepare` builds the padded slots and mask once a step; every layer reuses them."""
 
     name = "torch"
+    takes_prefill_rows = False  # padded to the longest context: prompt tokens go to SDPA as spans
 
     def prepare(self, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
         offsets = torch.arange(block_size, device=tables.device)
@@ -45,6 +46,7 @@ class PagedDecodeAttention:
     """The C kernel. q [D, H, hd] float32, caches [slots, KVH, hd] float32 or float16."""
 
     name = "paged-c"
+    takes_prefill_rows = True  # a prompt token is a query with its own context length (the causal mask)
 
     def __init__(self, lib: ctypes.CDLL, lib512: ctypes.CDLL | None = None):
         """`lib512`: the AVX-512 kernel for head_dim 64 and up to 4 query heads per KV head, when it runs."""
