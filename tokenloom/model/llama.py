@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .layer_ops import TORCH_OPS, TorchLayerOps
 from .paged_attention import TorchDecodeAttention
 
 
@@ -83,23 +84,20 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    ops: TorchLayerOps = TORCH_OPS  # set per model at load (LlamaModel.layer_ops)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # torch's own kernel: the same operations in fewer calls
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with cos/sin precomputed for every position, looked up once per forward
-    (`forward`) and applied in every layer to Q and K together (`apply_rope`)."""
+    (`forward`) and applied in every layer to Q and K together (`layer_ops.rope`)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
@@ -114,13 +112,9 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]: x·cos + rotate_half(x)·sin, element for element as Hugging Face does."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 class Attention(nn.Module):
+    ops: TorchLayerOps = TORCH_OPS  # set per model at load (LlamaModel.layer_ops)
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -145,13 +139,12 @@ class Attention(nn.Module):
         num_tokens, d = x.shape[0], batch.num_decodes
         qkv = self.qkv_proj(x, batch.decode_like_rows)
         # RoPE on Q and K in one go: they sit side by side in the fused projection's output.
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
+        qk = self.ops.rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         # Write the new K/V first: every query then reads its whole context from the cache,
         # including tokens of its own chunk and blocks shared with other sequences in this step.
-        k_cache.index_copy_(0, batch.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, batch.slot_mapping, v.to(v_cache.dtype))
+        self.ops.write_kv(k, v, batch.slot_mapping, k_cache, v_cache)
 
         out = torch.empty_like(q) if batch.prefills else None
         if d:
@@ -217,6 +210,18 @@ class LlamaModel(nn.Module):
         self.logits_proj: nn.Module | None = None  # a quantized LM head (model/linear.py), when chosen
         self.decode_attention = TorchDecodeAttention()  # or the paged C kernel, chosen at load
         self.kv_cache_dtype: torch.dtype | None = None  # None: the activations' dtype; set at load
+        self.layer_ops = TORCH_OPS  # or the C ones (model/layer_ops.py), chosen at load
+
+    @property
+    def layer_ops(self) -> TorchLayerOps:
+        return self._layer_ops
+
+    @layer_ops.setter
+    def layer_ops(self, ops: TorchLayerOps) -> None:
+        self._layer_ops = ops
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.ops = ops
 
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]

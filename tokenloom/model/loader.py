@@ -93,9 +93,11 @@ def load_model(
         kv_cache_dtype = "float16" if method != "none" else dtype
     model.kv_cache_dtype = torch_dtype(kv_cache_dtype)
     if method != "none":  # the fast path; float32 "none" stays on torch ops, token-exact against transformers
+        from .layer_ops import layer_ops_for
         from .paged_attention import decode_attention_for
 
         cfg = model.config
+        model.layer_ops = layer_ops_for(torch_dtype(dtype), want=True)
         model.decode_attention = decode_attention_for(torch_dtype(dtype), model.kv_cache_dtype, cfg.dim_per_head,
                                                       cfg.num_heads, cfg.num_kv_heads, want=True)
     return model

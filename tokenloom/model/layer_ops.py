@@ -1,0 +1,151 @@
+"""The small operations inside a decoder layer (RMSNorm, RoPE, the KV-cache write), behind one interface
+chosen once at load, as decode attention is:
+
+- `TorchLayerOps`: torch ops, the float32 reference path (token-exact against transformers).
+- `CLayerOps`: csrc/layer_ops.c, one C call each for float32 activations. At batch 1 a step runs ~150
+  of these ops and torch spends 5-10 us dispatching each; the C calls take about 1 us. Falls back to
+  the torch op for anything else (other dtypes, strides it was not written for).
+
+Every op works row by row: a row's result does not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from . import kernels
+
+
+class TorchLayerOps:
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32:  # torch's own kernel: the same operations in fewer calls
+            return F.rms_norm(x, weight.shape, weight, eps)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x.to(dtype)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim], cos/sin [T, 1, head_dim]: x·cos + rotate_half(x)·sin, element for element
+        as Hugging Face does. May rotate `x` in place (it is this step's fresh projection output)."""
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> None:
+        """k, v [T, kv_heads, head_dim] into the caches' rows `slots`, cast to the cache's dtype."""
+        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+TORCH_OPS = TorchLayerOps()
+
+
+class CLayerOps(TorchLayerOps):
+    name = "c"
+
+    def __init__(self, lib: ctypes.CDLL):
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._rms_norm, self._rope = lib.rms_norm_f32, lib.rope_f32
+        self._rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
+        self._rope.argtypes = [p, i64, i64, i64, i64, p, p]
+        self._rms_norm.restype = self._rope.restype = None
+        self._write = {torch.float32: lib.write_kv_f32, torch.float16: lib.write_kv_f16}
+        for fn in self._write.values():
+            fn.argtypes = [p, p, i64, i64, i64, p, i64, p, p]
+            fn.restype = ctypes.c_int
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != torch.float32:
+            return super().rms_norm(x, weight, eps)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr())
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rows, heads, head_dim = x.shape
+        if (x.dtype != torch.float32 or cos.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != head_dim
+                or not cos.is_contiguous() or not sin.is_contiguous()):
+            return super().rope(x, cos, sin)
+        self._rope(x.data_ptr(), rows, x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
+        return x
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor) -> None:
+        fn = self._write.get(k_cache.dtype)
+        rows = k.shape[0]
+        width = k.shape[1] * k.shape[2]
+        fits = (fn is not None and k.dtype == v.dtype == torch.float32 and k.stride() == v.stride()
+                and k.stride(1) == k.shape[2] and k.stride(2) == 1 and slots.dtype == torch.int64
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype)
+        if not fits:
+            return super().write_kv(k, v, slots, k_cache, v_cache)
+        slots = slots.contiguous()
+        if fn(k.data_ptr(), v.data_ptr(), rows, k.stride(0), width, slots.data_ptr(), k_cache.shape[0],
+              k_cache.data_ptr(), v_cache.data_ptr()):
+            raise IndexError(f"KV write: a slot outside the cache's {k_cache.shape[0]} rows")
+
+
+def layer_ops_for(dtype: torch.dtype, want: bool) -> TorchLayerOps:
+    """The C ops when asked for, the activations are float32 and the library builds and checks; else torch."""
+    if want and dtype == torch.float32:
+        lib = kernels.load(SPEC)
+        if lib is not None:
+            return CLayerOps(lib)
+    return TORCH_OPS
+
+
+# Run in a child before loading (model/kernels.py): one small case of each op against a direct computation.
+_CHECK = r"""
+import ctypes, math, random, struct, sys
+lib = ctypes.CDLL(sys.argv[1])
+p, i64 = ctypes.c_void_p, ctypes.c_int64
+lib.rms_norm_f32.argtypes = [p, p, i64, i64, ctypes.c_float, p]
+lib.rope_f32.argtypes = [p, i64, i64, i64, i64, p, p]
+lib.write_kv_f16.argtypes = [p, p, i64, i64, i64, p, i64, p, p]
+rng = random.Random(0)
+F = lambda v: (ctypes.c_float * len(v))(*v)
+R, D = 3, 20
+x = [rng.uniform(-2, 2) for _ in range(R * D)]
+w = [rng.uniform(0.5, 1.5) for _ in range(D)]
+out = (ctypes.c_float * (R * D))()
+lib.rms_norm_f32(F(x), F(w), R, D, ctypes.c_float(1e-5), out)
+for r in range(R):
+    inv = 1 / math.sqrt(sum(v * v for v in x[r * D:(r + 1) * D]) / D + 1e-5)
+    for i in range(D):
+        assert abs(out[r * D + i] - w[i] * x[r * D + i] * inv) < 1e-5, ("rms_norm", r, i)
+HD, H, STRIDE = 20, 2, 50
+qk = [struct.unpack("<f", struct.pack("<f", rng.uniform(-1, 1)))[0] for _ in range(R * STRIDE)]  # float32 values
+cos = [rng.uniform(-1, 1) for _ in range(R * HD)]
+sin = [rng.uniform(-1, 1) for _ in range(R * HD)]
+buf = F(qk)
+lib.rope_f32(buf, R, STRIDE, H, HD, F(cos), F(sin))
+for r in range(R):
+    for h in range(H):
+        a = r * STRIDE + h * HD
+        for i in range(HD):
+            rot = -qk[a + i + HD // 2] if i < HD // 2 else qk[a + i - HD // 2]
+            assert abs(buf[a + i] - (qk[a + i] * cos[r * HD + i] + rot * sin[r * HD + i])) < 1e-5, ("rope", r, h, i)
+for i in range(R * STRIDE):
+    if i % STRIDE >= H * HD:
+        assert buf[i] == qk[i], "rope wrote outside its heads"
+W, SLOTS = 12, 5
+k, v = F([rng.uniform(-3, 3) for _ in range(R * STRIDE)]), F([rng.uniform(-3, 3) for _ in range(R * STRIDE)])
+slots = (ctypes.c_int64 * R)(4, 0, 2)
+kc, vc = (ctypes.c_uint16 * (SLOTS * W))(), (ctypes.c_uint16 * (SLOTS * W))()
+assert lib.write_kv_f16(k, v, R, STRIDE, W, slots, SLOTS, kc, vc) == 0
+half = lambda bits: struct.unpack("<e", struct.pack("<H", bits))[0]
+for r in range(R):
+    for i in range(W):
+        assert half(kc[slots[r] * W + i]) == struct.unpack("<e", struct.pack("<e", k[r * STRIDE + i]))[0], ("kv", r, i)
+        assert half(vc[slots[r] * W + i]) == struct.unpack("<e", struct.pack("<e", v[r * STRIDE + i]))[0], ("kv", r, i)
+assert lib.write_kv_f16(k, v, R, STRIDE, W, (ctypes.c_int64 * R)(0, 5, 1), SLOTS, kc, vc) == 1
+"""
+
+SPEC = kernels.KernelSpec("layer_ops", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"), _CHECK)
