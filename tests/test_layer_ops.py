@@ -21,15 +21,17 @@ def c_ops():
 
 
 @pytest.mark.parametrize("rows", [1, 5, 70])  # 70: the OpenMP-split path
-def test_rms_norm_matches_torch_and_is_row_invariant(c_ops, rows):
+def test_rms_norm_matches_torch_and_is_row_invariant(c_ops, rows, monkeypatch):
     x, w = torch.randn(rows, 580) * 3, torch.rand(580) + 0.5  # 580: a tail after the 8-wide loop
+    ref = TORCH.rms_norm(x, w, 1e-5)
+    no_fallback(monkeypatch)
     out = c_ops.rms_norm(x, w, 1e-5)
-    torch.testing.assert_close(out, TORCH.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     assert torch.equal(out, torch.cat([c_ops.rms_norm(x[i : i + 1], w, 1e-5) for i in range(rows)]))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 65])
-def test_rope_matches_torch_in_place_on_the_fused_projection(c_ops, rows):
+def test_rope_matches_torch_in_place_on_the_fused_projection(c_ops, rows, monkeypatch):
     """Q and K heads are rotated where they sit in the QKV output; V (after them) is untouched."""
     heads, kv_heads, hd = 4, 2, 64
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * hd)
@@ -38,6 +40,7 @@ def test_rope_matches_torch_in_place_on_the_fused_projection(c_ops, rows):
     before = qkv.clone()
     qk = qkv[:, : (heads + kv_heads) * hd].view(rows, -1, hd)
     ref = TORCH.rope(qk.clone(), cos, sin)
+    no_fallback(monkeypatch)
     out = c_ops.rope(qk, cos, sin)
     assert out.data_ptr() == qkv.data_ptr()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
@@ -47,16 +50,30 @@ def test_rope_matches_torch_in_place_on_the_fused_projection(c_ops, rows):
     assert torch.equal(one, qkv[:1])
 
 
+def no_fallback(monkeypatch):
+    """Make the torch ops fail inside a test: the C path must take these shapes itself."""
+    def boom(*args, **kwargs):
+        raise AssertionError("fell back to the torch op")
+
+    for name in ("rms_norm", "rope", "write_kv"):
+        monkeypatch.setattr(lo.TorchLayerOps, name, boom)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
-def test_kv_write_is_the_torch_cast_bit_for_bit(c_ops, cache_dtype):
-    rows, kv_heads, hd, num_slots = 6, 3, 64, 40
+@pytest.mark.parametrize("rows", [1, 6])
+def test_kv_write_is_the_torch_cast_bit_for_bit(c_ops, cache_dtype, rows, monkeypatch):
+    """K and V as the model passes them: strided views of the fused projection (V's rows at another
+    stride than K's when a step has one row, as torch's views then report)."""
+    kv_heads, hd, num_slots = 3, 64, 40
     qkv = torch.randn(rows, 9 * hd + 2 * kv_heads * hd) * 100  # large values: float16 rounding matters
     k = qkv[:, 9 * hd : 12 * hd].view(rows, kv_heads, hd)
-    v = qkv[:, 12 * hd :].view(rows, kv_heads, hd)
-    slots = torch.tensor([7, 0, 39, 12, 7, 3])  # a repeated slot, as padding rows repeat theirs
-    v[4], k[4] = v[0], k[0]
+    v = torch.randn(rows, kv_heads * hd * 2)[:, : kv_heads * hd].view(rows, kv_heads, hd) * 100
+    slots = torch.tensor([7, 0, 39, 12, 7, 3][:rows])  # a repeated slot, as padding rows repeat theirs
+    if rows > 4:
+        v[4], k[4] = v[0], k[0]
     caches = [[torch.zeros(num_slots, kv_heads, hd, dtype=cache_dtype) for _ in range(2)] for _ in range(2)]
     TORCH.write_kv(k, v, slots, *caches[0])
+    no_fallback(monkeypatch)
     c_ops.write_kv(k, v, slots, *caches[1])
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
@@ -75,7 +92,7 @@ def test_other_dtypes_fall_back_to_torch(c_ops):
     assert torch.equal(c_ops.rms_norm(x, w, 1e-5), TORCH.rms_norm(x, w, 1e-5))
 
 
-def test_a_model_forward_with_c_ops_matches_the_torch_ops(tokenizer):
+def test_a_model_forward_with_c_ops_matches_the_torch_ops(tokenizer, monkeypatch):
     from tokenloom import EngineConfig, SamplingParams
     from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.model.llama import LlamaConfig
@@ -88,6 +105,8 @@ def test_a_model_forward_with_c_ops_matches_the_torch_ops(tokenizer):
         model = random_model(cfg, seed=5)
         model.layer_ops = ops
         assert model.layers[1].self_attn.ops is ops and model.norm.ops is ops
+        if ops is not TORCH:
+            no_fallback(monkeypatch)  # every op of the step, prefill and decode, takes the C path
         forward = model.forward
 
         def spy(ids, batch, kv, forward=forward):

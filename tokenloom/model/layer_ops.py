@@ -57,7 +57,7 @@ class CLayerOps(TorchLayerOps):
         self._rms_norm.restype = self._rope.restype = None
         self._write = {torch.float32: lib.write_kv_f32, torch.float16: lib.write_kv_f16}
         for fn in self._write.values():
-            fn.argtypes = [p, p, i64, i64, i64, p, i64, p, p]
+            fn.argtypes = [p, i64, p, i64, i64, i64, p, i64, p, p]
             fn.restype = ctypes.c_int
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -79,16 +79,15 @@ class CLayerOps(TorchLayerOps):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
         fn = self._write.get(k_cache.dtype)
-        rows = k.shape[0]
-        width = k.shape[1] * k.shape[2]
-        fits = (fn is not None and k.dtype == v.dtype == torch.float32 and k.stride() == v.stride()
-                and k.stride(1) == k.shape[2] and k.stride(2) == 1 and slots.dtype == torch.int64
+        rows, kv_heads, head_dim = k.shape
+        fits = (fn is not None and k.dtype == v.dtype == torch.float32 and slots.dtype == torch.int64
+                and all(t.stride(1) == head_dim and t.stride(2) == 1 for t in (k, v))
                 and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype)
         if not fits:
             return super().write_kv(k, v, slots, k_cache, v_cache)
         slots = slots.contiguous()
-        if fn(k.data_ptr(), v.data_ptr(), rows, k.stride(0), width, slots.data_ptr(), k_cache.shape[0],
-              k_cache.data_ptr(), v_cache.data_ptr()):
+        if fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), rows, kv_heads * head_dim, slots.data_ptr(),
+              k_cache.shape[0], k_cache.data_ptr(), v_cache.data_ptr()):
             raise IndexError(f"KV write: a slot outside the cache's {k_cache.shape[0]} rows")
 
 
@@ -108,7 +107,7 @@ lib = ctypes.CDLL(sys.argv[1])
 p, i64 = ctypes.c_void_p, ctypes.c_int64
 lib.rms_norm_f32.argtypes = [p, p, i64, i64, ctypes.c_float, p]
 lib.rope_f32.argtypes = [p, i64, i64, i64, i64, p, p]
-lib.write_kv_f16.argtypes = [p, p, i64, i64, i64, p, i64, p, p]
+lib.write_kv_f16.argtypes = [p, i64, p, i64, i64, i64, p, i64, p, p]
 rng = random.Random(0)
 F = lambda v: (ctypes.c_float * len(v))(*v)
 R, D = 3, 20
@@ -139,13 +138,13 @@ W, SLOTS = 12, 5
 k, v = F([rng.uniform(-3, 3) for _ in range(R * STRIDE)]), F([rng.uniform(-3, 3) for _ in range(R * STRIDE)])
 slots = (ctypes.c_int64 * R)(4, 0, 2)
 kc, vc = (ctypes.c_uint16 * (SLOTS * W))(), (ctypes.c_uint16 * (SLOTS * W))()
-assert lib.write_kv_f16(k, v, R, STRIDE, W, slots, SLOTS, kc, vc) == 0
+assert lib.write_kv_f16(k, STRIDE, v, STRIDE, R, W, slots, SLOTS, kc, vc) == 0
 half = lambda bits: struct.unpack("<e", struct.pack("<H", bits))[0]
 for r in range(R):
     for i in range(W):
         assert half(kc[slots[r] * W + i]) == struct.unpack("<e", struct.pack("<e", k[r * STRIDE + i]))[0], ("kv", r, i)
         assert half(vc[slots[r] * W + i]) == struct.unpack("<e", struct.pack("<e", v[r * STRIDE + i]))[0], ("kv", r, i)
-assert lib.write_kv_f16(k, v, R, STRIDE, W, (ctypes.c_int64 * R)(0, 5, 1), SLOTS, kc, vc) == 1
+assert lib.write_kv_f16(k, STRIDE, v, STRIDE, R, W, (ctypes.c_int64 * R)(0, 5, 1), SLOTS, kc, vc) == 1
 """
 
 SPEC = kernels.KernelSpec("layer_ops", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"), _CHECK)

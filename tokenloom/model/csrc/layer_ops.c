@@ -66,31 +66,32 @@ void rope_f32(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t
     }
 }
 
-/* Write each row's new K and V (`width` = kv_heads * head_dim floats at src_k / src_v + r * row_stride)
- * into cache slot slots[r]. Returns 1 (nothing written) if a slot is outside [0, num_slots). */
+/* Write each row's new K and V (`width` = kv_heads * head_dim floats at src_k + r * k_stride and
+ * src_v + r * v_stride) into cache slot slots[r]. Returns 1 (nothing written) if a slot is outside
+ * [0, num_slots). */
 static int check_slots(const int64_t *slots, int64_t rows, int64_t num_slots) {
     for (int64_t r = 0; r < rows; r++)
         if (slots[r] < 0 || slots[r] >= num_slots) return 1;
     return 0;
 }
 
-int write_kv_f32(const float *src_k, const float *src_v, int64_t rows, int64_t row_stride, int64_t width,
-                 const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache) {
+int write_kv_f32(const float *src_k, int64_t k_stride, const float *src_v, int64_t v_stride, int64_t rows,
+                 int64_t width, const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache) {
     if (check_slots(slots, rows, num_slots)) return 1;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < width; i++) {
-            k_cache[slots[r] * width + i] = src_k[r * row_stride + i];
-            v_cache[slots[r] * width + i] = src_v[r * row_stride + i];
+            k_cache[slots[r] * width + i] = src_k[r * k_stride + i];
+            v_cache[slots[r] * width + i] = src_v[r * v_stride + i];
         }
     return 0;
 }
 
 /* As write_kv_f32 into a float16 cache, rounding to nearest even as torch's .to(float16) does. */
-int write_kv_f16(const float *src_k, const float *src_v, int64_t rows, int64_t row_stride, int64_t width,
-                 const int64_t *slots, int64_t num_slots, uint16_t *k_cache, uint16_t *v_cache) {
+int write_kv_f16(const float *src_k, int64_t k_stride, const float *src_v, int64_t v_stride, int64_t rows,
+                 int64_t width, const int64_t *slots, int64_t num_slots, uint16_t *k_cache, uint16_t *v_cache) {
     if (check_slots(slots, rows, num_slots)) return 1;
     for (int64_t r = 0; r < rows; r++) {
-        const float *k = src_k + r * row_stride, *v = src_v + r * row_stride;
+        const float *k = src_k + r * k_stride, *v = src_v + r * v_stride;
         uint16_t *kd = k_cache + slots[r] * width, *vd = v_cache + slots[r] * width;
         int64_t i = 0;
         for (; i + 8 <= width; i += 8) {
