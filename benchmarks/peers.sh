@@ -7,20 +7,32 @@
 #   bash ../shared/tools/build_llamacpp.sh          # once (~10 min)
 #   bash ../shared/tools/vllm_cpu_peer.sh setup     # once, only for PEERS="... vllm"
 #   PEERS="llama tokenloom-int4 vllm" bash benchmarks/peers.sh
+# ISA=avx2 plays an AVX2-only machine on an AVX-512 one: tokenloom with torch, oneDNN and its own kernels
+# held to AVX2, against a llama-server built without AVX-512 (LLAMA_BIN; results in peers-avx2/):
+#   cmake -B build-avx2 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+#     -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
+#     -DLLAMA_USE_PREBUILT_UI=OFF -DCMAKE_BUILD_TYPE=Release && cmake --build build-avx2 --target llama-server -j2
+#   (in the llama.cpp tree build_llamacpp.sh unpacked), then
+#   ISA=avx2 LLAMA_BIN=.../build-avx2/bin/llama-server PEERS="llama tokenloom-int4" bash benchmarks/peers.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=benchmarks/results/peers
+ISA=${ISA:-native}
+OUT=benchmarks/results/peers$([[ $ISA == avx2 ]] && echo -avx2 || true)
 mkdir -p "$OUT"
 PEERS=${PEERS:-"llama tokenloom-fp32 tokenloom-int4"}
 LLAMA_BIN=${LLAMA_BIN:-$(dirname "$(mktemp -u)")/llamacpp/build/bin/llama-server}
+TOKENLOOM_ENV=()
+if [[ $ISA == avx2 ]]; then
+    TOKENLOOM_ENV=(TOKENLOOM_MAX_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)
+fi
 GGUF=$(.venv/bin/python -c "from tokenloom.model.load import model_path; print(model_path(None))")
 PORT=8123
 
 start() {
     case "$1" in
         llama) "$LLAMA_BIN" -m "$GGUF" -t 2 --parallel 32 -c 16384 --port $PORT --alias SmolLM2-135M-Instruct >"$OUT/$1.log" 2>&1 & ;;
-        tokenloom-fp32) .venv/bin/tokenloom serve --port $PORT --quantization none >"$OUT/$1.log" 2>&1 & ;;
-        tokenloom-int4) .venv/bin/tokenloom serve --port $PORT --quantization auto >"$OUT/$1.log" 2>&1 & ;;
+        tokenloom-fp32) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --port $PORT --quantization none >"$OUT/$1.log" 2>&1 & ;;
+        tokenloom-int4) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --port $PORT --quantization auto >"$OUT/$1.log" 2>&1 & ;;
         vllm) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT >"$OUT/$1.log" 2>&1 & ;;
     esac
     PID=$!
@@ -47,8 +59,8 @@ for server in $PEERS; do
     sleep 2
 done
 
-.venv/bin/python - "$OUT" $PEERS <<'PY'
-import json, sys, platform
+ISA=$ISA .venv/bin/python - "$OUT" $PEERS <<'PY'
+import json, os, sys, platform
 out, servers = sys.argv[1], sys.argv[2:]
 flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]
                 if f.startswith(("avx", "amx", "fma"))})
@@ -64,7 +76,9 @@ for peer in ("llama", "vllm"):
             r[f"vs_{peer}"] = {"c1_tpot_ratio": r["c1_tpot_p50_ms"] / base["c1_tpot_p50_ms"],
                                "c1_ttft_ratio": r["c1_ttft_p50_ms"] / base["c1_ttft_p50_ms"],
                                "mixed_throughput_ratio": r["mixed_output_tok_s"] / base["mixed_output_tok_s"]}
-summary = {"command": "PEERS='" + " ".join(servers) + "' bash benchmarks/peers.sh", "cpu_flags": flags,
+isa = os.environ.get("ISA", "native")
+summary = {"command": ("ISA=avx2 " if isa == "avx2" else "") + "PEERS='" + " ".join(servers) + "' bash benchmarks/peers.sh",
+           "isa": isa, "cpu_flags": flags,
            "machine": platform.machine(), "servers": rows}
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 print(json.dumps(rows, indent=2))

@@ -36,14 +36,21 @@ class KernelSpec:
 
 
 def cpu_flags() -> list[str]:
+    """The CPU's flags from /proc/cpuinfo. TOKENLOOM_MAX_ISA=avx2 hides AVX-512 and AMX, so an AVX-512
+    machine picks the kernels an AVX2-only one would (with ATEN_CPU_CAPABILITY=avx2 and
+    ONEDNN_MAX_CPU_ISA=AVX2 for torch's own: benchmarks/peers.sh ISA=avx2)."""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return sorted(set(line.split(":", 1)[1].split()))
+                    flags = set(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return []
+    if os.environ.get("TOKENLOOM_MAX_ISA", "").lower() == "avx2":
+        flags = {f for f in flags if not f.startswith(("avx512", "amx"))}
+    return sorted(flags)
 
 
 def cache_dir() -> Path:

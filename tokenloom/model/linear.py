@@ -111,16 +111,25 @@ def pack_int8_c_layout(q: torch.Tensor) -> torch.Tensor:
 
 
 class QuantGemm:
-    """ctypes front of csrc/quant_gemm.c: float32 x [M, K] -> float32 [M, N] over int4 or int8 weights."""
+    """ctypes front of csrc/quant_gemm.c (AVX512-BF16: int4 and int8) or csrc/quant_gemm_avx2.c (int4 only):
+    float32 x [M, K] -> float32 [M, N]."""
 
-    def __init__(self, lib):
+    def __init__(self, lib, name: str):
         import ctypes
 
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._int4, self._int8 = lib.int4_gemm, lib.int8_gemm
+        self.name = name
+        self._int4 = lib.int4_gemm
         self._int4.argtypes = [p, i64, i64, p, p, p, i64, p]
-        self._int8.argtypes = [p, i64, i64, p, p, i64, p]
-        self._int4.restype = self._int8.restype = ctypes.c_int
+        self._int4.restype = ctypes.c_int
+        self._int8 = getattr(lib, "int8_gemm", None)
+        if self._int8 is not None:
+            self._int8.argtypes = [p, i64, i64, p, p, i64, p]
+            self._int8.restype = ctypes.c_int
+
+    @property
+    def has_int8(self) -> bool:
+        return self._int8 is not None
 
     @staticmethod
     def _run(fn, x: torch.Tensor, n: int, *weights: torch.Tensor) -> torch.Tensor:
@@ -137,8 +146,11 @@ class QuantGemm:
         return self._run(self._int8, x, codes.shape[0] * 16, codes, scales)
 
 
-def _quant_gemm_check() -> str:
-    return r"""
+def _quant_gemm_check(int8: bool) -> str:
+    return _CHECK_INT4 + (_CHECK_INT8 if int8 else "")
+
+
+_CHECK_INT4 = r"""
 import ctypes, random, struct, sys
 lib = ctypes.CDLL(sys.argv[1])
 fn = lib.int4_gemm
@@ -170,6 +182,8 @@ for r in range(M):
     for n in range(N):
         ref = sum(x[r * K + k] * (d[n][k // 32] * q[n][k] + m[n][k // 32]) for k in range(K))
         assert abs(y[r * N + n] - ref) < 1e-4 * (1 + abs(ref)), (r, n, y[r * N + n], ref)
+"""
+_CHECK_INT8 = r"""
 fn8 = lib.int8_gemm
 fn8.restype = ctypes.c_int
 fn8.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
@@ -185,14 +199,30 @@ for r in range(M):
 
 
 @functools.cache
-def quant_gemm() -> QuantGemm | None:
-    """The C int4/int8 kernels where this CPU runs AVX512-BF16 (checked in a child process), else None."""
+def quant_gemm_avx512() -> QuantGemm | None:
+    """The AVX512-BF16 int4 and int8 kernels (csrc/quant_gemm.c) where they build and pass their check."""
     from . import kernels
 
     spec = kernels.KernelSpec("quant_gemm", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
-                              ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), _quant_gemm_check())
+                              ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), _quant_gemm_check(True))
     lib = kernels.load(spec)
-    return QuantGemm(lib) if lib is not None else None
+    return QuantGemm(lib, "c-avx512-bf16") if lib is not None else None
+
+
+@functools.cache
+def quant_gemm_avx2() -> QuantGemm | None:
+    """The AVX2 + FMA int4 kernel (csrc/quant_gemm_avx2.c, float32 activations) where it builds and passes."""
+    from . import kernels
+
+    spec = kernels.KernelSpec("quant_gemm_avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
+                              _quant_gemm_check(False))
+    lib = kernels.load(spec)
+    return QuantGemm(lib, "c-avx2") if lib is not None else None
+
+
+def quant_gemm() -> QuantGemm | None:
+    """The fastest C kernels that run here: AVX512-BF16, else AVX2 (int4 only), else None (torch's ops)."""
+    return quant_gemm_avx512() or quant_gemm_avx2()
 
 
 class Int4Linear(nn.Module):
@@ -250,11 +280,12 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, kernel: QuantGemm | None = None):
-        """`kernel`: the C kernels (quant_gemm()), or None for torch's `_weight_int8pack_mm`."""
+        """`kernel`: the C kernels (quant_gemm()) when they have int8, else torch's `_weight_int8pack_mm`."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         q, scale = quantize_int8(weight)
-        self.kernel = kernel if self.out_features % 16 == 0 and self.in_features % 32 == 0 else None
+        fits = kernel is not None and kernel.has_int8 and self.out_features % 16 == 0 and self.in_features % 32 == 0
+        self.kernel = kernel if fits else None
         if self.kernel is not None:
             self.register_buffer("codes", pack_int8_c_layout(q))
             self.register_buffer("scales", scale.float())
@@ -331,7 +362,7 @@ def detect() -> dict:
     ok("int8_bf16", lambda: Int8Linear(w, torch.bfloat16)(x.bfloat16()))
     ok("bf16_dense", lambda: F.linear(x.bfloat16(), w.bfloat16()))
     kernel = quant_gemm()
-    found["int4_kernel"] = "c" if kernel is not None else "torch"
+    found["int4_kernel"] = kernel.name if kernel is not None else "torch"
     if kernel is not None:
         ok("int4_c", lambda: Int4Linear(blocks, torch.bfloat16, kernel=kernel)(x), x @ dequantize_blocks(blocks).t())
     found["int4_speedup_b1"] = _int4_speedup(kernel) if found["int4_bf16"] or found.get("int4_c") else 0.0
