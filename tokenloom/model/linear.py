@@ -1,18 +1,23 @@
 """Weight formats behind one linear layer, chosen once at load time.
 
 - dense (default): the GGUF weights dequantized to float32 (or cast to `dtype`), `F.linear`.
-- int4: weight-only 4-bit straight from the GGUF's Q4_1 blocks, run by
-  `aten._weight_int4pack_mm_for_cpu` with bfloat16 activations (the op is vectorised on x86 only
-  for bfloat16). Q4_1 stores w = d*q + m per block of 32 (q in 0..15); torch's op computes
-  w = (q - 8) * scale + zero, so scale = d and zero = m + 8*d. With float32 scales this is
-  bit-exact against the dequantized weights (tests/test_fast_paths.py); the bf16 scales the fast
-  kernel needs round d and zero to 8 mantissa bits.
-- int8: per-output-channel int8 (`torch._weight_int8pack_mm`), requantized from the dense weights.
-- int4 + dense prefill (what `auto` picks): int4 for decode rows and short prefill chunks, where a
-  step reads every weight for a few rows per sequence and 4-bit weights move 7x fewer bytes; the same
-  weights dequantized to bfloat16 for long prefill chunks, where oneDNN's bf16 matmul does 2.4x the
-  FLOP/s of the int4 kernel (measured at 128+ rows). A row's kernel depends on its own sequence's
-  chunk length (runner.SHORT_CHUNK), never on the rest of the batch.
+- int4: weight-only 4-bit straight from the GGUF's Q4_1 blocks (w = d*q + m per block of 32, q in
+  0..15), by the first of these that runs here (`quant_gemm()`, `detect()`):
+  - the C kernel csrc/quant_gemm.c (AVX512-BF16): float32 in and out, the activations rounded to
+    bfloat16 for `vdpbf16ps` against the exact codes, Q4_1's own float16 d and m;
+  - the C kernel csrc/quant_gemm_avx2.c (AVX2 + FMA): the same packed layout, weights dequantized in
+    registers, float32 activations (no rounding beyond float32);
+  - torch's `aten._weight_int4pack_mm_for_cpu` with bfloat16 activations (vectorised on x86 only for
+    bfloat16): scale = d, zero = m + 8*d (the op computes (q - 8) * scale + zero); bit-exact against
+    the dequantized weights with float32 scales (tests/test_fast_paths.py).
+- int8: per-output-channel int8 (C kernel, else `torch._weight_int8pack_mm`), requantized from the
+  dense weights.
+- int4 + dense prefill (what `auto` picks where the CPU has bf16 dot products): int4 for decode rows
+  and short prefill chunks, where a step reads every weight for a few rows per sequence and 4-bit
+  weights move 7x fewer bytes; the same weights dequantized to bfloat16 for long prefill chunks,
+  where oneDNN's bf16 matmul runs near the CPU's bf16 peak. A row's kernel depends on its own
+  sequence's chunk length (runner.SHORT_CHUNK), never on the rest of the batch. (Int8 activations
+  through VNNI doubled that again but cost 6 points of top-1 agreement: not used.)
 - the LM head (`RescoredInt8Head`): int8 logits over the vocabulary, then the best candidates of each
   row recomputed exactly in float32: the argmax is the float32 head's, the rest within int8's error.
 
@@ -267,7 +272,7 @@ class Int4Linear(nn.Module):
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def extra_repr(self) -> str:
-        kernel = "c" if self.kernel is not None else "torch"
+        kernel = self.kernel.name if self.kernel is not None else "torch"
         return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, kernel={kernel}"
 
 
