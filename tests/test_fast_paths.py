@@ -126,15 +126,17 @@ def test_q4_1_from_dense_round_trip():
     assert (err.view(32, 2, 32) <= step[..., None] * 0.51 + 1e-3).all()
 
 
-@needs_c
+@pytest.mark.parametrize("kernel", C_KERNELS)
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_int8_c_kernel_is_exact_on_bfloat16_activations(rows):
+def test_int8_c_kernel_is_exact_on_its_activations(kernel, rows):
+    """int8 codes times the activations (bfloat16-rounded by the AVX512-BF16 kernel, float32 in the
+    AVX2 one), each column's scale after the sum: float32 accumulation noise against float64."""
     w = torch.randn(112, 96) * 0.1
-    layer = linear.Int8Linear(w, torch.bfloat16, kernel=linear.quant_gemm_avx512())
+    layer = linear.Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel))
     q, scale = linear.quantize_int8(w)
     x = torch.randn(rows, 96)
     out = layer(x)
-    ref = (x.bfloat16().double() @ q.double().t()) * scale.double()
+    ref = ((x.bfloat16() if kernel == "c" else x).double() @ q.double().t()) * scale.double()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
 
@@ -232,13 +234,15 @@ def int4_kernel_only(model):
 
 
 def avx2_kernel(model):
-    """The int4 model as an AVX2-only machine runs it: the AVX2 C kernel (same packed layout) for every
-    row, no dense bfloat16 copy for long chunks. None where the model did not get the C layout."""
-    layers = [m for m in model.modules() if isinstance(m, linear.Int4Linear)]
+    """The int4 model as an AVX2-only machine runs it: the AVX2 C kernels (same packed layouts) for every
+    row and the head, no dense bfloat16 copy for long chunks. None where the model did not get the C layout."""
+    layers = [m for m in model.modules() if isinstance(m, (linear.Int4Linear, linear.Int8Linear))]
     if linear.quant_gemm_avx2() is None or any(m.kernel is None for m in layers):
         return None
     for m in layers:
-        m.kernel, m.dense = linear.quant_gemm_avx2(), None
+        m.kernel = linear.quant_gemm_avx2()
+        if isinstance(m, linear.Int4Linear):
+            m.dense = None
     return model
 
 

@@ -116,25 +116,18 @@ def pack_int8_c_layout(q: torch.Tensor) -> torch.Tensor:
 
 
 class QuantGemm:
-    """ctypes front of csrc/quant_gemm.c (AVX512-BF16: int4 and int8) or csrc/quant_gemm_avx2.c (int4 only):
-    float32 x [M, K] -> float32 [M, N]."""
+    """ctypes front of csrc/quant_gemm.c (AVX512-BF16) or csrc/quant_gemm_avx2.c (AVX2 + FMA): float32
+    x [M, K] -> float32 [M, N] over int4 or int8 weights."""
 
     def __init__(self, lib, name: str):
         import ctypes
 
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self.name = name
-        self._int4 = lib.int4_gemm
+        self._int4, self._int8 = lib.int4_gemm, lib.int8_gemm
         self._int4.argtypes = [p, i64, i64, p, p, p, i64, p]
-        self._int4.restype = ctypes.c_int
-        self._int8 = getattr(lib, "int8_gemm", None)
-        if self._int8 is not None:
-            self._int8.argtypes = [p, i64, i64, p, p, i64, p]
-            self._int8.restype = ctypes.c_int
-
-    @property
-    def has_int8(self) -> bool:
-        return self._int8 is not None
+        self._int8.argtypes = [p, i64, i64, p, p, i64, p]
+        self._int4.restype = self._int8.restype = ctypes.c_int
 
     @staticmethod
     def _run(fn, x: torch.Tensor, n: int, *weights: torch.Tensor) -> torch.Tensor:
@@ -151,8 +144,8 @@ class QuantGemm:
         return self._run(self._int8, x, codes.shape[0] * 16, codes, scales)
 
 
-def _quant_gemm_check(int8: bool) -> str:
-    return _CHECK_INT4 + (_CHECK_INT8 if int8 else "")
+def _quant_gemm_check() -> str:
+    return _CHECK_INT4 + _CHECK_INT8
 
 
 _CHECK_INT4 = r"""
@@ -209,25 +202,37 @@ def quant_gemm_avx512() -> QuantGemm | None:
     from . import kernels
 
     spec = kernels.KernelSpec("quant_gemm", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
-                              ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), _quant_gemm_check(True))
+                              ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), _quant_gemm_check())
     lib = kernels.load(spec)
     return QuantGemm(lib, "c-avx512-bf16") if lib is not None else None
 
 
 @functools.cache
 def quant_gemm_avx2() -> QuantGemm | None:
-    """The AVX2 + FMA int4 kernel (csrc/quant_gemm_avx2.c, float32 activations) where it builds and passes."""
+    """The AVX2 + FMA int4 and int8 kernels (csrc/quant_gemm_avx2.c, float32 activations) where they build
+    and pass their check."""
     from . import kernels
 
     spec = kernels.KernelSpec("quant_gemm_avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
-                              _quant_gemm_check(False))
+                              _quant_gemm_check())
     lib = kernels.load(spec)
     return QuantGemm(lib, "c-avx2") if lib is not None else None
 
 
 def quant_gemm() -> QuantGemm | None:
-    """The fastest C kernels that run here: AVX512-BF16, else AVX2 (int4 only), else None (torch's ops)."""
+    """The fastest C kernels that run here: AVX512-BF16, else AVX2, else None (torch's ops)."""
     return quant_gemm_avx512() or quant_gemm_avx2()
+
+
+def onednn_packed(w: torch.Tensor) -> torch.Tensor:
+    """`w` in oneDNN's own blocked layout (as torch.compile's freezing does), for long prefill chunks:
+    the matmul then stops re-laying out the weight on every call (a 128-token prefill 63 -> 50 ms, the
+    same bits). The plain weight where this torch has no oneDNN."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, 128)  # 128: the row count it is tuned for
+    except (AttributeError, RuntimeError) as exc:
+        logger.info("oneDNN weight packing unavailable (%s); plain weights for long prefill chunks", exc)
+        return w
 
 
 class Int4Linear(nn.Module):
@@ -249,12 +254,19 @@ class Int4Linear(nn.Module):
             self.register_buffer("packed", packed)
             self.register_buffer("scales_zeros", sz)
             self.compute_dtype = dtype
-        self.dense = dequantize_blocks(blocks).to(dtype) if dense_prefill else None
+        self.dense = onednn_packed(dequantize_blocks(blocks).to(dtype)) if dense_prefill else None
 
     def _int4(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
         if self.kernel is not None:
             return self.kernel.int4(x, self.codes, self.scales, self.offsets)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+
+    def _long(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dense.dtype)
+        if self.dense.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.dense, None, "none", [], "")
+        return F.linear(x, self.dense)
 
     def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
         """Rows [0, decode_like_rows) through the int4 kernel, the rest through `dense` when it is set
@@ -262,13 +274,12 @@ class Int4Linear(nn.Module):
         rows = x.shape[0]
         d = rows if self.dense is None or decode_like_rows is None else decode_like_rows
         if d >= rows:
-            out = self._int4(x if x.dtype == self.compute_dtype else x.to(self.compute_dtype))
+            out = self._int4(x)
         elif d == 0:
-            out = F.linear(x.to(self.dense.dtype), self.dense)
+            out = self._long(x)
         else:
-            xq = x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
             # Joined in float32: a decode row keeps the bits it has in a step without long chunks.
-            out = torch.cat([self._int4(xq[:d]).float(), F.linear(x[d:].to(self.dense.dtype), self.dense).float()])
+            out = torch.cat([self._int4(x[:d]).float(), self._long(x[d:]).float()])
         return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -285,12 +296,11 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, kernel: QuantGemm | None = None):
-        """`kernel`: the C kernels (quant_gemm()) when they have int8, else torch's `_weight_int8pack_mm`."""
+        """`kernel`: the C kernels (quant_gemm()), or None for torch's `_weight_int8pack_mm`."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         q, scale = quantize_int8(weight)
-        fits = kernel is not None and kernel.has_int8 and self.out_features % 16 == 0 and self.in_features % 32 == 0
-        self.kernel = kernel if fits else None
+        self.kernel = kernel if self.out_features % 16 == 0 and self.in_features % 32 == 0 else None
         if self.kernel is not None:
             self.register_buffer("codes", pack_int8_c_layout(q))
             self.register_buffer("scales", scale.float())

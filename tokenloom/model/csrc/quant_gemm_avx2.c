@@ -1,5 +1,7 @@
-/* int4_gemm for CPUs without AVX512-BF16 (AVX2 + FMA + F16C): y[M, N] = x[M, K] @ W[N, K]^T over the
- * GGUF's Q4_1 blocks, in the layout of csrc/quant_gemm.c (model/linear.py packs one layout for both).
+/* quant_gemm.c's two kernels for CPUs without AVX512-BF16 (AVX2 + FMA + F16C), with the same layouts
+ * (model/linear.py packs one layout for both) and float32 activations:
+ *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T over the GGUF's Q4_1 blocks (the decoder's projections);
+ *   int8_gemm: the same over per-column int8 weights (the LM head's approximate logits).
  *
  * Each group of 32 weights is dequantized in registers to float32 (w = d*q + m, one FMA) and multiplied
  * with the float32 activations: no rounding of the activations at all. At one row the kernel reads
@@ -11,6 +13,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #define GROUP 32
 #define COLS 16      /* output columns per column block: two ymm */
@@ -71,5 +74,57 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
             }
         }
     }
+    return 0;
+}
+
+/* --- int8: codes [N/16][K/2][16][2] (each column's pair of inputs side by side), scales float32 [N] ---- */
+
+#define TILE_ROWS8 2  /* 2 rows x 4 accumulators + 4 weight vectors + 1 broadcast fit in 16 ymm */
+
+/* The pair x[k], x[k+1] repeated four times: it meets four columns' pairs of weights. */
+INLINE __m256 pair4(const float *x) {
+    double d;
+    memcpy(&d, x, sizeof d);
+    return _mm256_castpd_ps(_mm256_set1_pd(d));
+}
+
+/* Lane 2c holds column c's sum over even inputs, lane 2c + 1 over odd ones: add them, in column order. */
+INLINE __m256 fold_pairs(__m256 cols0_3, __m256 cols4_7) {
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(cols0_3, cols4_7)), 0xD8));
+}
+
+INLINE void tile8(const float *x, int64_t K, const int MR, const int8_t *codes, const float *scale, int64_t nb,
+                  float *y, int64_t N) {
+    __m256 acc[TILE_ROWS8][4];
+    for (int r = 0; r < MR; r++)
+        for (int q = 0; q < 4; q++) acc[r][q] = _mm256_setzero_ps();
+    const int8_t *cb = codes + nb * (K / 2) * COLS * 2;
+    for (int64_t j = 0; j < K / 2; j++) {
+        __m256 w[4];
+        for (int q = 0; q < 4; q++)
+            w[q] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cb + j * 32 + 8 * q))));
+        for (int r = 0; r < MR; r++) {
+            const __m256 xp = pair4(x + r * K + 2 * j);
+            for (int q = 0; q < 4; q++) acc[r][q] = _mm256_fmadd_ps(xp, w[q], acc[r][q]);
+        }
+    }
+    const __m256 s0 = _mm256_loadu_ps(scale + nb * COLS), s1 = _mm256_loadu_ps(scale + nb * COLS + 8);
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(y + r * N + nb * COLS, _mm256_mul_ps(fold_pairs(acc[r][0], acc[r][1]), s0));
+        _mm256_storeu_ps(y + r * N + nb * COLS + 8, _mm256_mul_ps(fold_pairs(acc[r][2], acc[r][3]), s1));
+    }
+}
+
+/* Same signature and layout as quant_gemm.c's int8_gemm (K even, N a multiple of 16). Returns 0. */
+int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, int64_t N, float *y) {
+    const int64_t blocks = N / COLS;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < blocks; nb++)
+        for (int64_t m = 0; m < M; m += TILE_ROWS8) {
+            if (M - m >= 2)
+                tile8(x + m * K, K, 2, codes, scale, nb, y + m * N, N);
+            else
+                tile8(x + m * K, K, 1, codes, scale, nb, y + m * N, N);
+        }
     return 0;
 }
