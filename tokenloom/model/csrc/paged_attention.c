@@ -35,11 +35,57 @@ static inline float exp_nonpos(float x) {
     return p * u.f;
 }
 
+/* The same polynomial on 8 lanes (n rounded to nearest even instead of floor(x + 0.5): equal but at ties). */
+static inline __m256 exp8_nonpos(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    const __m256 r2 = _mm256_mul_ps(r, r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* sc[0, ctx) -> softmax in place, 8 positions at a time (the tail of a context scalar). */
+static void softmax_row(float *sc, int64_t ctx) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= ctx; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sc + t));
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, mv);
+    for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    for (; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= ctx; t += 8) {
+        const __m256 e = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mb));
+        _mm256_storeu_ps(sc + t, e);
+        sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum(sv);
+    for (; t < ctx; t++) {
+        sc[t] = exp_nonpos(sc[t] - m);
+        sum += sc[t];
+    }
+    const float inv = 1.0f / sum;
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (t = 0; t + 8 <= ctx; t += 8) _mm256_storeu_ps(sc + t, _mm256_mul_ps(_mm256_loadu_ps(sc + t), iv));
+    for (; t < ctx; t++) sc[t] *= inv;
 }
 
 /* The cache holds float32 or float16 (F16C converts 8 at a time); everything after the load is float32. */
@@ -120,12 +166,7 @@ int paged_decode_attention_##SUFFIX(const float *q, const T *k, const T *v, cons
             const int64_t h = kvh * group + g;                                                              \
             float *sc = scores + g * n;                                                                     \
             head_scores_##SUFFIX(q + (s * num_heads + h) * head_dim, k, offsets, ctx, head_dim, scale, sc); \
-            float m = -INFINITY, sum = 0.0f;                                                                \
-            for (int64_t t = 0; t < ctx; t++) m = sc[t] > m ? sc[t] : m;                                    \
-            for (int64_t t = 0; t < ctx; t++) sc[t] = exp_nonpos(sc[t] - m);                                \
-            for (int64_t t = 0; t < ctx; t++) sum += sc[t];                                                 \
-            const float inv = 1.0f / sum;                                                                   \
-            for (int64_t t = 0; t < ctx; t++) sc[t] *= inv;                                                 \
+            softmax_row(sc, ctx);                                                                           \
             head_values_##SUFFIX(sc, v, offsets, ctx, head_dim, out + (s * num_heads + h) * head_dim);      \
         }                                                                                                   \
         free(offsets);                                                                                      \
