@@ -22,9 +22,10 @@ def kernel_for(name):
     return pa.PagedDecodeAttention(LIB, LIB512 if name == "avx512" else None)
 
 
-def random_case(num_seqs: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int):
+def random_case(num_seqs: int, heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int,
+                max_len: int = 90):
     gen = torch.Generator().manual_seed(seed)
-    lens = torch.randint(1, 90, (num_seqs,), generator=gen)
+    lens = torch.randint(1, max_len, (num_seqs,), generator=gen)
     blocks_per_seq = [(int(n) + block_size - 1) // block_size for n in lens]
     num_blocks = sum(blocks_per_seq) + 3
     perm = torch.randperm(num_blocks, generator=gen)  # blocks scattered across the cache
@@ -48,10 +49,23 @@ def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size, k
     """Float16 caches too: the kernel widens each element to float32 as the torch path does. Shapes the
     AVX-512 kernel does not take (head_dim != 64, 8 query heads per KV head) go to the AVX2 one."""
     q, k, v, tables, lens = random_case(7, heads, kv_heads, head_dim, block_size, seed=heads)
+    lens[0] = (lens[0] + block_size - 1) // block_size * block_size  # a context filling its last block
     k, v = k.to(kv_dtype), v.to(kv_dtype)
     ref_impl, kernel = pa.TorchDecodeAttention(), kernel_for(which)
     ref = ref_impl(ref_impl.prepare(tables, lens, block_size), q, k, v, 0.125)
     out = kernel(kernel.prepare(tables, lens, block_size), q, k, v, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("which", KERNELS)
+def test_long_contexts_take_the_heap_buffer(which):
+    """Contexts past the kernel's stack buffer (256+ positions) allocate theirs: same results."""
+    q, k, v, tables, lens = random_case(3, 9, 3, 64, 16, seed=7, max_len=1500)
+    assert lens.max() > 430  # 8 bytes of offset and 4 x 4 of scores a position: past the 10 KB buffer
+    ref_impl, kernel = pa.TorchDecodeAttention(), kernel_for(which)
+    ref = ref_impl(ref_impl.prepare(tables, lens, 16), q, k, v, 0.125)
+    out = kernel(kernel.prepare(tables, lens, 16), q, k, v, 0.125)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -15,6 +15,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+
+#define STACK_CONTEXT 256   /* positions whose offsets and scores fit the stack buffer... */
+#define MAX_STACK_GROUP 4  /* ...for up to this many query heads per KV head (10 KB) */
 #include <string.h>
 
 /* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), Cephes' expf polynomial. */
@@ -157,11 +160,16 @@ int paged_decode_attention_##SUFFIX(const float *q, const T *k, const T *v, cons
         const int64_t *table = tables + s * max_blocks;                                                     \
         const int64_t n = ctx > 0 ? ctx : 1;                                                                \
         /* one buffer: the context's row offsets (in elements), then one score row per query head */        \
-        int64_t *offsets = malloc(sizeof(int64_t) * (size_t)n + sizeof(float) * (size_t)(group * n));      \
+        /* short contexts (every prompt token of a prefill is one) on the stack, not a malloc each */         \
+        int64_t stack_buf[STACK_CONTEXT * (1 + MAX_STACK_GROUP)];                                          \
+        const size_t bytes = sizeof(int64_t) * (size_t)n + sizeof(float) * (size_t)(group * n);            \
+        int64_t *offsets = bytes <= sizeof stack_buf ? stack_buf : malloc(bytes);                           \
         if (!offsets) { failed = 1; continue; }                                                             \
         float *scores = (float *)(offsets + n);                                                             \
-        for (int64_t t = 0; t < ctx; t++)                                                                   \
-            offsets[t] = (table[t / block_size] * block_size + t % block_size) * slot_stride + kvh * head_dim; \
+        /* block by block: no division per position (12% of the kernel in a prefill) */            \
+        for (int64_t t = 0, b = 0; t < ctx; b++)                                                            \
+            for (int64_t o = 0, base = table[b] * block_size; o < block_size && t < ctx; o++, t++)          \
+                offsets[t] = (base + o) * slot_stride + kvh * head_dim;                                     \
         for (int64_t g = 0; g < group; g++) {                                                               \
             const int64_t h = kvh * group + g;                                                              \
             float *sc = scores + g * n;                                                                     \
@@ -169,7 +177,7 @@ int paged_decode_attention_##SUFFIX(const float *q, const T *k, const T *v, cons
             softmax_row(sc, ctx);                                                                           \
             head_values_##SUFFIX(sc, v, offsets, ctx, head_dim, out + (s * num_heads + h) * head_dim);      \
         }                                                                                                   \
-        free(offsets);                                                                                      \
+        if (offsets != stack_buf) free(offsets);                                                            \
     }                                                                                                       \
     return failed ? -1 : 0;                                                                                 \
 }
