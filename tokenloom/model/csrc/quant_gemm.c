@@ -25,7 +25,9 @@
 #define GROUP 32
 #define COLS 16      /* output columns per zmm */
 #define TILE_COLS 3  /* column blocks per tile: 48 columns */
-#define TILE_ROWS 4  /* rows per tile: 4 x 3 accumulators + 4 x 3 outputs + 3 weights fit in 32 zmm */
+#define TILE_ROWS 8  /* int4 rows per tile: 8 x 3 accumulators + 3 weights fit in 32 zmm (the running
+                        * outputs stay in y): each converted weight serves 8 rows (4 rows: 10% slower) */
+#define INT8_TILE_ROWS 4
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -38,13 +40,14 @@ INLINE __m512i codes_to_bf16(const uint8_t *p, __m512i table) {
     return _mm512_permutexvar_epi16(idx, table);                        /* code -> its bfloat16 */
 }
 
-/* One tile: rows [0, MR) of xb (bfloat16, row stride K) x column blocks [nb0, nb0 + NB). */
+/* One tile: rows [0, MR) of xb (bfloat16, row stride K) x column blocks [nb0, nb0 + NB). Each group's dot
+ * products accumulate in registers; the running outputs live in y (L1), updated once per group. */
 INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, const int MR, const int NB,
                  const uint8_t *codes, const uint16_t *scale, const uint16_t *offset, int64_t nb0, float *y,
                  int64_t N, __m512i table) {
-    __m512 acc[TILE_ROWS][TILE_COLS], out[TILE_ROWS][TILE_COLS];
+    __m512 acc[TILE_ROWS][TILE_COLS];
     for (int r = 0; r < MR; r++)
-        for (int b = 0; b < NB; b++) out[r][b] = _mm512_setzero_ps();
+        for (int b = 0; b < NB; b++) _mm512_storeu_ps(y + r * N + (nb0 + b) * COLS, _mm512_setzero_ps());
     for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < MR; r++)
             for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
@@ -61,13 +64,12 @@ INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, co
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + at)));
             const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(offset + at)));
             for (int r = 0; r < MR; r++) {
-                out[r][b] = _mm512_fmadd_ps(acc[r][b], d, out[r][b]);
-                out[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * G + g]), m, out[r][b]);
+                float *o = y + r * N + (nb0 + b) * COLS;
+                const __m512 out = _mm512_fmadd_ps(acc[r][b], d, _mm512_loadu_ps(o));
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(sums[r * G + g]), m, out));
             }
         }
     }
-    for (int r = 0; r < MR; r++)
-        for (int b = 0; b < NB; b++) _mm512_storeu_ps(y + r * N + (nb0 + b) * COLS, out[r][b]);
 }
 
 /* All rows for column blocks [nb0, nb0 + nb): full tiles of TILE_ROWS, then one tile of the rest.
@@ -81,20 +83,12 @@ static void column_tile(const uint16_t *xb, const float *sums, int64_t M, int64_
         const float *sm = sums + m * G;
         float *ym = y + m * N;
 #define TILE(MR, NB) tile(xm, sm, K, G, MR, NB, codes, scale, offset, nb0, ym, N, table)
+#define ROWS(MR) case MR * 4 + 3: TILE(MR, 3); break; case MR * 4 + 2: TILE(MR, 2); break; \
+                 case MR * 4 + 1: TILE(MR, 1); break;
         switch (mr * 4 + nb) {
-            case 4 * 4 + 3: TILE(4, 3); break;
-            case 4 * 4 + 2: TILE(4, 2); break;
-            case 4 * 4 + 1: TILE(4, 1); break;
-            case 3 * 4 + 3: TILE(3, 3); break;
-            case 3 * 4 + 2: TILE(3, 2); break;
-            case 3 * 4 + 1: TILE(3, 1); break;
-            case 2 * 4 + 3: TILE(2, 3); break;
-            case 2 * 4 + 2: TILE(2, 2); break;
-            case 2 * 4 + 1: TILE(2, 1); break;
-            case 1 * 4 + 3: TILE(1, 3); break;
-            case 1 * 4 + 2: TILE(1, 2); break;
-            default: TILE(1, 1); break;
+            ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2) ROWS(1)
         }
+#undef ROWS
 #undef TILE
     }
 }
@@ -154,7 +148,7 @@ INLINE __m512i int8_to_bf16(const int8_t *p) {
 
 INLINE void tile8(const uint16_t *xb, int64_t K, const int MR, const int NB, const int8_t *codes,
                   const float *scale, int64_t nb0, float *y, int64_t N) {
-    __m512 acc[TILE_ROWS][TILE_COLS];
+    __m512 acc[INT8_TILE_ROWS][TILE_COLS];
     for (int r = 0; r < MR; r++)
         for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
     for (int64_t j = 0; j < K / 2; j++) {
@@ -187,8 +181,8 @@ int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const f
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t nb0 = t * TILE_COLS;
         const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
-        for (int64_t m = 0; m < M; m += TILE_ROWS) {
-            const int mr = (int)(M - m < TILE_ROWS ? M - m : TILE_ROWS);
+        for (int64_t m = 0; m < M; m += INT8_TILE_ROWS) {
+            const int mr = (int)(M - m < INT8_TILE_ROWS ? M - m : INT8_TILE_ROWS);
             const uint16_t *xm = xb + m * K;
             float *ym = y + m * N;
 #define TILE8(MR, NB) tile8(xm, K, MR, NB, codes, scale, nb0, ym, N)
