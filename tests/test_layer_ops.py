@@ -50,12 +50,23 @@ def test_rope_matches_torch_in_place_on_the_fused_projection(c_ops, rows, monkey
     assert torch.equal(one, qkv[:1])
 
 
+@pytest.mark.parametrize("rows", [1, 3, 20])  # 20: the OpenMP-split path
+def test_silu_mul_matches_torch_and_is_row_invariant(c_ops, rows, monkeypatch):
+    gate_up = torch.randn(rows, 2 * 1540) * 6  # 1540: a tail after the 8-wide loop; large |g| too
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    ref = TORCH.silu_mul(gate_up)
+    no_fallback(monkeypatch)
+    out = c_ops.silu_mul(gate_up)
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
+    assert torch.equal(out, torch.cat([c_ops.silu_mul(gate_up[i : i + 1]) for i in range(rows)]))
+
+
 def no_fallback(monkeypatch):
     """Make the torch ops fail inside a test: the C path must take these shapes itself."""
     def boom(*args, **kwargs):
         raise AssertionError("fell back to the torch op")
 
-    for name in ("rms_norm", "rope", "write_kv"):
+    for name in ("rms_norm", "rope", "silu_mul", "write_kv"):
         monkeypatch.setattr(lo.TorchLayerOps, name, boom)
 
 

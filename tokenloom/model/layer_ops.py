@@ -1,4 +1,5 @@
-"""The small operations inside a decoder layer (RMSNorm, RoPE, the KV-cache write), behind one interface
+"""The small operations inside a decoder layer (RMSNorm, RoPE, the KV-cache write, the MLP's SiLU and
+product), behind one interface
 chosen once at load, as decode attention is:
 
 - `TorchLayerOps`: torch ops, the float32 reference path (token-exact against transformers).
@@ -36,6 +37,11 @@ class TorchLayerOps:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 * inter] (gate, then up) -> silu(gate) * up, [T, inter]."""
+        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+        return F.silu(gate) * up
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
         """k, v [T, kv_heads, head_dim] into the caches' rows `slots`, cast to the cache's dtype."""
@@ -51,10 +57,11 @@ class CLayerOps(TorchLayerOps):
 
     def __init__(self, lib: ctypes.CDLL):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._rms_norm, self._rope = lib.rms_norm_f32, lib.rope_f32
+        self._rms_norm, self._rope, self._silu_mul = lib.rms_norm_f32, lib.rope_f32, lib.silu_mul_f32
         self._rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
         self._rope.argtypes = [p, i64, i64, i64, i64, p, p]
-        self._rms_norm.restype = self._rope.restype = None
+        self._silu_mul.argtypes = [p, i64, i64, p]
+        self._rms_norm.restype = self._rope.restype = self._silu_mul.restype = None
         self._write = {torch.float32: lib.write_kv_f32, torch.float16: lib.write_kv_f16}
         for fn in self._write.values():
             fn.argtypes = [p, i64, p, i64, i64, i64, p, i64, p, p]
@@ -75,6 +82,15 @@ class CLayerOps(TorchLayerOps):
             return super().rope(x, cos, sin)
         self._rope(x.data_ptr(), rows, x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
         return x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dtype != torch.float32 or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            return super().silu_mul(gate_up)
+        gate_up = gate_up.contiguous()
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, inter, dtype=torch.float32)
+        self._silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr())
+        return out
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
@@ -134,6 +150,16 @@ for r in range(R):
 for i in range(R * STRIDE):
     if i % STRIDE >= H * HD:
         assert buf[i] == qk[i], "rope wrote outside its heads"
+lib.silu_mul_f32.argtypes = [p, i64, i64, p]
+gu = [rng.uniform(-30, 30) for _ in range(R * 2 * D)]
+out = (ctypes.c_float * (R * D))()
+lib.silu_mul_f32(F(gu), R, D, out)
+f32 = lambda v: struct.unpack("<f", struct.pack("<f", v))[0]
+for r in range(R):
+    for i in range(D):
+        g, u = f32(gu[r * 2 * D + i]), f32(gu[r * 2 * D + D + i])
+        ref = g / (1 + math.exp(-g)) * u
+        assert abs(out[r * D + i] - ref) < 1e-5 * (1 + abs(ref)), ("silu_mul", r, i, out[r * D + i], ref)
 W, SLOTS = 12, 5
 k, v = F([rng.uniform(-3, 3) for _ in range(R * STRIDE)]), F([rng.uniform(-3, 3) for _ in range(R * STRIDE)])
 slots = (ctypes.c_int64 * R)(4, 0, 2)

@@ -174,15 +174,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    ops: TorchLayerOps = TORCH_OPS  # set per model at load (LlamaModel.layer_ops)
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, decode_like_rows: int) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, decode_like_rows).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up, decode_like_rows)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x, decode_like_rows)), decode_like_rows)
 
 
 class DecoderLayer(nn.Module):
@@ -220,7 +220,7 @@ class LlamaModel(nn.Module):
     def layer_ops(self, ops: TorchLayerOps) -> None:
         self._layer_ops = ops
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)):
+            if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
 
     def forward(

@@ -38,6 +38,43 @@ void rms_norm_f32(const float *x, const float *w, int64_t rows, int64_t dim, flo
     }
 }
 
+/* exp(x) on 8 lanes, x clamped to [-87, 88]: 2^n * p(r) with Cephes' expf polynomial (~1 ulp). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    const __m256 r2 = _mm256_mul_ps(r, r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* The MLP's activation on the fused gate/up projection: out[r][i] = silu(gu[r][i]) * gu[r][inter + i],
+ * silu(g) = g / (1 + exp(-g)). */
+void silu_mul_f32(const float *gu, int64_t rows, int64_t inter, float *out) {
+#pragma omp parallel for schedule(static) if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+        for (; i + 8 <= inter; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
 /* Rotate-half RoPE in place on `heads` heads of each row (Q and K side by side in the fused QKV output):
  * x[i] <- x[i] cos[i] - x[i + half] sin[i], x[i + half] <- x[i + half] cos[i + half] + x[i] sin[i + half].
  * Row r starts at x + r * row_stride; cos and sin are [rows, head_dim] (this step's positions). */
