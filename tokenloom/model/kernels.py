@@ -77,7 +77,9 @@ def load(spec: KernelSpec) -> ctypes.CDLL | None:
         return None
     source = CSRC / f"{spec.name}.c"
     cflags = ["-O3", "-fopenmp", "-shared", "-fPIC", *spec.cflags]
-    key = hashlib.sha256(source.read_bytes() + " ".join(cflags).encode() + " ".join(flags).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # what the sources include
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode() + " ".join(flags).encode()
+                         ).hexdigest()[:16]
     lib_path = cache_dir() / f"{spec.name}-{key}.so"
     checked = lib_path.with_suffix(".checked")
     try:

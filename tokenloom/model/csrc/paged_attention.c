@@ -15,10 +15,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-
-#define STACK_CONTEXT 256   /* positions whose offsets and scores fit the stack buffer... */
-#define MAX_STACK_GROUP 4  /* ...for up to this many query heads per KV head (10 KB) */
 #include <string.h>
+
+#include "paged_context.h"
+#include "simd_avx2.h"
 
 /* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), Cephes' expf polynomial. */
 static inline float exp_nonpos(float x) {
@@ -38,32 +38,6 @@ static inline float exp_nonpos(float x) {
     return p * u.f;
 }
 
-/* The same polynomial on 8 lanes (n rounded to nearest even instead of floor(x + 0.5): equal but at ties). */
-static inline __m256 exp8_nonpos(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    const __m256 r2 = _mm256_mul_ps(r, r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, r2, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* sc[0, ctx) -> softmax in place, 8 positions at a time (the tail of a context scalar). */
 static void softmax_row(float *sc, int64_t ctx) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -76,11 +50,11 @@ static void softmax_row(float *sc, int64_t ctx) {
     const __m256 mb = _mm256_set1_ps(m);
     __m256 sv = _mm256_setzero_ps();
     for (t = 0; t + 8 <= ctx; t += 8) {
-        const __m256 e = exp8_nonpos(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mb));
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mb));
         _mm256_storeu_ps(sc + t, e);
         sv = _mm256_add_ps(sv, e);
     }
-    float sum = hsum(sv);
+    float sum = hsum8(sv);
     for (; t < ctx; t++) {
         sc[t] = exp_nonpos(sc[t] - m);
         sum += sc[t];
@@ -114,16 +88,16 @@ static void head_scores_##SUFFIX(const float *q, const T *k, const int64_t *offs
             a2 = _mm256_fmadd_ps(qv, LOAD8(k2 + i), a2);                                                    \
             a3 = _mm256_fmadd_ps(qv, LOAD8(k3 + i), a3);                                                    \
         }                                                                                                   \
-        scores[t] = hsum(a0) * scale;                                                                       \
-        scores[t + 1] = hsum(a1) * scale;                                                                   \
-        scores[t + 2] = hsum(a2) * scale;                                                                   \
-        scores[t + 3] = hsum(a3) * scale;                                                                   \
+        scores[t] = hsum8(a0) * scale;                                                                       \
+        scores[t + 1] = hsum8(a1) * scale;                                                                   \
+        scores[t + 2] = hsum8(a2) * scale;                                                                   \
+        scores[t + 3] = hsum8(a3) * scale;                                                                   \
     }                                                                                                       \
     for (; t < ctx; t++) {                                                                                  \
         const T *kt = k + offsets[t];                                                                       \
         __m256 a = _mm256_setzero_ps();                                                                     \
         for (int64_t i = 0; i < head_dim; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), LOAD8(kt + i), a); \
-        scores[t] = hsum(a) * scale;                                                                        \
+        scores[t] = hsum8(a) * scale;                                                                        \
     }                                                                                                       \
 }                                                                                                           \
                                                                                                             \
@@ -160,16 +134,11 @@ int paged_decode_attention_##SUFFIX(const float *q, const T *k, const T *v, cons
         const int64_t *table = tables + s * max_blocks;                                                     \
         const int64_t n = ctx > 0 ? ctx : 1;                                                                \
         /* one buffer: the context's row offsets (in elements), then one score row per query head */        \
-        /* short contexts (every prompt token of a prefill is one) on the stack, not a malloc each */         \
-        int64_t stack_buf[STACK_CONTEXT * (1 + MAX_STACK_GROUP)];                                          \
-        const size_t bytes = sizeof(int64_t) * (size_t)n + sizeof(float) * (size_t)(group * n);            \
-        int64_t *offsets = bytes <= sizeof stack_buf ? stack_buf : malloc(bytes);                           \
+        int64_t stack_buf[STACK_WORDS];                                                                     \
+        int64_t *offsets = task_buffer(n, group, stack_buf);                                                \
         if (!offsets) { failed = 1; continue; }                                                             \
         float *scores = (float *)(offsets + n);                                                             \
-        /* block by block: no division per position (12% of the kernel in a prefill) */            \
-        for (int64_t t = 0, b = 0; t < ctx; b++)                                                            \
-            for (int64_t o = 0, base = table[b] * block_size; o < block_size && t < ctx; o++, t++)          \
-                offsets[t] = (base + o) * slot_stride + kvh * head_dim;                                     \
+        context_offsets(table, ctx, block_size, slot_stride, kvh * head_dim, offsets);                      \
         for (int64_t g = 0; g < group; g++) {                                                               \
             const int64_t h = kvh * group + g;                                                              \
             float *sc = scores + g * n;                                                                     \

@@ -14,8 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define STACK_CONTEXT 256   /* positions whose offsets and scores fit the stack buffer... */
-#define MAX_STACK_GROUP 4  /* ...for up to this many query heads per KV head (10 KB) */
+#include "paged_context.h"
 
 #define HD 64        /* head_dim */
 #define MAX_GROUP 4  /* query heads per KV head */
@@ -85,16 +84,11 @@ int paged_decode_attention_avx512_##SUFFIX(const float *q, const T *k, const T *
         const int64_t ctx = context_lens[s];                                                                \
         const int64_t *table = tables + s * max_blocks;                                                     \
         const int64_t n = ctx > 0 ? ctx : 1;                                                                \
-        /* short contexts (every prompt token of a prefill is one) on the stack, not a malloc each */         \
-        int64_t stack_buf[STACK_CONTEXT * (1 + MAX_STACK_GROUP)];                                          \
-        const size_t bytes = sizeof(int64_t) * (size_t)n + sizeof(float) * (size_t)(group * n);            \
-        int64_t *offsets = bytes <= sizeof stack_buf ? stack_buf : malloc(bytes);                           \
+        int64_t stack_buf[STACK_WORDS];                                                                     \
+        int64_t *offsets = task_buffer(n, group, stack_buf);                                                \
         if (!offsets) { failed = 1; continue; }                                                             \
         float *scores = (float *)(offsets + n);                                                             \
-        /* block by block: no division per position (12% of the kernel in a prefill) */            \
-        for (int64_t t = 0, b = 0; t < ctx; b++)                                                            \
-            for (int64_t o = 0, base = table[b] * block_size; o < block_size && t < ctx; o++, t++)          \
-                offsets[t] = (base + o) * slot_stride + kvh * HD;                                           \
+        context_offsets(table, ctx, block_size, slot_stride, kvh * HD, offsets);                            \
         __m512 qv[MAX_GROUP][HD / 16];                                                                      \
         for (int g = 0; g < MAX_GROUP; g++) if (g < group) /* unrolled: registers, not memory */           \
             for (int i = 0; i < HD / 16; i++)                                                               \

@@ -1,0 +1,31 @@
+/* What both paged-attention kernels (paged_attention.c, paged_attention_avx512.c) do before any
+ * arithmetic: find a sequence's context in the cache, and hold its offsets and scores. */
+#ifndef TOKENLOOM_PAGED_CONTEXT_H
+#define TOKENLOOM_PAGED_CONTEXT_H
+
+#include <stdint.h>
+#include <stdlib.h>
+
+/* A task's offsets and score rows go on the stack up to STACK_CONTEXT positions and MAX_STACK_GROUP query
+ * heads per KV head (10 KB): every prompt token of a prefill is a task, and a malloc each cost 7%. */
+#define STACK_CONTEXT 256
+#define MAX_STACK_GROUP 4
+#define STACK_WORDS (STACK_CONTEXT * (1 + MAX_STACK_GROUP))
+
+/* A task's buffer: n offsets, then `group` score rows of n floats; `stack_buf` when they fit, else
+ * malloc'ed (NULL if that fails). Free it unless it is `stack_buf`. */
+static inline int64_t *task_buffer(int64_t n, int64_t group, int64_t *stack_buf) {
+    const size_t bytes = sizeof(int64_t) * (size_t)n + sizeof(float) * (size_t)(group * n);
+    return bytes <= sizeof(int64_t) * STACK_WORDS ? stack_buf : malloc(bytes);
+}
+
+/* offsets[t] = where position t's row for one KV head starts (in elements), for t < ctx: block by
+ * block through the sequence's block table, with no division per position (12% of a prefill). */
+static inline void context_offsets(const int64_t *table, int64_t ctx, int64_t block_size, int64_t slot_stride,
+                                   int64_t head_offset, int64_t *offsets) {
+    for (int64_t t = 0, b = 0; t < ctx; b++)
+        for (int64_t o = 0, base = table[b] * block_size; o < block_size && t < ctx; o++, t++)
+            offsets[t] = (base + o) * slot_stride + head_offset;
+}
+
+#endif
