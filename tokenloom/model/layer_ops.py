@@ -1,6 +1,5 @@
 """The small operations inside a decoder layer (RMSNorm, RoPE, the KV-cache write, the MLP's SiLU and
-product), behind one interface
-chosen once at load, as decode attention is:
+product), behind one interface chosen once at load, as decode attention is:
 
 - `TorchLayerOps`: torch ops, the float32 reference path (token-exact against transformers).
 - `CLayerOps`: csrc/layer_ops.c, one C call each for float32 activations. At batch 1 a step runs ~150
@@ -68,7 +67,8 @@ class CLayerOps(TorchLayerOps):
             fn.restype = ctypes.c_int
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != torch.float32:
+        if (x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != torch.float32
+                or weight.shape != (x.shape[1],) or not weight.is_contiguous()):
             return super().rms_norm(x, weight, eps)
         x = x.contiguous()
         out = torch.empty_like(x)
@@ -77,8 +77,9 @@ class CLayerOps(TorchLayerOps):
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rows, heads, head_dim = x.shape
-        if (x.dtype != torch.float32 or cos.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != head_dim
-                or not cos.is_contiguous() or not sin.is_contiguous()):
+        if (x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != head_dim
+                or any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != rows * head_dim
+                       for t in (cos, sin))):
             return super().rope(x, cos, sin)
         self._rope(x.data_ptr(), rows, x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
         return x
@@ -98,7 +99,8 @@ class CLayerOps(TorchLayerOps):
         rows, kv_heads, head_dim = k.shape
         fits = (fn is not None and k.dtype == v.dtype == torch.float32 and slots.dtype == torch.int64
                 and all(t.stride(1) == head_dim and t.stride(2) == 1 for t in (k, v))
-                and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype)
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+                and k_cache.shape == v_cache.shape and k_cache.shape[1:] == (kv_heads, head_dim))
         if not fits:
             return super().write_kv(k, v, slots, k_cache, v_cache)
         slots = slots.contiguous()
