@@ -60,6 +60,14 @@ def cache_dir() -> Path:
 
 
 @functools.cache
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+@functools.cache
 def load(spec: KernelSpec) -> ctypes.CDLL | None:
     """Compile (once per source/flags/CPU), check in a child process, load. None (logged) if any step fails
     or TOKENLOOM_C_KERNELS=0 turns them all off (to compare against the torch paths)."""
@@ -78,8 +86,10 @@ def load(spec: KernelSpec) -> ctypes.CDLL | None:
     source = CSRC / f"{spec.name}.c"
     cflags = ["-O3", "-fopenmp", "-shared", "-fPIC", *spec.cflags]
     headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))  # what the sources include
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join(cflags).encode() + " ".join(flags).encode()
-                         ).hexdigest()[:16]
+    # Everything that decides the library and whether it passed: source, flags, CPU, compiler, the check.
+    identity = [source.read_bytes(), headers, " ".join(cflags).encode(), " ".join(flags).encode(),
+                _compiler_version(cc).encode(), spec.check.encode()]
+    key = hashlib.sha256(b"\0".join(identity)).hexdigest()[:16]
     lib_path = cache_dir() / f"{spec.name}-{key}.so"
     checked = lib_path.with_suffix(".checked")
     try:

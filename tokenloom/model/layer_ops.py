@@ -97,7 +97,8 @@ class CLayerOps(TorchLayerOps):
                  v_cache: torch.Tensor) -> None:
         fn = self._write.get(k_cache.dtype)
         rows, kv_heads, head_dim = k.shape
-        fits = (fn is not None and k.dtype == v.dtype == torch.float32 and slots.dtype == torch.int64
+        fits = (fn is not None and k.dtype == v.dtype == torch.float32 and k.shape == v.shape
+                and slots.dtype == torch.int64 and slots.shape == (rows,)
                 and all(t.stride(1) == head_dim and t.stride(2) == 1 for t in (k, v))
                 and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
                 and k_cache.shape == v_cache.shape and k_cache.shape[1:] == (kv_heads, head_dim))

@@ -98,7 +98,7 @@ def pack_int4(blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
 
 
 def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Blocks [N, K/32, 34] -> the C kernel's layout (csrc/int4_gemm.c): codes [N/16, K/32, 16, 16] bytes
+    """Blocks [N, K/32, 34] -> the C kernels' layout (csrc/quant_gemm*.c): codes [N/16, K/32, 16, 16] bytes
     (two inputs per byte, low nibble first), scales and offsets [N/16, K/32, 16] float16 (Q4_1's own)."""
     n, kb, _ = blocks.shape
     codes = blocks[..., 2:].to(torch.uint8).reshape(n // 16, 16, kb, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
@@ -131,7 +131,9 @@ class QuantGemm:
         self._int4.restype = self._int8.restype = ctypes.c_int
 
     @staticmethod
-    def _run(fn, x: torch.Tensor, n: int, *weights: torch.Tensor) -> torch.Tensor:
+    def _run(fn, x: torch.Tensor, k: int, n: int, *weights: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"quantized gemm: x must be float32 [rows, {k}], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
         if x.shape[0] and fn(x.data_ptr(), x.shape[0], x.shape[1], *(w.data_ptr() for w in weights), n, out.data_ptr()):
@@ -139,10 +141,10 @@ class QuantGemm:
         return out
 
     def int4(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return self._run(self._int4, x, codes.shape[0] * 16, codes, scales, offsets)
+        return self._run(self._int4, x, codes.shape[1] * GROUP, codes.shape[0] * 16, codes, scales, offsets)
 
     def int8(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return self._run(self._int8, x, codes.shape[0] * 16, codes, scales)
+        return self._run(self._int8, x, codes.shape[1] * 2, codes.shape[0] * 16, codes, scales)
 
 
 def _quant_gemm_check() -> str:
@@ -413,9 +415,9 @@ def _int4_speedup(kernel: QuantGemm | None, layers: int = 24) -> float:
 def choose(quantization: str | None, dtype: str) -> tuple[str, str]:
     """(quantization, dtype) to load with. "auto" -> int4 where int4 with bf16 activations runs and
     measured faster than float32, else none. An explicit int4/int8 that does not run here falls back
-    to dense with a warning. int4/int8 matmuls take bfloat16 inputs; `dtype` is the residual stream /
-    KV cache dtype: "float32" keeps them in float32 and casts around each quantized matmul (better
-    quality), "bfloat16" runs everything in bfloat16 (fewest ops)."""
+    to dense with a warning. `dtype` is the residual stream's: "float32" keeps it in float32 (the C
+    kernels take it as is; torch's int4/int8 ops get bfloat16 casts around them), "bfloat16" runs
+    everything in bfloat16 (fewest ops, lower quality)."""
     cap = detect()
     if quantization == "auto":
         runs = cap["int4_bf16"] or cap.get("int4_c", False)
@@ -436,8 +438,9 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
     quantized from the dense weight. `dense_prefill` (int4): prefill rows use the weights dequantized
     to bfloat16. The LM head (tied embedding) stays dense, or lm_head="int8" (plain) / "rescored"."""
     blocks = blocks or {}
-    dtype = torch.bfloat16  # the dtype the int4/int8 kernels are vectorised for
-    kernel = quant_gemm()
+    dtype = torch.bfloat16  # the dtype torch's int4/int8 ops are vectorised for
+    # The C kernels only if they also gave the right answer in this process (detect()).
+    kernel = quant_gemm() if detect().get("int4_c") else None
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name == "lm_head":
             continue

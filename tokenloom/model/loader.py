@@ -69,8 +69,8 @@ def load_model(
     kv_cache_dtype: str = "auto",
 ) -> LlamaModel:
     """`quantization`: None/"none" (dense, `dtype`), "int4"/"q4" (weight-only 4-bit from the GGUF's Q4_1
-    blocks), "int8", or "auto"; see model/linear.py. The quantized matmuls take bfloat16 inputs; `dtype`
-    stays the residual-stream dtype (float32 casts around them, bfloat16 runs all in bf16).
+    blocks), "int8", or "auto"; see model/linear.py. `dtype` stays the residual stream's (float32: the C
+    kernels take it as is, torch's quantized ops with bfloat16 casts around them; bfloat16: all in bf16).
     `kv_cache_dtype` "auto": float16 on a quantized path, else `dtype` (sets `model.kv_cache_dtype`)."""
     from . import linear
 

@@ -1,15 +1,18 @@
-"""Decode attention over the paged KV cache: one query token per sequence, its context found through
-its block table. Two implementations of one interface, chosen once at load:
+"""Attention over the paged KV cache for queries that each come alone: a decode token, or (with the
+kernel) a prompt token with its own context length, which is the causal mask. Two implementations of
+one interface, chosen once at load:
 
 - `TorchDecodeAttention`: gathers each sequence's context slots into a [seqs, longest context] copy
-  (padded, masked) and runs SDPA. Always available; the float32 reference path uses it.
-- `PagedDecodeAttention`: a small C kernel (csrc/paged_attention.c) that reads K/V in place through
-  the block tables, one OpenMP task per (sequence, KV head): no gathered copy, no padding. At 32
-  sequences of ~300 tokens the gather and SDPA were 40% of a decode step. Built and checked at first
-  use (model/kernels.py); unavailable (no compiler, no AVX2+FMA+F16C, a failed check) -> the torch path,
-  with the reason logged.
+  (padded, masked) and runs SDPA. Always available; the float32 reference path uses it. Prompt tokens
+  go to SDPA as spans (`takes_prefill_rows` False).
+- `PagedDecodeAttention`: C kernels that read K/V in place through the block tables, one OpenMP task
+  per (query, KV head): no gathered copy, no padding. csrc/paged_attention.c (AVX2 + FMA + F16C, any
+  head_dim multiple of 32) and csrc/paged_attention_avx512.c (head_dim 64, up to 4 query heads per KV
+  head, each K/V row read once for all of them). At 32 sequences of ~300 tokens the gather and SDPA
+  were 40% of a decode step. Built and checked at first use (model/kernels.py); unavailable (no
+  compiler, missing CPU flags, a failed check) -> the torch path, with the reason logged.
 
-Both are per-sequence computations: a row's result does not depend on the rest of the batch.
+Both are per-query computations: a row's result does not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -62,18 +65,28 @@ class PagedDecodeAttention:
             self.name = "paged-c-avx512"
 
     def prepare(self, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
-        return tables.contiguous(), context_lens.contiguous(), block_size
+        """Once a step: the kernel reads a context through its table, so no context may outrun it."""
+        tables, context_lens = tables.to(torch.int64).contiguous(), context_lens.to(torch.int64).contiguous()
+        if len(context_lens) != len(tables) or bool((context_lens > tables.shape[1] * block_size).any()):
+            raise ValueError("paged attention: a context is longer than its block table")
+        return tables, context_lens, block_size
 
     def __call__(self, prepared, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
         tables, context_lens, block_size = prepared
+        fns = self._fns512 if q.shape[-1] == 64 and q.shape[1] <= 4 * k_cache.shape[1] and self._fns512 else self._fns
+        fn = fns.get(k_cache.dtype)
+        if (fn is None or q.dtype != torch.float32 or v_cache.dtype != k_cache.dtype or q.shape[0] != len(tables)
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+            raise ValueError(f"paged attention kernel: no kernel for {q.dtype} queries over a "
+                             f"{k_cache.dtype} cache (load the model with the KV cache dtype it will serve)")
         q = q.contiguous()
         num_seqs, num_heads, head_dim = q.shape
         out = torch.empty_like(q)
-        fits512 = head_dim == 64 and num_heads <= 4 * k_cache.shape[1]
-        fn = (self._fns512 if fits512 and self._fns512 else self._fns)[k_cache.dtype]
         status = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
-                          context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim, block_size,
-                          scale, out.data_ptr())
+                    context_lens.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim, block_size,
+                    scale, out.data_ptr())
+        if status == -2:
+            raise ValueError(f"paged attention kernel: head_dim {head_dim} with {num_heads} heads is not supported")
         if status != 0:
             raise MemoryError("paged decode attention: out of memory for the score buffer")
         return out
@@ -104,32 +117,40 @@ def load_kernel() -> ctypes.CDLL | None:
 # Run in a child: load the library and compare one small case with a direct computation (no torch, so it
 # starts fast). A SIGILL or a wrong answer fails the child, and the parent never loads the library.
 _CHECK = r"""
-import ctypes, math, random, sys
+import ctypes, math, random, struct, sys
 lib = ctypes.CDLL(sys.argv[1])
-fn = lib.paged_decode_attention_f32
-fn.restype = ctypes.c_int
-fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p]
 rng = random.Random(0)
 H, KVH, D, BS, NB, CTX = 4, 2, 32, 4, 3, 10
 tables = [(i + 2) % NB for i in range(NB)]  # logical block i lives in physical block tables[i]
-F = lambda n: (ctypes.c_float * n)(*[rng.uniform(-1, 1) for _ in range(n)])
-q, k, v = F(H * D), F(NB * BS * KVH * D), F(NB * BS * KVH * D)
-out = (ctypes.c_float * (H * D))()
-t = (ctypes.c_int64 * NB)(*tables); lens = (ctypes.c_int64 * 1)(CTX)
-assert fn(q, k, v, t, NB, lens, 1, H, KVH, D, BS, ctypes.c_float(0.25), out) == 0
-for h in range(H):
-    kvh = h // (H // KVH)
-    slot = lambda p: tables[p // BS] * BS + p % BS
-    s = [0.25 * sum(q[h * D + i] * k[(slot(p) * KVH + kvh) * D + i] for i in range(D)) for p in range(CTX)]
-    m = max(s); w = [math.exp(x - m) for x in s]; z = sum(w)
-    for i in range(D):
-        ref = sum(w[p] / z * v[(slot(p) * KVH + kvh) * D + i] for p in range(CTX))
-        assert abs(out[h * D + i] - ref) < 1e-5, (h, i, out[h * D + i], ref)
+rand = lambda n: [rng.uniform(-1, 1) for _ in range(n)]
+q, k, v = (ctypes.c_float * (H * D))(*rand(H * D)), rand(NB * BS * KVH * D), rand(NB * BS * KVH * D)
+half = lambda x: struct.unpack("<e", struct.pack("<e", x))[0]
+half_bits = lambda x: struct.unpack("<H", struct.pack("<e", x))[0]
+f32 = lambda x: struct.unpack("<f", struct.pack("<f", x))[0]
+# Each cache type: the kernel's name, its element, how a value is stored, what it reads back.
+for name, cache, store, stored in [("paged_decode_attention_f32", ctypes.c_float, f32, f32),
+                                   ("paged_decode_attention_f16", ctypes.c_uint16, half_bits, half)]:
+    fn = getattr(lib, name)
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p]
+    kc, vc = (cache * len(k))(*map(store, k)), (cache * len(v))(*map(store, v))
+    kr, vr = [stored(x) for x in k], [stored(x) for x in v]
+    out = (ctypes.c_float * (H * D))()
+    t = (ctypes.c_int64 * NB)(*tables); lens = (ctypes.c_int64 * 1)(CTX)
+    assert fn(q, kc, vc, t, NB, lens, 1, H, KVH, D, BS, ctypes.c_float(0.25), out) == 0, name
+    for h in range(H):
+        kvh = h // (H // KVH)
+        slot = lambda p: tables[p // BS] * BS + p % BS
+        s = [0.25 * sum(q[h * D + i] * kr[(slot(p) * KVH + kvh) * D + i] for i in range(D)) for p in range(CTX)]
+        m = max(s); w = [math.exp(x - m) for x in s]; z = sum(w)
+        for i in range(D):
+            ref = sum(w[p] / z * vr[(slot(p) * KVH + kvh) * D + i] for p in range(CTX))
+            assert abs(out[h * D + i] - ref) < 1e-5, (name, h, i, out[h * D + i], ref)
 """
 
 SPEC = kernels.KernelSpec("paged_attention", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"), _CHECK)
 # The same check through the AVX-512 entry point (head_dim 64, 2 query heads per KV head).
 SPEC_AVX512 = kernels.KernelSpec(
     "paged_attention_avx512", frozenset({"avx512f", "f16c"}), ("-mavx512f", "-mf16c"),
-    _CHECK.replace("paged_decode_attention_f32", "paged_decode_attention_avx512_f32").replace(
+    _CHECK.replace("paged_decode_attention_f", "paged_decode_attention_avx512_f").replace(
         "H, KVH, D, BS, NB, CTX = 4, 2, 32, 4, 3, 10", "H, KVH, D, BS, NB, CTX = 4, 2, 64, 4, 6, 21"))

@@ -1,4 +1,5 @@
-/* Decode attention straight from the paged KV cache (one query token per sequence).
+/* Attention straight from the paged KV cache for single queries: a decode token, or a prompt token with
+ * its own context length (model/paged_attention.py).
  *
  * For each (sequence, KV head) — one OpenMP task each, so a sequence's result never depends on the
  * others in the batch — the query heads that share that KV head (GQA) read each cached K and V row
@@ -6,9 +7,9 @@
  * Scores are computed in full, then softmax, then the weighted sum of V (two passes over the context;
  * a decode context is at most a few thousand tokens). The cache is float32 or float16 (as llama.cpp
  * keeps it); the arithmetic is float32 throughout, AVX2 + FMA (+ F16C) intrinsics with
- * a fixed summation order (no -ffast-math), exp as a polynomial the compiler vectorises (~2 ulp).
+ * a fixed summation order (no -ffast-math), exp as Cephes' polynomial on 8 lanes (simd_avx2.h, ~1 ulp).
  *
- * Built at run time by model/paged_attention.py with `-O3 -mavx2 -mfma -mf16c -fopenmp`. It links against
+ * Built at run time by model/kernels.py with `-O3 -mavx2 -mfma -mf16c -fopenmp`. It links against
  * whichever libgomp the process already has loaded (torch's), so it shares torch's thread pool.
  */
 #include <immintrin.h>
@@ -20,7 +21,7 @@
 #include "paged_context.h"
 #include "simd_avx2.h"
 
-/* exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), Cephes' expf polynomial. */
+/* exp(x) for x <= 0 (a softmax tail after subtracting the max): 2^n * p(r), Cephes' expf polynomial. */
 static inline float exp_nonpos(float x) {
     if (x < -87.0f) return 0.0f;
     float n = floorf(x * 1.44269504088896341f + 0.5f);

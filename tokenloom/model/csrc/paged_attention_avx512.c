@@ -22,7 +22,8 @@
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
-/* exp(x) for x <= 0, 16 lanes: 2^n * p(r), the same Cephes polynomial as the AVX2 kernel's scalar one. */
+/* exp(x) for x <= 0, 16 lanes: 2^n * p(r), the Cephes polynomial of simd_avx2.h's exp8 (x clamped at -87,
+ * where the scalar tail of the AVX2 kernel returns 0: both below float32's resolution after the sum). */
 static inline __m512 exp16_nonpos(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),

@@ -31,6 +31,13 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* Two adjacent bfloat16 activations as one 32-bit lane (memcpy: no aliasing through another type). */
+INLINE int32_t pair_bits(const uint16_t *p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
 /* 16 bytes of codes (16 columns x 2 inputs) -> 32 bfloat16 in (column, input) order. */
 INLINE __m512i codes_to_bf16(const uint8_t *p, __m512i table) {
     const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -55,7 +62,7 @@ INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, co
             __m512i w[TILE_COLS];
             for (int b = 0; b < NB; b++) w[b] = codes_to_bf16(codes + (((nb0 + b) * G + g) * 16 + j) * COLS, table);
             for (int r = 0; r < MR; r++) {
-                const __m512i xv = _mm512_set1_epi32(*(const int32_t *)(xb + r * K + g * GROUP + 2 * j));
+                const __m512i xv = _mm512_set1_epi32(pair_bits(xb + r * K + g * GROUP + 2 * j));
                 for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)w[b]);
             }
         }
@@ -93,12 +100,14 @@ static void column_tile(const uint16_t *xb, const float *sums, int64_t M, int64_
     }
 }
 
-/* Activations to bfloat16 (round to nearest even) and each group of 32's sum of the rounded values. */
+/* Activations to bfloat16 (round to nearest even) and, when `sums` is given, each group of 32's sum of
+ * the rounded values. */
 static void to_bf16(const float *x, int64_t M, int64_t G, uint16_t *xb, float *sums) {
     for (int64_t i = 0; i < M * G; i++) {
         const float *src = x + i * GROUP;
         const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
         _mm512_store_si512(xb + i * GROUP, h);
+        if (!sums) continue;
         const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
         const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32((int)0xFFFF0000u)));
         sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
@@ -155,7 +164,7 @@ INLINE void tile8(const uint16_t *xb, int64_t K, const int MR, const int NB, con
         __m512i w[TILE_COLS];
         for (int b = 0; b < NB; b++) w[b] = int8_to_bf16(codes + ((nb0 + b) * (K / 2) + j) * 2 * COLS);
         for (int r = 0; r < MR; r++) {
-            const __m512i xv = _mm512_set1_epi32(*(const int32_t *)(xb + r * K + 2 * j));
+            const __m512i xv = _mm512_set1_epi32(pair_bits(xb + r * K + 2 * j));
             for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)w[b]);
         }
     }
@@ -169,13 +178,8 @@ INLINE void tile8(const uint16_t *xb, int64_t K, const int MR, const int NB, con
 int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
     uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * M * K + 63) / 64 * 64);
-    float *sums = malloc(sizeof(float) * M * G);
-    if (!xb || !sums) {
-        free(xb);
-        free(sums);
-        return 1;
-    }
-    to_bf16(x, M, G, xb, sums);
+    if (!xb) return 1;
+    to_bf16(x, M, G, xb, NULL);  /* per-column scales: no group sums needed */
     const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
@@ -204,6 +208,5 @@ int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const f
         }
     }
     free(xb);
-    free(sums);
     return 0;
 }
