@@ -88,6 +88,15 @@ def test_int4_c_kernel_matches_the_q4_1_weights(kernel, rows):
     assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
 
 
+@pytest.mark.parametrize("kernel", C_KERNELS)
+def test_c_gemm_refuses_activations_of_the_wrong_shape_or_dtype(kernel):
+    blocks = linear.q4_1_blocks(random_q4_1_bytes(32, 64, seed=8), (32, 64))
+    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    for x in (torch.randn(2, 96), torch.randn(2, 64).double()):
+        with pytest.raises(ValueError, match="quantized gemm"):
+            layer.kernel.int4(x, layer.codes, layer.scales, layer.offsets)
+
+
 @pytest.mark.parametrize("kernel", INT4_KERNELS)
 def test_int4_decode_rows_and_prefill_rows_take_their_own_kernels(kernel):
     """Decode-like rows (the first `decode_like_rows`) go through int4 and give the same bits as alone;

@@ -126,3 +126,17 @@ def test_prompt_tokens_are_single_queries_through_the_kernel(tokenizer):
     assert spans[0].num_decodes == 0 and len(spans[0].prefills) == 2
     for a, b in zip(logits[: len(logits) // 2], logits[len(logits) // 2 :], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_the_kernel_refuses_what_it_was_not_loaded_for():
+    """A cache dtype without a kernel, or a context longer than its block table: a clear error before
+    any C code reads memory it should not."""
+    q, k, v, tables, lens = random_case(3, 9, 3, 64, 16, seed=2)
+    kernel = kernel_for(None)
+    with pytest.raises(ValueError, match="no kernel for"):
+        kernel(kernel.prepare(tables, lens, 16), q, k.bfloat16(), v.bfloat16(), 0.125)
+    too_long = lens.clone()
+    too_long[1] = tables.shape[1] * 16 + 1
+    with pytest.raises(ValueError, match="longer than its block table"):
+        kernel.prepare(tables, too_long, 16)
