@@ -1,11 +1,12 @@
 """The project's C kernels (model/csrc/*.c): built at first use, checked, loaded with ctypes.
 
 Each kernel is compiled with the system C compiler into ~/.cache/tokenloom/kernels (TOKENLOOM_CACHE_DIR
-overrides), keyed by its source, flags and the CPU's flags, then run once on a small case in a child
-process before this process loads it: an instruction the CPU advertises but traps on kills the child,
-not the server. Any failure (no compiler, a missing CPU flag, a wrong answer) gives None, logged, and
-the caller keeps its torch path (TOKENLOOM_C_KERNELS=0 asks for that everywhere). The libraries link against the libgomp torch already loaded, so they
-share its OpenMP thread pool.
+overrides), keyed by its source and headers, flags, the CPU's flags, the compiler and the check, then
+run once on a small case in a child process before this process loads it: an instruction the CPU
+advertises but traps on kills the child, not the server. Any failure (no compiler, a missing CPU flag,
+a wrong answer) gives None, logged, and the caller keeps its torch path (TOKENLOOM_C_KERNELS=0 asks for
+that everywhere). The libraries link against the libgomp torch already loaded, so they share its
+OpenMP thread pool.
 """
 
 from __future__ import annotations

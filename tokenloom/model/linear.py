@@ -35,6 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
+from .kernels import cpu_flags  # also what the benchmarks record the CPU flags from
+
 logger = logging.getLogger(__name__)
 
 GROUP = 32  # GGUF block size = int4 group size
@@ -199,27 +202,23 @@ for r in range(M):
 """
 
 
+def _load_quant_gemm(name: str, cpu: set[str], cflags: tuple[str, ...], label: str) -> QuantGemm | None:
+    lib = kernels.load(kernels.KernelSpec(name, frozenset(cpu), cflags, _quant_gemm_check()))
+    return QuantGemm(lib, label) if lib is not None else None
+
+
 @functools.cache
 def quant_gemm_avx512() -> QuantGemm | None:
     """The AVX512-BF16 int4 and int8 kernels (csrc/quant_gemm.c) where they build and pass their check."""
-    from . import kernels
-
-    spec = kernels.KernelSpec("quant_gemm", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
-                              ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), _quant_gemm_check())
-    lib = kernels.load(spec)
-    return QuantGemm(lib, "c-avx512-bf16") if lib is not None else None
+    return _load_quant_gemm("quant_gemm", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+                            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), "c-avx512-bf16")
 
 
 @functools.cache
 def quant_gemm_avx2() -> QuantGemm | None:
     """The AVX2 + FMA int4 and int8 kernels (csrc/quant_gemm_avx2.c, float32 activations) where they build
     and pass their check."""
-    from . import kernels
-
-    spec = kernels.KernelSpec("quant_gemm_avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
-                              _quant_gemm_check())
-    lib = kernels.load(spec)
-    return QuantGemm(lib, "c-avx2") if lib is not None else None
+    return _load_quant_gemm("quant_gemm_avx2", {"avx2", "fma", "f16c"}, ("-mavx2", "-mfma", "-mf16c"), "c-avx2")
 
 
 def quant_gemm() -> QuantGemm | None:
@@ -343,12 +342,6 @@ class RescoredInt8Head(nn.Module):
 
 
 # --- start-up detection -----------------------------------------------------------------------------
-
-
-def cpu_flags() -> list[str]:
-    from .kernels import cpu_flags
-
-    return cpu_flags()
 
 
 @functools.cache
