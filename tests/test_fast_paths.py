@@ -5,6 +5,7 @@ weights, the kernels are row-invariant, and on the real model each fast path sta
 from __future__ import annotations
 
 import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -73,19 +74,43 @@ def test_int4_bf16_close_and_row_invariant(kernel):
 @pytest.mark.parametrize("kernel", C_KERNELS)
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 15, 33])
 def test_int4_c_kernel_matches_the_q4_1_weights(kernel, rows):
-    """Only the activations are rounded (to bfloat16 by the AVX512-BF16 kernel; not at all by the AVX2
-    one): against the dequantized weights in float64 the error is float32 accumulation noise; every
-    tile shape (rows % 8, columns % 48) gives the same bits."""
+    """Only the activations are rounded (to bfloat16 by the AVX512-BF16 kernel, to int16 per group of 32
+    by the AVX2 one): against the dequantized weights in float64 the error is float32 accumulation
+    noise; every tile shape (rows % 8, columns % 48) gives the same bits."""
     n, k = 112, 96  # 7 column blocks: a full tile of 3, another, and one of 1
     blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=5), (n, k))
     layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     x = torch.randn(rows, k)
     out = layer(x)
-    xr = x.bfloat16() if kernel == "c" else x
+    xr = x.bfloat16() if kernel == "c" else int16_groups(x)
     ref = xr.double() @ linear.dequantize_blocks(blocks).double().t()
+    if kernel == "c-avx2":  # Q4_1's offsets m meet the groups' float32 sums, not the rounded ones
+        ref += (x.double() - xr.double()).reshape(rows, -1, 32).sum(-1) @ blocks[..., 1].double().t()
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
+
+
+def int16_groups(x: torch.Tensor) -> torch.Tensor:
+    """x as the AVX2 int4 kernel rounds it: per row and group of 32, int16 times a power of two,
+    2^(e - 15) for the group's largest magnitude f * 2^e (f in [0.5, 1)), round half to even."""
+    g = x.double().reshape(x.shape[0], -1, 32)
+    _, e = torch.frexp(g.abs().amax(-1, keepdim=True))
+    scale = torch.ldexp(torch.ones_like(g[..., :1]), e - 15)
+    return ((g / scale).round().clamp(-32768, 32767) * scale).reshape(x.shape)
+
+
+@needs_c_avx2
+def test_avx2_int4_kernel_keeps_non_finite_activations():
+    """A NaN or an infinity reaches its own row's outputs, as through float32 matmuls; rows without one
+    are untouched; an all-zero row gives zeros."""
+    blocks = linear.q4_1_blocks(random_q4_1_bytes(32, 64, seed=9), (32, 64))
+    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=linear.quant_gemm_avx2())
+    x = torch.randn(4, 64)
+    x[1, 5], x[2, 40], x[3] = float("nan"), float("inf"), 0.0
+    out = layer(x)
+    assert out[1].isnan().all() and not out[2].isfinite().any()
+    assert torch.equal(out[0], layer(x[:1])[0]) and torch.equal(out[3], torch.zeros(32))
 
 
 @pytest.mark.parametrize("kernel", C_KERNELS)
@@ -230,7 +255,7 @@ def real_models():
         ("fp32", {}), ("bf16", {"dtype": "bfloat16"}), ("int4_bf16", {"quantization": "int4", "dtype": "bfloat16"}),
         ("int4", {"quantization": "int4"}), ("int8", {"quantization": "int8"}),
     ]} | {"int4_decode_kernel": int4_kernel_only(load_model(source, quantization="int4")),
-          "int4_avx2": avx2_kernel(load_model(source, quantization="int4"))}
+          "int4_avx2": avx2_kernel(lambda: load_model(source, quantization="int4"))}
 
 
 def int4_kernel_only(model):
@@ -242,14 +267,18 @@ def int4_kernel_only(model):
     return model
 
 
-def avx2_kernel(model):
-    """The int4 model as an AVX2-only machine runs it: the AVX2 C kernels (same packed layouts) for every
-    row and the head, no dense bfloat16 copy for long chunks. None where the model did not get the C layout."""
+def avx2_kernel(load):
+    """The int4 model as an AVX2-only machine runs it: loaded with the AVX2 C kernels (their own int4
+    layout) for every row and the head, no dense bfloat16 copy for long chunks. None where they do not
+    run here."""
+    if linear.quant_gemm_avx2() is None:
+        return None
+    with mock.patch.object(linear, "quant_gemm", linear.quant_gemm_avx2):
+        model = load()
     layers = [m for m in model.modules() if isinstance(m, (linear.Int4Linear, linear.Int8Linear))]
-    if linear.quant_gemm_avx2() is None or any(m.kernel is None for m in layers):
+    if any(m.kernel is not linear.quant_gemm_avx2() for m in layers):
         return None
     for m in layers:
-        m.kernel = linear.quant_gemm_avx2()
         if isinstance(m, linear.Int4Linear):
             m.dense = None
     return model
@@ -299,12 +328,12 @@ def test_fast_path_quality_vs_float32(real_models, tokenizer, path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["int4"])
+@pytest.mark.parametrize("path", ["int4", "int4_avx2"])
 def test_fast_path_greedy_is_batch_invariant(real_models, tokenizer, path):
     from tokenloom import EngineConfig, SamplingParams
     from tokenloom.engine.llm_engine import LLMEngine
 
-    if not CAP[f"{path}_bf16"]:
+    if not CAP["int4_bf16"] or real_models[path] is None:
         pytest.skip(f"{path} does not run here")
     engine = LLMEngine(EngineConfig(dtype="bfloat16", max_num_batched_tokens=256, num_kv_blocks=512),
                        model=real_models[path], tokenizer=tokenizer)

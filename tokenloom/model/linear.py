@@ -5,9 +5,9 @@
   0..15), by the first of these that runs here (`quant_gemm()`, `detect()`):
   - the C kernel csrc/quant_gemm.c (AVX512-BF16): float32 in and out, the activations rounded to
     bfloat16 for `vdpbf16ps` against the exact codes, Q4_1's own float16 d and m;
-  - the C kernel csrc/quant_gemm_avx2.c (AVX2 + FMA): the same packed layout, the codes converted to
-    float32 in registers, y += d * sum(x q) + m * sum(x) per group, float32 activations (no rounding
-    beyond float32);
+  - the C kernel csrc/quant_gemm_avx2.c (AVX2 + FMA): the activations rounded to int16 per group of
+    32 (15 bits of the group's largest), integer dot products against the exact codes by vpmaddwd,
+    y += d * scale * sum(q_x q) + m * sum(x) per group;
   - torch's `aten._weight_int4pack_mm_for_cpu` with bfloat16 activations (vectorised on x86 only for
     bfloat16): scale = d, zero = m + 8*d (the op computes (q - 8) * scale + zero); bit-exact against
     the dequantized weights with float32 scales (tests/test_fast_paths.py).
@@ -100,17 +100,31 @@ def pack_int4(blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
     return packed, scales_zeros
 
 
+def _per_block(v: torch.Tensor) -> torch.Tensor:
+    """Q4_1's d or m [N, K/32] -> [N/16, K/32, 16] float16: each column block's 16 values per group."""
+    n, kb = v.shape
+    return v.to(torch.float16).reshape(n // 16, 16, kb).transpose(1, 2).contiguous()
+
+
 def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Blocks [N, K/32, 34] -> the C kernels' layout (csrc/quant_gemm*.c): codes [N/16, K/32, 16, 16] bytes
-    (two inputs per byte, low nibble first), scales and offsets [N/16, K/32, 16] float16 (Q4_1's own)."""
+    """Blocks [N, K/32, 34] -> csrc/quant_gemm.c's layout: codes [N/16, K/32, 16, 16] bytes (two inputs
+    per byte, low nibble first), scales and offsets [N/16, K/32, 16] float16 (Q4_1's own)."""
     n, kb, _ = blocks.shape
     codes = blocks[..., 2:].to(torch.uint8).reshape(n // 16, 16, kb, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
     packed = (codes[..., 0] | (codes[..., 1] << 4)).contiguous()
+    return packed, _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
 
-    def per_block(v: torch.Tensor) -> torch.Tensor:
-        return v.to(torch.float16).reshape(n // 16, 16, kb).transpose(1, 2).contiguous()
 
-    return packed, per_block(blocks[..., 0]), per_block(blocks[..., 1])
+def pack_avx2_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks [N, K/32, 34] -> csrc/quant_gemm_avx2.c's layout: codes [N/16, K/32, 8, 16] int16 of four
+    nibbles, nibble t of lane 2c + p in slot jj the code of column 8(t % 2) + c, input 4jj + 2(t // 2) + p
+    of the group (shifts and masks give vpmaddwd's operands); scales and offsets as pack_c_layout's."""
+    n, kb, _ = blocks.shape
+    q = blocks[..., 2:].to(torch.int32).reshape(n // 16, 2, 8, kb, GROUP // 4, 2, 2)  # nb, t%2, c, g, jj, t//2, p
+    q = q.permute(0, 3, 4, 2, 6, 5, 1).reshape(n // 16, kb, GROUP // 4, 16, 4)  # nb, g, jj, lane, t
+    word = q[..., 0] | (q[..., 1] << 4) | (q[..., 2] << 8) | (q[..., 3] << 12)
+    packed = (word - ((word >> 15) << 16)).to(torch.int16).contiguous()  # the same 16 bits, signed
+    return packed, _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
 
 
 def pack_int8_c_layout(q: torch.Tensor) -> torch.Tensor:
@@ -123,11 +137,12 @@ class QuantGemm:
     """ctypes front of csrc/quant_gemm.c (AVX512-BF16) or csrc/quant_gemm_avx2.c (AVX2 + FMA): float32
     x [M, K] -> float32 [M, N] over int4 or int8 weights."""
 
-    def __init__(self, lib, name: str):
+    def __init__(self, lib, name: str, pack_int4=pack_c_layout):
+        """`pack_int4`: Q4_1 blocks -> (codes, scales, offsets) in the layout this library's int4_gemm reads."""
         import ctypes
 
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self.name = name
+        self.name, self.pack_int4 = name, pack_int4
         self._int4, self._int8 = lib.int4_gemm, lib.int8_gemm
         self._int4.argtypes = [p, i64, i64, p, p, p, i64, p]
         self._int8.argtypes = [p, i64, i64, p, p, i64, p]
@@ -150,8 +165,23 @@ class QuantGemm:
         return self._run(self._int8, x, codes.shape[1] * 2, codes.shape[0] * 16, codes, scales)
 
 
-def _quant_gemm_check() -> str:
-    return _CHECK_INT4 + _CHECK_INT8
+def _quant_gemm_check(code_bytes: str) -> str:
+    """The child-process check of a quant_gemm library whose int4 codes `code_bytes` (Python source of
+    `code_bytes(q, N, G)`, q[n][k] the codes) lays out."""
+    return code_bytes + _CHECK_INT4 + _CHECK_INT8
+
+
+_CODE_BYTES_C = r"""
+def code_bytes(q, N, G):  # pack_c_layout
+    return bytearray(q[nb * 16 + c][g * 32 + 2 * j] | q[nb * 16 + c][g * 32 + 2 * j + 1] << 4
+                     for nb in range(N // 16) for g in range(G) for j in range(16) for c in range(16))
+"""
+_CODE_BYTES_AVX2 = r"""
+def code_bytes(q, N, G):  # pack_avx2_layout
+    words = (sum(q[nb * 16 + 8 * (t % 2) + c][g * 32 + 4 * jj + 2 * (t // 2) + p] << 4 * t for t in range(4))
+             for nb in range(N // 16) for g in range(G) for jj in range(8) for c in range(8) for p in range(2))
+    return bytearray(b"".join(w.to_bytes(2, "little") for w in words))
+"""
 
 
 _CHECK_INT4 = r"""
@@ -165,17 +195,11 @@ M, K, N = 5, 64, 48
 G = K // 32
 bf16 = lambda v: struct.unpack("<f", struct.pack("<I", (struct.unpack("<I", struct.pack("<f", v))[0] + 0x8000) & 0xFFFF0000))[0]
 half = lambda v: struct.unpack("<e", struct.pack("<e", v))[0]
-x = [rng.choice([0.5, -1.25, 2.0, 0.75, -0.125]) for _ in range(M * K)]  # exact in bfloat16
+x = [rng.choice([0.5, -1.25, 2.0, 0.75, -0.125]) for _ in range(M * K)]  # exact in bfloat16 and in int16 groups
 q = [[rng.randrange(16) for _ in range(K)] for _ in range(N)]
 d = [[half(rng.uniform(0.01, 0.1)) for _ in range(G)] for _ in range(N)]
 m = [[half(rng.uniform(-0.5, 0)) for _ in range(G)] for _ in range(N)]
-codes = bytearray()
-for nb in range(N // 16):
-    for g in range(G):
-        for j in range(16):
-            for c in range(16):
-                n, k = nb * 16 + c, g * 32 + 2 * j
-                codes.append(q[n][k] | q[n][k + 1] << 4)
+codes = code_bytes(q, N, G)
 pack = lambda t: b"".join(struct.pack("<e", t[nb * 16 + c][g]) for nb in range(N // 16) for g in range(G) for c in range(16))
 cbuf = (ctypes.c_uint8 * len(codes)).from_buffer(codes)
 sbuf, obuf = ctypes.create_string_buffer(pack(d)), ctypes.create_string_buffer(pack(m))
@@ -202,23 +226,26 @@ for r in range(M):
 """
 
 
-def _load_quant_gemm(name: str, cpu: set[str], cflags: tuple[str, ...], label: str) -> QuantGemm | None:
-    lib = kernels.load(kernels.KernelSpec(name, frozenset(cpu), cflags, _quant_gemm_check()))
-    return QuantGemm(lib, label) if lib is not None else None
+def _load_quant_gemm(name: str, cpu: set[str], cflags: tuple[str, ...], label: str, pack_int4, code_bytes: str
+                     ) -> QuantGemm | None:
+    lib = kernels.load(kernels.KernelSpec(name, frozenset(cpu), cflags, _quant_gemm_check(code_bytes)))
+    return QuantGemm(lib, label, pack_int4) if lib is not None else None
 
 
 @functools.cache
 def quant_gemm_avx512() -> QuantGemm | None:
     """The AVX512-BF16 int4 and int8 kernels (csrc/quant_gemm.c) where they build and pass their check."""
     return _load_quant_gemm("quant_gemm", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
-                            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), "c-avx512-bf16")
+                            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), "c-avx512-bf16",
+                            pack_c_layout, _CODE_BYTES_C)
 
 
 @functools.cache
 def quant_gemm_avx2() -> QuantGemm | None:
-    """The AVX2 + FMA int4 and int8 kernels (csrc/quant_gemm_avx2.c, float32 activations) where they build
-    and pass their check."""
-    return _load_quant_gemm("quant_gemm_avx2", {"avx2", "fma", "f16c"}, ("-mavx2", "-mfma", "-mf16c"), "c-avx2")
+    """The AVX2 + FMA int4 and int8 kernels (csrc/quant_gemm_avx2.c: int16 activations for int4, float32
+    for int8) where they build and pass their check."""
+    return _load_quant_gemm("quant_gemm_avx2", {"avx2", "fma", "f16c"}, ("-mavx2", "-mfma", "-mf16c"), "c-avx2",
+                            pack_avx2_layout, _CODE_BYTES_AVX2)
 
 
 def quant_gemm() -> QuantGemm | None:
@@ -246,7 +273,7 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * GROUP
         self.kernel = kernel if self.out_features % 16 == 0 else None
         if self.kernel is not None:
-            codes, scales, offsets = pack_c_layout(blocks)
+            codes, scales, offsets = self.kernel.pack_int4(blocks)
             self.register_buffer("codes", codes)
             self.register_buffer("scales", scales)
             self.register_buffer("offsets", offsets)

@@ -1,53 +1,94 @@
-/* quant_gemm.c's two kernels for CPUs without AVX512-BF16 (AVX2 + FMA + F16C), with the same layouts
- * (model/linear.py packs one layout for both) and float32 activations:
- *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T over the GGUF's Q4_1 blocks (the decoder's projections);
- *   int8_gemm: the same over per-column int8 weights (the LM head's approximate logits).
+/* quant_gemm.c's two kernels for CPUs without AVX512-BF16 (AVX2 + FMA + F16C):
+ *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T over the GGUF's Q4_1 blocks (the decoder's projections),
+ *     in its own code layout (model/linear.py pack_avx2_layout; scales and offsets as quant_gemm.c's);
+ *   int8_gemm: the same over per-column int8 weights (the LM head's approximate logits), quant_gemm.c's
+ *     layout, float32 activations.
  *
- * int4: per group of 32 weights, y += d * sum(x * q) + m * sum(x) with the codes q converted to float32
- * in registers and float32 activations: no rounding of the activations at all. At one row this reads
- * 4.5 bits a weight where torch's int4 op (bfloat16 activations, emulated without AVX512-BF16) took
- * 2.3x longer, measured with torch held to AVX2.
+ * int4: the activations rounded to int16 per group of 32 with a power-of-two scale (15 bits relative to
+ * the group's largest; bfloat16 keeps 8 relative to each value), then per group of 32 weights
+ * y += d * scale * sum(q_x * q) + m * sum(x), the integer sums exact in int32 by vpmaddwd (16
+ * multiply-adds an instruction where an FMA does 8). The codes are laid out so that one 32-byte load,
+ * three shifts and three masks give four vpmaddwd operands. Against float32 activations and FMAs
+ * (the kernel before): 1.44x at 32 rows, 1.9x at 1 row, measured with the CPU held to AVX2.
  *
  * Batch invariance: each output element accumulates over k in one fixed order whatever tile its row
  * falls in; threads split the column blocks.
  */
+#include <float.h>
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define GROUP 32
 #define COLS 16      /* output columns per column block: two ymm */
-#define TILE_ROWS 4  /* 4 rows x 2 accumulators + 4 code vectors + 2 broadcasts fit in 16 ymm */
+#define TILE_ROWS 4  /* 4 rows x 2 accumulators + 2 code vectors + the broadcast fit in 16 ymm */
 
 #define INLINE static inline __attribute__((always_inline))
 
-INLINE __m256 bytes_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+/* One row's group of 32 inputs as int16 with a power-of-two scale: x ~= scale * q, |q| <= 32767, so
+ * every input keeps 15 bits relative to its group's largest (bfloat16 keeps 8 relative to itself).
+ * Also the group's exact float sum, for Q4_1's offset term. A non-finite group gets a NaN scale, so
+ * it reaches the outputs as the float32 path would let it. */
+INLINE void quantize_group(const float *x, int16_t *q, float *scale, float *sum) {
+    const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
+    const __m256 x2 = _mm256_loadu_ps(x + 16), x3 = _mm256_loadu_ps(x + 24);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 big = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x0, magnitude), _mm256_and_ps(x1, magnitude)),
+                               _mm256_max_ps(_mm256_and_ps(x2, magnitude), _mm256_and_ps(x3, magnitude)));
+    __m256 total = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+    __m128 b = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
+    b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+    const float largest = _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    *sum = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    float inverse = 0.0f;
+    if (!(fabsf(*sum) <= FLT_MAX && largest <= FLT_MAX)) {  /* a NaN or an infinity (the sum keeps NaNs) */
+        *scale = NAN;
+    } else if (largest < 1e-30f) {  /* (nearly) all zeros: nothing to multiply */
+        *scale = 0.0f;
+    } else {
+        int e;
+        frexpf(largest, &e);  /* largest = f * 2^e with f in [0.5, 1), so largest / 2^(e-15) < 32768 */
+        *scale = ldexpf(1.0f, e - 15);
+        inverse = ldexpf(1.0f, 15 - e);
+    }
+    const __m256 inv = _mm256_set1_ps(inverse);
+    /* round to nearest, then pack with signed saturation (a rounded 32767.5 stays 32767) */
+    const __m256i q01 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x0, inv)), _mm256_cvtps_epi32(_mm256_mul_ps(x1, inv)));
+    const __m256i q23 = _mm256_packs_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(x2, inv)), _mm256_cvtps_epi32(_mm256_mul_ps(x3, inv)));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(q01, 0xD8));  /* packs interleaves 128-bit lanes */
+    _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(q23, 0xD8));
+}
 
-/* Rows [0, MR) x column block nb. Per group of 32 inputs: y += d * sum(x * q) + m * sum(x), the dot
- * products of the codes in registers, the running outputs in y (L1). */
-INLINE void tile(const float *x, const float *sums, int64_t K, int64_t G, const int MR, const uint8_t *codes,
-                 const uint16_t *scale, const uint16_t *offset, int64_t nb, float *y, int64_t N) {
-    __m256 acc[TILE_ROWS][2];
-    const __m128i low = _mm_set1_epi8(0x0F);
+/* Rows [0, MR) x column block nb. Per group of 32 inputs: y += d * scale * sum(q * code) + m * sum(x),
+ * the integer dot products by vpmaddwd (two inputs' codes times the same two activations, added, per
+ * column) in int32 registers, exact; the running outputs in y (L1).
+ * Codes: per (column block, group, jj in 0..7) 16 int16 lanes of four nibbles; nibble t of lane 2c + p
+ * is the code of column 8 (t % 2) + c, input 32g + 4jj + 2 (t / 2) + p. */
+INLINE void tile(const int16_t *xq, const float *xscale, const float *sums, int64_t K, int64_t G, const int MR,
+                 const uint8_t *codes, const uint16_t *scale, const uint16_t *offset, int64_t nb, float *y, int64_t N) {
+    __m256i acc[TILE_ROWS][2];
+    const __m256i low = _mm256_set1_epi16(0x0F);
     for (int r = 0; r < MR; r++) {
         _mm256_storeu_ps(y + r * N + nb * COLS, _mm256_setzero_ps());
         _mm256_storeu_ps(y + r * N + nb * COLS + 8, _mm256_setzero_ps());
     }
     for (int64_t g = 0; g < G; g++) {
-        for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
         const uint8_t *cg = codes + (nb * G + g) * (GROUP / 2) * COLS;
-        for (int j = 0; j < GROUP / 2; j++) {
-            const __m128i v = _mm_loadu_si128((const __m128i *)(cg + j * COLS));
-            const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-            /* codes of inputs k = 32g + 2j (a) and k + 1 (b), columns 0-7 and 8-15 */
-            const __m256 a0 = bytes_to_ps(lo), a1 = bytes_to_ps(_mm_srli_si128(lo, 8));
-            const __m256 b0 = bytes_to_ps(hi), b1 = bytes_to_ps(_mm_srli_si128(hi, 8));
+        for (int jj = 0; jj < GROUP / 4; jj++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(cg + jj * 32));
+            const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low), w3 = _mm256_srli_epi16(v, 12);
             for (int r = 0; r < MR; r++) {
-                const float *xr = x + r * K + g * GROUP + 2 * j;
-                const __m256 xa = _mm256_broadcast_ss(xr), xb = _mm256_broadcast_ss(xr + 1);
-                acc[r][0] = _mm256_fmadd_ps(xb, b0, _mm256_fmadd_ps(xa, a0, acc[r][0]));
-                acc[r][1] = _mm256_fmadd_ps(xb, b1, _mm256_fmadd_ps(xa, a1, acc[r][1]));
+                int32_t pair[2];  /* activations k, k + 1 and k + 2, k + 3 */
+                memcpy(pair, xq + r * K + g * GROUP + 4 * jj, sizeof pair);
+                const __m256i xa = _mm256_set1_epi32(pair[0]), xb = _mm256_set1_epi32(pair[1]);
+                acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_add_epi32(_mm256_madd_epi16(w0, xa), _mm256_madd_epi16(w2, xb)));
+                acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_add_epi32(_mm256_madd_epi16(w1, xa), _mm256_madd_epi16(w3, xb)));
             }
         }
         const int64_t at = (nb * G + g) * COLS;
@@ -56,42 +97,39 @@ INLINE void tile(const float *x, const float *sums, int64_t K, int64_t G, const 
             const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offset + at + 8 * h)));
             for (int r = 0; r < MR; r++) {
                 float *o = y + r * N + nb * COLS + 8 * h;
-                const __m256 out = _mm256_fmadd_ps(acc[r][h], d, _mm256_loadu_ps(o));
+                const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(xscale[r * G + g]));
+                const __m256 out = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), dx, _mm256_loadu_ps(o));
                 _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_set1_ps(sums[r * G + g]), m, out));
             }
         }
     }
 }
 
-/* Same signature and layout as quant_gemm.c's int4_gemm. Returns 0, or 1 when the group sums' buffer
- * cannot be allocated. */
+/* Same signature as quant_gemm.c's int4_gemm (codes in the layout above). Returns 0, or 1 when the
+ * activations' int16 buffer cannot be allocated. */
 int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
               const uint16_t *offset, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
-    float *sums = malloc(sizeof(float) * (size_t)(M * G > 0 ? M * G : 1));
-    if (!sums) return 1;
-    for (int64_t i = 0; i < M * G; i++) {  /* each row's sum over each group of 32 inputs */
-        const float *xi = x + i * GROUP;
-        const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xi), _mm256_loadu_ps(xi + 8)),
-                                       _mm256_add_ps(_mm256_loadu_ps(xi + 16), _mm256_loadu_ps(xi + 24)));
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        sums[i] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-    }
+    float *per_group = malloc(sizeof(float) * (size_t)(2 * M * G) + sizeof(int16_t) * (size_t)(M * K) + 1);
+    if (!per_group) return 1;
+    float *sums = per_group, *xscale = per_group + M * G;
+    int16_t *xq = (int16_t *)(per_group + 2 * M * G);
+    for (int64_t i = 0; i < M * G; i++) quantize_group(x + i * GROUP, xq + i * GROUP, xscale + i, sums + i);
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < blocks; nb++) {
         for (int64_t m = 0; m < M; m += TILE_ROWS) {
-            const float *xm = x + m * K, *sm = sums + m * G;
+            const int16_t *xm = xq + m * K;
+            const float *sm = sums + m * G, *cm = xscale + m * G;
             float *ym = y + m * N;
             switch (M - m < TILE_ROWS ? (int)(M - m) : TILE_ROWS) {
-                case 4: tile(xm, sm, K, G, 4, codes, scale, offset, nb, ym, N); break;
-                case 3: tile(xm, sm, K, G, 3, codes, scale, offset, nb, ym, N); break;
-                case 2: tile(xm, sm, K, G, 2, codes, scale, offset, nb, ym, N); break;
-                default: tile(xm, sm, K, G, 1, codes, scale, offset, nb, ym, N); break;
+                case 4: tile(xm, cm, sm, K, G, 4, codes, scale, offset, nb, ym, N); break;
+                case 3: tile(xm, cm, sm, K, G, 3, codes, scale, offset, nb, ym, N); break;
+                case 2: tile(xm, cm, sm, K, G, 2, codes, scale, offset, nb, ym, N); break;
+                default: tile(xm, cm, sm, K, G, 1, codes, scale, offset, nb, ym, N); break;
             }
         }
     }
-    free(sums);
+    free(per_group);
     return 0;
 }
 
