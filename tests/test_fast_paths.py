@@ -163,14 +163,15 @@ def test_q4_1_from_dense_round_trip():
 @pytest.mark.parametrize("kernel", C_KERNELS)
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_int8_c_kernel_is_exact_on_its_activations(kernel, rows):
-    """int8 codes times the activations (bfloat16-rounded by the AVX512-BF16 kernel, float32 in the
-    AVX2 one), each column's scale after the sum: float32 accumulation noise against float64."""
+    """int8 codes times the activations (rounded to bfloat16 by the AVX512-BF16 kernel, to int16 per
+    group of 32 by the AVX2 one), each column's scale after the sum: float32 accumulation noise
+    against float64."""
     w = torch.randn(112, 96) * 0.1
     layer = linear.Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel))
     q, scale = linear.quantize_int8(w)
     x = torch.randn(rows, 96)
     out = layer(x)
-    ref = ((x.bfloat16() if kernel == "c" else x).double() @ q.double().t()) * scale.double()
+    ref = ((x.bfloat16() if kernel == "c" else int16_groups(x)).double() @ q.double().t()) * scale.double()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
 

@@ -105,21 +105,31 @@ INLINE void tile(const int16_t *xq, const float *xscale, const float *sums, int6
     }
 }
 
+/* The activations [M, K] as int16 groups (quantize_group): one buffer, freed with free(rows.xq). */
+typedef struct { int16_t *xq; float *scale, *sum; } Int16Rows;
+
+static Int16Rows quantize_rows(const float *x, int64_t M, int64_t K) {
+    const int64_t G = K / GROUP;
+    Int16Rows rows = {malloc(sizeof(int16_t) * (size_t)(M * K) + sizeof(float) * (size_t)(2 * M * G) + 1), NULL, NULL};
+    if (!rows.xq) return rows;
+    rows.scale = (float *)(rows.xq + M * K);  /* M * K int16 = an even number of 4-byte floats before it */
+    rows.sum = rows.scale + M * G;
+    for (int64_t i = 0; i < M * G; i++) quantize_group(x + i * GROUP, rows.xq + i * GROUP, rows.scale + i, rows.sum + i);
+    return rows;
+}
+
 /* Same signature as quant_gemm.c's int4_gemm (codes in the layout above). Returns 0, or 1 when the
  * activations' int16 buffer cannot be allocated. */
 int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
               const uint16_t *offset, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
-    float *per_group = malloc(sizeof(float) * (size_t)(2 * M * G) + sizeof(int16_t) * (size_t)(M * K) + 1);
-    if (!per_group) return 1;
-    float *sums = per_group, *xscale = per_group + M * G;
-    int16_t *xq = (int16_t *)(per_group + 2 * M * G);
-    for (int64_t i = 0; i < M * G; i++) quantize_group(x + i * GROUP, xq + i * GROUP, xscale + i, sums + i);
+    const Int16Rows rows = quantize_rows(x, M, K);
+    if (!rows.xq) return 1;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < blocks; nb++) {
         for (int64_t m = 0; m < M; m += TILE_ROWS) {
-            const int16_t *xm = xq + m * K;
-            const float *sm = sums + m * G, *cm = xscale + m * G;
+            const int16_t *xm = rows.xq + m * K;
+            const float *sm = rows.sum + m * G, *cm = rows.scale + m * G;
             float *ym = y + m * N;
             switch (M - m < TILE_ROWS ? (int)(M - m) : TILE_ROWS) {
                 case 4: tile(xm, cm, sm, K, G, 4, codes, scale, offset, nb, ym, N); break;
@@ -129,58 +139,74 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
             }
         }
     }
-    free(per_group);
+    free(rows.xq);
     return 0;
 }
 
-/* --- int8: codes [N/16][K/2][16][2] (each column's pair of inputs side by side), scales float32 [N] ---- */
+/* --- int8: codes [N/16][K/2][16][2] (each column's pair of inputs side by side), scales float32 [N] ----
+ * The same int16 activations: per pair of inputs, sign-extending 16 bytes gives vpmaddwd's operand for
+ * 8 columns as they lie. Per group of 32 the int32 sums meet the group's activation scale (no overflow:
+ * 32 * 127 * 32767 < 2^31), and each column's own scale at the end. */
 
-#define TILE_ROWS8 2  /* 2 rows x 4 accumulators + 4 weight vectors + 1 broadcast fit in 16 ymm */
-
-/* The pair x[k], x[k+1] repeated four times: it meets four columns' pairs of weights. */
-INLINE __m256 pair4(const float *x) {
-    double d;
-    memcpy(&d, x, sizeof d);
-    return _mm256_castpd_ps(_mm256_set1_pd(d));
-}
-
-/* Lane 2c holds column c's sum over even inputs, lane 2c + 1 over odd ones: add them, in column order. */
-INLINE __m256 fold_pairs(__m256 cols0_3, __m256 cols4_7) {
-    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(cols0_3, cols4_7)), 0xD8));
-}
-
-INLINE void tile8(const float *x, int64_t K, const int MR, const int8_t *codes, const float *scale, int64_t nb,
-                  float *y, int64_t N) {
-    __m256 acc[TILE_ROWS8][4];
-    for (int r = 0; r < MR; r++)
-        for (int q = 0; q < 4; q++) acc[r][q] = _mm256_setzero_ps();
-    const int8_t *cb = codes + nb * (K / 2) * COLS * 2;
-    for (int64_t j = 0; j < K / 2; j++) {
-        __m256 w[4];
-        for (int q = 0; q < 4; q++)
-            w[q] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cb + j * 32 + 8 * q))));
-        for (int r = 0; r < MR; r++) {
-            const __m256 xp = pair4(x + r * K + 2 * j);
-            for (int q = 0; q < 4; q++) acc[r][q] = _mm256_fmadd_ps(xp, w[q], acc[r][q]);
-        }
-    }
-    const __m256 s0 = _mm256_loadu_ps(scale + nb * COLS), s1 = _mm256_loadu_ps(scale + nb * COLS + 8);
+INLINE void tile8(const int16_t *xq, const float *xscale, int64_t K, int64_t G, const int MR, const int8_t *codes,
+                  const float *scale, int64_t nb, float *y, int64_t N) {
+    __m256i acc[TILE_ROWS][2];
     for (int r = 0; r < MR; r++) {
-        _mm256_storeu_ps(y + r * N + nb * COLS, _mm256_mul_ps(fold_pairs(acc[r][0], acc[r][1]), s0));
-        _mm256_storeu_ps(y + r * N + nb * COLS + 8, _mm256_mul_ps(fold_pairs(acc[r][2], acc[r][3]), s1));
+        _mm256_storeu_ps(y + r * N + nb * COLS, _mm256_setzero_ps());
+        _mm256_storeu_ps(y + r * N + nb * COLS + 8, _mm256_setzero_ps());
+    }
+    const int8_t *cb = codes + nb * (K / 2) * COLS * 2;
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        for (int j = 0; j < GROUP / 2; j++) {
+            const int8_t *cj = cb + (g * GROUP / 2 + j) * 2 * COLS;
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)cj));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(cj + COLS)));
+            for (int r = 0; r < MR; r++) {
+                int32_t pair;
+                memcpy(&pair, xq + r * K + g * GROUP + 2 * j, sizeof pair);
+                const __m256i xp = _mm256_set1_epi32(pair);
+                acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(w0, xp));
+                acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(w1, xp));
+            }
+        }
+        for (int r = 0; r < MR; r++) {  /* the running outputs in y (L1), as int4's */
+            const __m256 xs = _mm256_set1_ps(xscale[r * G + g]);
+            for (int h = 0; h < 2; h++) {
+                float *o = y + r * N + nb * COLS + 8 * h;
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), xs, _mm256_loadu_ps(o)));
+            }
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        const __m256 s = _mm256_loadu_ps(scale + nb * COLS + 8 * h);
+        for (int r = 0; r < MR; r++) {
+            float *o = y + r * N + nb * COLS + 8 * h;
+            _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_loadu_ps(o), s));
+        }
     }
 }
 
-/* Same signature and layout as quant_gemm.c's int8_gemm (K even, N a multiple of 16). Returns 0. */
+/* Same signature and layout as quant_gemm.c's int8_gemm (K a multiple of 32, N of 16). Returns 0, or 1
+ * when the activations' int16 buffer cannot be allocated. */
 int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, int64_t N, float *y) {
-    const int64_t blocks = N / COLS;
+    const int64_t G = K / GROUP, blocks = N / COLS;
+    const Int16Rows rows = quantize_rows(x, M, K);
+    if (!rows.xq) return 1;
 #pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < blocks; nb++)
-        for (int64_t m = 0; m < M; m += TILE_ROWS8) {
-            if (M - m >= 2)
-                tile8(x + m * K, K, 2, codes, scale, nb, y + m * N, N);
-            else
-                tile8(x + m * K, K, 1, codes, scale, nb, y + m * N, N);
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        for (int64_t m = 0; m < M; m += TILE_ROWS) {
+            const int16_t *xm = rows.xq + m * K;
+            const float *cm = rows.scale + m * G;
+            float *ym = y + m * N;
+            switch (M - m < TILE_ROWS ? (int)(M - m) : TILE_ROWS) {
+                case 4: tile8(xm, cm, K, G, 4, codes, scale, nb, ym, N); break;
+                case 3: tile8(xm, cm, K, G, 3, codes, scale, nb, ym, N); break;
+                case 2: tile8(xm, cm, K, G, 2, codes, scale, nb, ym, N); break;
+                default: tile8(xm, cm, K, G, 1, codes, scale, nb, ym, N); break;
+            }
         }
+    }
+    free(rows.xq);
     return 0;
 }
