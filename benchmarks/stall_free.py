@@ -28,6 +28,7 @@ import numpy as np
 
 from tokenloom.bench.client import LoadConfig, make_http_client, send_request
 from tokenloom.bench.datasets import SampleRequest
+from tokenloom.model.kernels import cpu_flags
 
 PORT = 8131
 STREAMS, STREAM_PROMPT, STREAM_TOKENS = 8, 128, 700
@@ -97,11 +98,18 @@ async def one_run(seed: int, with_long: bool) -> dict:
     return out
 
 
+OUT = "benchmarks/results/stall_free.json"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results/stall_free.json")
+    ap.add_argument("--out", default=OUT)
     args = ap.parse_args()
-    report = {"command": "python benchmarks/stall_free.py", "machine": platform.machine(),
+    held = [f"{k}={os.environ[k]}" for k in ("TOKENLOOM_MAX_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+            if k in os.environ]  # an AVX2-only machine played on a wider one (benchmarks/peers.sh ISA=avx2)
+    command = " ".join([*held, "python benchmarks/stall_free.py", *(["--out", args.out] if args.out != OUT else [])])
+    report = {"command": command, "machine": platform.machine(),
+              "cpu_flags": [f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))],
               "streams": STREAMS, "stream_prompt": STREAM_PROMPT, "stream_tokens": STREAM_TOKENS,
               "long_prompt": LONG_PROMPT, "long_prompt_at_s": LONG_AT_S, "settings": {}}
     for i, (name, extra) in enumerate(SETTINGS.items()):
