@@ -80,6 +80,8 @@ static void head_scores_##SUFFIX(const float *q, const T *k, const int64_t *offs
                                  int64_t head_dim, float scale, float *scores) {                            \
     int64_t t = 0;                                                                                          \
     for (; t + 4 <= ctx; t += 4) {                                                                          \
+        for (int64_t a = t + PREFETCH_AHEAD; a < t + PREFETCH_AHEAD + 4 && a < ctx; a++)                    \
+            prefetch_row(k + offsets[a], (size_t)head_dim * sizeof(T));                                     \
         const T *k0 = k + offsets[t], *k1 = k + offsets[t + 1], *k2 = k + offsets[t + 2], *k3 = k + offsets[t + 3]; \
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps(); \
         for (int64_t i = 0; i < head_dim; i += 8) {                                                         \
@@ -107,6 +109,7 @@ static void head_values_##SUFFIX(const float *p, const T *v, const int64_t *offs
     for (int64_t d = 0; d < head_dim; d += 32) {                                                            \
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps(); \
         for (int64_t t = 0; t < ctx; t++) {                                                                 \
+            if (d == 0 && t + PREFETCH_AHEAD < ctx) prefetch_row(v + offsets[t + PREFETCH_AHEAD], (size_t)head_dim * sizeof(T)); \
             const T *vt = v + offsets[t] + d;                                                               \
             const __m256 pt = _mm256_set1_ps(p[t]);                                                         \
             a0 = _mm256_fmadd_ps(pt, LOAD8(vt), a0);                                                        \

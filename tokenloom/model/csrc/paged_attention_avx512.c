@@ -95,6 +95,7 @@ int paged_decode_attention_avx512_##SUFFIX(const float *q, const T *k, const T *
             for (int i = 0; i < HD / 16; i++)                                                               \
                 qv[g][i] = _mm512_loadu_ps(q + (s * num_heads + kvh * group + g) * HD + 16 * i);           \
         for (int64_t t = 0; t < ctx; t++) {                                                                 \
+            if (t + PREFETCH_AHEAD < ctx) prefetch_row(k + offsets[t + PREFETCH_AHEAD], HD * sizeof(T));                   \
             const T *kt = k + offsets[t];                                                                   \
             const __m512 k0 = LOAD16(kt), k1 = LOAD16(kt + 16), k2 = LOAD16(kt + 32), k3 = LOAD16(kt + 48); \
             for (int g = 0; g < MAX_GROUP; g++) if (g < group) {                                            \
@@ -110,6 +111,7 @@ int paged_decode_attention_avx512_##SUFFIX(const float *q, const T *k, const T *
         for (int g = 0; g < MAX_GROUP; g++) if (g < group) /* unrolled: registers, not memory */           \
             for (int i = 0; i < HD / 16; i++) acc[g][i] = _mm512_setzero_ps();                              \
         for (int64_t t = 0; t < ctx; t++) {                                                                 \
+            if (t + PREFETCH_AHEAD < ctx) prefetch_row(v + offsets[t + PREFETCH_AHEAD], HD * sizeof(T));                   \
             const T *vt = v + offsets[t];                                                                   \
             const __m512 v0 = LOAD16(vt), v1 = LOAD16(vt + 16), v2 = LOAD16(vt + 32), v3 = LOAD16(vt + 48); \
             for (int g = 0; g < MAX_GROUP; g++) if (g < group) {                                            \
