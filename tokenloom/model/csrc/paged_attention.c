@@ -91,10 +91,7 @@ static void head_scores_##SUFFIX(const float *q, const T *k, const int64_t *offs
             a2 = _mm256_fmadd_ps(qv, LOAD8(k2 + i), a2);                                                    \
             a3 = _mm256_fmadd_ps(qv, LOAD8(k3 + i), a3);                                                    \
         }                                                                                                   \
-        scores[t] = hsum8(a0) * scale;                                                                       \
-        scores[t + 1] = hsum8(a1) * scale;                                                                   \
-        scores[t + 2] = hsum8(a2) * scale;                                                                   \
-        scores[t + 3] = hsum8(a3) * scale;                                                                   \
+        _mm_storeu_ps(scores + t, _mm_mul_ps(hsum8x4(a0, a1, a2, a3), _mm_set1_ps(scale)));                 \
     }                                                                                                       \
     for (; t < ctx; t++) {                                                                                  \
         const T *kt = k + offsets[t];                                                                       \
