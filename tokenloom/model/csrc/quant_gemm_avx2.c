@@ -25,6 +25,8 @@
 #define COLS 16      /* output columns per column block: two ymm */
 #define TILE_ROWS 4  /* 4 rows x 2 accumulators + 2 code vectors + the broadcast fit in 16 ymm */
 
+#define PREFETCH_GROUPS 8  /* the codes this many groups on are asked for: batch-1 decode is DRAM-bound */
+
 #define INLINE static inline __attribute__((always_inline))
 
 /* One row's group of 32 inputs as int16 with a power-of-two scale: x ~= scale * q, |q| <= 32767, so
@@ -79,6 +81,8 @@ INLINE void tile(const int16_t *xq, const float *xscale, const float *sums, int6
     for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
         const uint8_t *cg = codes + (nb * G + g) * (GROUP / 2) * COLS;
+        for (int line = 0; line < GROUP / 2 * COLS; line += 64)  /* PREFETCH_GROUPS on (past the end: harmless) */
+            __builtin_prefetch(cg + PREFETCH_GROUPS * GROUP / 2 * COLS + line);
         for (int jj = 0; jj < GROUP / 4; jj++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(cg + jj * 32));
             const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
