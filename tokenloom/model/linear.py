@@ -242,8 +242,8 @@ def quant_gemm_avx512() -> QuantGemm | None:
 
 @functools.cache
 def quant_gemm_avx2() -> QuantGemm | None:
-    """The AVX2 + FMA int4 and int8 kernels (csrc/quant_gemm_avx2.c: int16 activations for int4, float32
-    for int8) where they build and pass their check."""
+    """The AVX2 + FMA int4 and int8 kernels (csrc/quant_gemm_avx2.c: activations rounded to int16 per group
+    of 32) where they build and pass their check."""
     return _load_quant_gemm("quant_gemm_avx2", {"avx2", "fma", "f16c"}, ("-mavx2", "-mfma", "-mf16c"), "c-avx2",
                             pack_avx2_layout, _CODE_BYTES_AVX2)
 

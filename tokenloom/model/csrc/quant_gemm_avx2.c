@@ -2,7 +2,7 @@
  *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T over the GGUF's Q4_1 blocks (the decoder's projections),
  *     in its own code layout (model/linear.py pack_avx2_layout; scales and offsets as quant_gemm.c's);
  *   int8_gemm: the same over per-column int8 weights (the LM head's approximate logits), quant_gemm.c's
- *     layout, float32 activations.
+ *     layout, the same int16 activations.
  *
  * int4: the activations rounded to int16 per group of 32 with a power-of-two scale (15 bits relative to
  * the group's largest; bfloat16 keeps 8 relative to each value), then per group of 32 weights
@@ -23,7 +23,7 @@
 
 #define GROUP 32
 #define COLS 16      /* output columns per column block: two ymm */
-#define TILE_ROWS 4  /* 4 rows x 2 accumulators + 2 code vectors + the broadcast fit in 16 ymm */
+#define TILE_ROWS 4  /* int4: 4 rows x 2 accumulators + 4 code vectors + 2 broadcasts fit in 16 ymm */
 
 #define PREFETCH_GROUPS 8  /* the codes this many groups on are asked for: batch-1 decode is DRAM-bound */
 
