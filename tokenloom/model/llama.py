@@ -211,6 +211,7 @@ class LlamaModel(nn.Module):
         self.decode_attention = TorchDecodeAttention()  # or the paged C kernel, chosen at load
         self.kv_cache_dtype: torch.dtype | None = None  # None: the activations' dtype; set at load
         self.layer_ops = TORCH_OPS  # or the C ones (model/layer_ops.py), chosen at load
+        self.decoder_loop = None  # all layers in one C call when every row takes the C kernels (set at load)
 
     @property
     def layer_ops(self) -> TorchLayerOps:
@@ -233,8 +234,11 @@ class LlamaModel(nn.Module):
         if batch.num_decodes:
             attend = self.decode_attention
             decode = attend, attend.prepare(batch.decode_block_tables, batch.decode_context_lens, batch.block_size)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, batch, rope, decode, k_cache, v_cache)
+        if self.decoder_loop is not None and self.decoder_loop.applies(self, x, batch):
+            x = self.decoder_loop(x, batch, rope, decode[1], kv_caches)
+        else:
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+                x = layer(x, batch, rope, decode, k_cache, v_cache)
         x = self.norm(x)
         return x, self.compute_logits(x[batch.logits_indices])
 

@@ -97,14 +97,22 @@ def load_model(
         kv_cache_dtype = "float16" if method != "none" else dtype
     model.kv_cache_dtype = torch_dtype(kv_cache_dtype)
     if method != "none":  # the fast path; float32 "none" stays on torch ops, token-exact against transformers
-        from .layer_ops import layer_ops_for
-        from .paged_attention import decode_attention_for
-
-        cfg = model.config
-        model.layer_ops = layer_ops_for(torch_dtype(dtype), want=True)
-        model.decode_attention = decode_attention_for(torch_dtype(dtype), model.kv_cache_dtype, cfg.dim_per_head,
-                                                      cfg.num_heads, cfg.num_kv_heads, want=True)
+        use_c_kernels(model, torch_dtype(dtype))
     return model
+
+
+def use_c_kernels(model: LlamaModel, dtype: torch.dtype) -> None:
+    """The C layer ops, the paged C attention (over `model.kv_cache_dtype`) and the decoder loop over
+    them, each where it builds and runs here and fits the model; the torch path for the rest."""
+    from .decoder_loop import decoder_loop_for
+    from .layer_ops import layer_ops_for
+    from .paged_attention import decode_attention_for
+
+    cfg = model.config
+    model.layer_ops = layer_ops_for(dtype, want=True)
+    model.decode_attention = decode_attention_for(dtype, model.kv_cache_dtype, cfg.dim_per_head, cfg.num_heads,
+                                                  cfg.num_kv_heads, want=True)
+    model.decoder_loop = decoder_loop_for(model)
 
 
 def random_model(config: LlamaConfig, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> LlamaModel:

@@ -71,10 +71,14 @@ class PagedDecodeAttention:
             raise ValueError("paged attention: a context is longer than its block table")
         return tables, context_lens, block_size
 
+    def kernel_for(self, num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype):
+        """The ctypes function for these shapes over a `cache_dtype` cache, or None."""
+        fns = self._fns512 if head_dim == 64 and num_heads <= 4 * num_kv_heads and self._fns512 else self._fns
+        return fns.get(cache_dtype)
+
     def __call__(self, prepared, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
         tables, context_lens, block_size = prepared
-        fns = self._fns512 if q.shape[-1] == 64 and q.shape[1] <= 4 * k_cache.shape[1] and self._fns512 else self._fns
-        fn = fns.get(k_cache.dtype)
+        fn = self.kernel_for(q.shape[1], k_cache.shape[1], q.shape[-1], k_cache.dtype)
         if (fn is None or q.dtype != torch.float32 or v_cache.dtype != k_cache.dtype or q.shape[0] != len(tables)
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
             raise ValueError(f"paged attention kernel: no kernel for {q.dtype} queries over a "

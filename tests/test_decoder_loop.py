@@ -1,0 +1,146 @@
+"""The decoder loop (model/decoder_loop.py: every layer of a step in one C call) against the Python
+layers it stands in for: the same hidden states, logits and KV-cache writes bit for bit, with each
+kernel family the machine runs; it steps aside for any step it was not built for; a bad slot is refused
+as the Python path refuses it; and on the real model, greedy tokens through the engine are the same."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from tokenloom.model import decoder_loop, kernels, linear
+from tokenloom.model.layer_ops import TORCH_OPS
+from tokenloom.model.llama import ForwardBatch, LlamaConfig, PrefillSpan
+from tokenloom.model.loader import random_model, use_c_kernels
+
+needs_loop = pytest.mark.skipif(kernels.load(decoder_loop.SPEC) is None or linear.quant_gemm() is None,
+                                reason="the decoder loop or the C kernels do not build or run here (logged)")
+# head_dim 64 and two query heads per KV head: the shapes the C attention kernels (both ISAs) take.
+CONFIG = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=2,
+                     num_kv_heads=1, max_position_embeddings=256)
+BLOCK = 16
+
+
+def fast_model(kernel_family: str, kv_dtype: torch.dtype = torch.float16):
+    """A random model on the fast path, as the loader builds it; `kernel_family` "avx2" holds the int4
+    kernels to the AVX2 ones (what an AVX2-only machine runs)."""
+    model = random_model(CONFIG, seed=1)
+    quant = linear.quant_gemm_avx2 if kernel_family == "avx2" else linear.quant_gemm
+    if quant() is None:
+        pytest.skip(f"no {kernel_family} int4 kernel here")
+    with mock.patch.object(linear, "quant_gemm", quant):
+        linear.quantize_model(model, "int4", lm_head="rescored")
+    model.kv_cache_dtype = kv_dtype
+    use_c_kernels(model, torch.float32)
+    assert model.decoder_loop is not None
+    return model
+
+
+def decode_step(seed: int = 0, lens=(1, 17, 40, 33, 64)):
+    """Sequences with these context lengths (the new token included) over scattered blocks, a random cache."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = [(n + BLOCK - 1) // BLOCK for n in lens]
+    perm = torch.randperm(sum(per_seq) + 2, generator=gen)
+    tables = torch.zeros(len(lens), max(per_seq), dtype=torch.long)
+    used = 0
+    for s, nb in enumerate(per_seq):
+        tables[s, :nb] = perm[used : used + nb]
+        used += nb
+    ctx = torch.tensor(lens)
+    pos = ctx - 1
+    slots = tables.gather(1, (pos // BLOCK)[:, None])[:, 0] * BLOCK + pos % BLOCK
+    batch = ForwardBatch(positions=pos, slot_mapping=slots, num_decodes=len(lens), decode_like_rows=len(lens),
+                         decode_block_tables=tables, decode_context_lens=ctx, block_size=BLOCK, prefills=[],
+                         logits_indices=torch.arange(len(lens)))
+    ids = torch.randint(0, CONFIG.vocab_size, (len(lens),), generator=gen)
+    cache = torch.randn(CONFIG.num_layers, 2, (sum(per_seq) + 2) * BLOCK, CONFIG.num_kv_heads, 64, generator=gen)
+    return ids, batch, cache
+
+
+def forward(model, ids, batch, cache, kv_dtype, loop: bool):
+    cache = cache.to(kv_dtype, copy=True)  # each run writes its own
+    saved = model.decoder_loop
+    model.decoder_loop = saved if loop else None
+    try:
+        with torch.inference_mode():
+            hidden, logits = model(ids, batch, [(cache[i, 0], cache[i, 1]) for i in range(CONFIG.num_layers)])
+    finally:
+        model.decoder_loop = saved
+    return hidden, logits, cache
+
+
+@needs_loop
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("family", ["native", "avx2"])
+def test_loop_is_bit_for_bit_the_python_layers(family, kv_dtype):
+    model = fast_model(family, kv_dtype)
+    ids, batch, cache = decode_step()
+    assert model.decoder_loop.applies(model, model.embed_tokens(ids), batch)
+    looped = forward(model, ids, batch, cache, kv_dtype, loop=True)
+    layered = forward(model, ids, batch, cache, kv_dtype, loop=False)
+    for a, b in zip(looped, layered, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(looped[2], cache.to(kv_dtype))  # the new K/V were written
+
+
+@needs_loop
+def test_loop_rows_do_not_depend_on_the_batch():
+    model = fast_model("native")
+    ids, batch, cache = decode_step(seed=3)
+    _, logits, _ = forward(model, ids, batch, cache, torch.float16, loop=True)
+    _, batch1, _ = decode_step(seed=3, lens=(17,))
+    batch1.slot_mapping[0], batch1.decode_block_tables = batch.slot_mapping[1], batch.decode_block_tables[1:2]
+    _, one, _ = forward(model, ids[1:2], batch1, cache, torch.float16, loop=True)
+    assert torch.equal(one[0], logits[1])
+
+
+@needs_loop
+def test_loop_steps_aside_for_steps_it_was_not_built_for():
+    model = fast_model("native")
+    ids, batch, _ = decode_step()
+    x = model.embed_tokens(ids)
+    loop = model.decoder_loop
+    assert loop.applies(model, x, batch)
+    span = PrefillSpan(0, 2, torch.arange(2), None)
+    with_chunk = ForwardBatch(**{**batch.__dict__, "prefills": [span], "num_decodes": len(ids) - 2})
+    assert not loop.applies(model, x, with_chunk)  # a prefill span: SDPA in Python
+    long_rows = ForwardBatch(**{**batch.__dict__, "decode_like_rows": 2})
+    assert not loop.applies(model, x, long_rows)  # rows for the dense bf16 weights
+    assert not loop.applies(model, x[:0], ForwardBatch(**{**batch.__dict__, "num_decodes": 0}))
+    model.layer_ops = TORCH_OPS
+    assert not loop.applies(model, x, batch)  # the model changed after load
+
+
+@needs_loop
+def test_loop_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    model = fast_model("native")
+    ids, batch, cache = decode_step()
+    batch.slot_mapping[2] = cache.shape[2]
+    half = cache.half()
+    with pytest.raises(IndexError, match="outside the cache"), torch.inference_mode():
+        model(ids, batch, [(half[i, 0], half[i, 1]) for i in range(CONFIG.num_layers)])
+    assert torch.equal(half, cache.half())
+
+
+@pytest.mark.slow
+@needs_loop
+def test_real_model_greedy_tokens_are_the_same_with_and_without_the_loop():
+    from tokenloom import EngineConfig, SamplingParams
+    from tokenloom.engine.llm_engine import LLMEngine
+
+    def run(loop: bool):
+        engine = LLMEngine(EngineConfig(quantization="auto"))
+        assert engine.runner.model.decoder_loop is not None
+        if not loop:
+            engine.runner.model.decoder_loop = None
+        params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+        for i, prompt in enumerate(["The capital of France is", "def fibonacci(n):", "Once upon a time, " * 5]):
+            engine.add_request(str(i), prompt, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        return done
+
+    assert run(loop=True) == run(loop=False)
