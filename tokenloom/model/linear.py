@@ -4,7 +4,8 @@
 - int4: weight-only 4-bit straight from the GGUF's Q4_1 blocks (w = d*q + m per block of 32, q in
   0..15), by the first of these that runs here (`quant_gemm()`, `detect()`):
   - the C kernel csrc/quant_gemm.c (AVX512-BF16): float32 in and out, the activations rounded to
-    bfloat16 for `vdpbf16ps` against the exact codes, Q4_1's own float16 d and m;
+    bfloat16 for `vdpbf16ps` against the codes as the exact bfloat16 numbers 128 + q, Q4_1's own
+    float16 d and m;
   - the C kernel csrc/quant_gemm_avx2.c (AVX2 + FMA): the activations rounded to int16 per group of
     32 (15 bits of the group's largest), integer dot products against the exact codes by vpmaddwd,
     y += d * scale * sum(q_x q) + m * sum(x) per group;
@@ -106,13 +107,21 @@ def _per_block(v: torch.Tensor) -> torch.Tensor:
     return v.to(torch.float16).reshape(n // 16, 16, kb).transpose(1, 2).contiguous()
 
 
+def _nibble_words(q: torch.Tensor) -> torch.Tensor:
+    """[..., 4] codes -> [...] int16 with code t in bits 4t..4t+3 (the same 16 bits, signed)."""
+    word = q[..., 0] | (q[..., 1] << 4) | (q[..., 2] << 8) | (q[..., 3] << 12)
+    return (word - ((word >> 15) << 16)).to(torch.int16).contiguous()
+
+
 def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Blocks [N, K/32, 34] -> csrc/quant_gemm.c's layout: codes [N/16, K/32, 16, 16] bytes (two inputs
-    per byte, low nibble first), scales and offsets [N/16, K/32, 16] float16 (Q4_1's own)."""
+    """Blocks [N, K/32, 34] -> csrc/quant_gemm.c's layout: codes [N/16, K/32, 4, 32] int16 of four nibbles,
+    nibble t of lane 2c + p in quarter jq the code of column c, input 8jq + 2t + p of the group (a shift
+    and a mask give the `vdpbf16ps` operand for inputs 8jq + 2t and + 1 of 16 columns); scales and
+    offsets [N/16, K/32, 16] float16 (Q4_1's own)."""
     n, kb, _ = blocks.shape
-    codes = blocks[..., 2:].to(torch.uint8).reshape(n // 16, 16, kb, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
-    packed = (codes[..., 0] | (codes[..., 1] << 4)).contiguous()
-    return packed, _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
+    q = blocks[..., 2:].to(torch.int32).reshape(n // 16, 16, kb, GROUP // 8, 4, 2)  # nb, c, g, jq, t, p
+    q = q.permute(0, 2, 3, 1, 5, 4).reshape(n // 16, kb, GROUP // 8, 32, 4)  # nb, g, jq, lane, t
+    return _nibble_words(q), _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
 
 
 def pack_avx2_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,9 +131,7 @@ def pack_avx2_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, 
     n, kb, _ = blocks.shape
     q = blocks[..., 2:].to(torch.int32).reshape(n // 16, 2, 8, kb, GROUP // 4, 2, 2)  # nb, t%2, c, g, jj, t//2, p
     q = q.permute(0, 3, 4, 2, 6, 5, 1).reshape(n // 16, kb, GROUP // 4, 16, 4)  # nb, g, jj, lane, t
-    word = q[..., 0] | (q[..., 1] << 4) | (q[..., 2] << 8) | (q[..., 3] << 12)
-    packed = (word - ((word >> 15) << 16)).to(torch.int16).contiguous()  # the same 16 bits, signed
-    return packed, _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
+    return _nibble_words(q), _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
 
 
 def pack_int8_c_layout(q: torch.Tensor) -> torch.Tensor:
@@ -173,8 +180,9 @@ def _quant_gemm_check(code_bytes: str) -> str:
 
 _CODE_BYTES_C = r"""
 def code_bytes(q, N, G):  # pack_c_layout
-    return bytearray(q[nb * 16 + c][g * 32 + 2 * j] | q[nb * 16 + c][g * 32 + 2 * j + 1] << 4
-                     for nb in range(N // 16) for g in range(G) for j in range(16) for c in range(16))
+    words = (sum(q[nb * 16 + c][g * 32 + 8 * jq + 2 * t + p] << 4 * t for t in range(4))
+             for nb in range(N // 16) for g in range(G) for jq in range(4) for c in range(16) for p in range(2))
+    return bytearray(b"".join(w.to_bytes(2, "little") for w in words))
 """
 _CODE_BYTES_AVX2 = r"""
 def code_bytes(q, N, G):  # pack_avx2_layout

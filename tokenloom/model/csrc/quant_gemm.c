@@ -3,18 +3,25 @@
  *              weights, q in 0..15): the decoder's projections;
  *   int8_gemm: the same with W = scale[n] * q[n][k], q in -127..127: the LM head's approximate logits.
  *
- * Per output element and block of 32 weights:  y += d * sum(x_bf16 * q) + m * sum(x_bf16),
- * where the codes q are exact in bfloat16 and `vdpbf16ps` multiplies them with the activations
- * rounded to bfloat16, accumulating in float32 (AVX512-BF16). So the only rounding beyond float32
- * is the activations' to bfloat16, as in torch's int4 kernel, at about twice its speed here.
+ * int4, per output element and block of 32 weights:
+ *     y += d * sum(x_bf16 * (128 + q)) + (m - 128 d) * sum(x_bf16)
+ * `vdpbf16ps` multiplies the activations rounded to bfloat16 with the numbers 128 + q, accumulating in
+ * float32. 128 + q is a bfloat16 whose bits are 0x4300 | q (exponent 7, the code as the mantissa), so a
+ * shift and one ternary-logic op turn packed nibbles into `vdpbf16ps` operands: no conversion, no
+ * shuffle (the kernel before spent five ops, two of them shuffles, where this spends two; 32 rows
+ * 11.8 -> 10.9 ms over a model's projections). Each product is exact in float32 (8 by 8 significant
+ * bits); the sums run ~16x larger than with q alone, which costs a few bits of float32 accumulation
+ * against the 8 the activations' rounding to bfloat16 already costs (measured: the same error against
+ * the float32 reference). The activation sums are of the rounded values, so the 128 cancels exactly.
  *
  * Batch invariance: every output element is one fixed chain of operations over K (the same code
  * whatever tile its row or column falls in, and whichever thread runs it), so a row's result does
  * not depend on how many rows there are. Threads split the columns (OpenMP, torch's libgomp pool).
  *
- * Layout (model/linear.py packs it): for each block of 16 output columns, each group of 32 inputs
- * and each pair j of inputs (k = 32g + 2j, k + 1): 16 bytes, byte c = q[c][k] | q[c][k+1] << 4.
- * Scales d and offsets m: float16, [N/16][K/32][16]. int8: [N/16][K/2][16][2] bytes, scales float32 [N].
+ * Layout (model/linear.py pack_c_layout): for each block of 16 output columns, group of 32 inputs and
+ * quarter jq of the group, 32 16-bit lanes; nibble t of lane 2c + p is the code of column c, input
+ * 8 jq + 2 t + p. Scales d and offsets m: float16, [N/16][K/32][16].
+ * int8: [N/16][K/2][16][2] bytes, scales float32 [N].
  *
  * Built at run time by model/kernels.py with -mavx512f -mavx512bw -mavx512vl -mavx512bf16.
  */
@@ -25,8 +32,8 @@
 #define GROUP 32
 #define COLS 16      /* output columns per zmm */
 #define TILE_COLS 3  /* column blocks per tile: 48 columns */
-#define TILE_ROWS 8  /* int4 rows per tile: 8 x 3 accumulators + 3 weights fit in 32 zmm (the running
-                        * outputs stay in y): each converted weight serves 8 rows (4 rows: 10% slower) */
+#define TILE_ROWS 8  /* int4 rows per tile: 8 x 3 accumulators + 3 code vectors + 3 operands fit in 32 zmm
+                        * (the running outputs stay in y): each operand serves 8 rows (4 rows: 10% slower) */
 #define INT8_TILE_ROWS 8  /* each converted int8 weight serves 8 rows (4 rows: the 32-row LM head 3.4 -> 2.5 ms) */
 #define PREFETCH_GROUPS 8  /* the codes this many groups on are asked for: at one row the projections stream
                             * 53 MB from DRAM a token (batch-1 int4 time 2.6-2.9 -> 2.1-2.2 ms; 2, 4, 16 slower) */
@@ -40,46 +47,45 @@ INLINE int32_t pair_bits(const uint16_t *p) {
     return v;
 }
 
-/* 16 bytes of codes (16 columns x 2 inputs) -> 32 bfloat16 in (column, input) order. */
-INLINE __m512i codes_to_bf16(const uint8_t *p, __m512i table) {
-    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    const __m512i lo = _mm512_and_si512(d, _mm512_set1_epi32(0x0F));  /* q[c][k] in the low word */
-    const __m512i hi = _mm512_slli_epi32(d, 12);                        /* q[c][k+1] in bits 16..19 */
-    const __m512i idx = _mm512_ternarylogic_epi32(hi, lo, _mm512_set1_epi32(0x000F0000), 0xEC); /* hi&C | lo */
-    return _mm512_permutexvar_epi16(idx, table);                        /* code -> its bfloat16 */
-}
-
 /* One tile: rows [0, MR) of xb (bfloat16, row stride K) x column blocks [nb0, nb0 + NB). Each group's dot
  * products accumulate in registers; the running outputs live in y (L1), updated once per group. */
 INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, const int MR, const int NB,
                  const uint8_t *codes, const uint16_t *scale, const uint16_t *offset, int64_t nb0, float *y,
-                 int64_t N, __m512i table) {
+                 int64_t N) {
     __m512 acc[TILE_ROWS][TILE_COLS];
+    const __m512i nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
     for (int r = 0; r < MR; r++)
         for (int b = 0; b < NB; b++) _mm512_storeu_ps(y + r * N + (nb0 + b) * COLS, _mm512_setzero_ps());
     for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < MR; r++)
             for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
         for (int b = 0; b < NB; b++) {  /* the codes PREFETCH_GROUPS groups on (past the end: harmless) */
-            const uint8_t *ahead = codes + (((nb0 + b) * G + g + PREFETCH_GROUPS) * 16) * COLS;
-            for (int line = 0; line < 16 * COLS; line += 64) __builtin_prefetch(ahead + line);
+            const uint8_t *ahead = codes + ((nb0 + b) * G + g + PREFETCH_GROUPS) * (GROUP / 2) * COLS;
+            for (int line = 0; line < GROUP / 2 * COLS; line += 64) __builtin_prefetch(ahead + line);
         }
-        for (int j = 0; j < GROUP / 2; j++) {
-            __m512i w[TILE_COLS];
-            for (int b = 0; b < NB; b++) w[b] = codes_to_bf16(codes + (((nb0 + b) * G + g) * 16 + j) * COLS, table);
-            for (int r = 0; r < MR; r++) {
-                const __m512i xv = _mm512_set1_epi32(pair_bits(xb + r * K + g * GROUP + 2 * j));
-                for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)w[b]);
+        for (int jq = 0; jq < 4; jq++) {
+            __m512i v[TILE_COLS];
+            for (int b = 0; b < NB; b++)
+                v[b] = _mm512_loadu_si512(codes + (((nb0 + b) * G + g) * 4 + jq) * 64);
+            for (int t = 0; t < 4; t++) {
+                __m512i w[TILE_COLS];  /* 0x4300 | nibble t of each lane: 128 + q as bfloat16 */
+                for (int b = 0; b < NB; b++)
+                    w[b] = _mm512_ternarylogic_epi32(t ? _mm512_srli_epi16(v[b], 4 * t) : v[b], nibble, bf16_128, 0xEA);
+                for (int r = 0; r < MR; r++) {
+                    const __m512i xv = _mm512_set1_epi32(pair_bits(xb + r * K + g * GROUP + 8 * jq + 2 * t));
+                    for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)w[b]);
+                }
             }
         }
         for (int b = 0; b < NB; b++) {
             const int64_t at = ((nb0 + b) * G + g) * COLS;
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + at)));
             const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(offset + at)));
+            const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m);  /* m - 128 d */
             for (int r = 0; r < MR; r++) {
                 float *o = y + r * N + (nb0 + b) * COLS;
                 const __m512 out = _mm512_fmadd_ps(acc[r][b], d, _mm512_loadu_ps(o));
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(sums[r * G + g]), m, out));
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(sums[r * G + g]), m128, out));
             }
         }
     }
@@ -89,13 +95,13 @@ INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, co
  * The switch gives the compiler constant tile sizes to unroll and keep in registers. */
 static void column_tile(const uint16_t *xb, const float *sums, int64_t M, int64_t K, int64_t G,
                         const uint8_t *codes, const uint16_t *scale, const uint16_t *offset, int64_t nb0, int nb,
-                        float *y, int64_t N, __m512i table) {
+                        float *y, int64_t N) {
     for (int64_t m = 0; m < M; m += TILE_ROWS) {
         const int mr = (int)(M - m < TILE_ROWS ? M - m : TILE_ROWS);
         const uint16_t *xm = xb + m * K;
         const float *sm = sums + m * G;
         float *ym = y + m * N;
-#define TILE(MR, NB) tile(xm, sm, K, G, MR, NB, codes, scale, offset, nb0, ym, N, table)
+#define TILE(MR, NB) tile(xm, sm, K, G, MR, NB, codes, scale, offset, nb0, ym, N)
 #define ROWS(MR) case MR * 4 + 3: TILE(MR, 3); break; case MR * 4 + 2: TILE(MR, 2); break; \
                  case MR * 4 + 1: TILE(MR, 1); break;
         switch (mr * 4 + nb) {
@@ -132,20 +138,12 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
         return 1;
     }
     to_bf16(x, M, G, xb, sums);
-    uint16_t lut[32];
-    for (int i = 0; i < 32; i++) {
-        const float f = (float)(i & 15);
-        uint32_t u;
-        __builtin_memcpy(&u, &f, sizeof u);
-        lut[i] = (uint16_t)(u >> 16);  /* exact: small integers need no rounding */
-    }
-    const __m512i table = _mm512_loadu_si512(lut);
     const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t nb0 = t * TILE_COLS;
         const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
-        column_tile(xb, sums, M, K, G, codes, scale, offset, nb0, nb, y, N, table);
+        column_tile(xb, sums, M, K, G, codes, scale, offset, nb0, nb, y, N);
     }
     free(xb);
     free(sums);
