@@ -144,3 +144,12 @@ def test_real_model_greedy_tokens_are_the_same_with_and_without_the_loop():
         return done
 
     assert run(loop=True) == run(loop=False)
+
+
+@needs_loop
+def test_loop_refuses_a_cache_it_was_not_built_for():
+    model = fast_model("native")
+    ids, batch, cache = decode_step()
+    wide = torch.zeros(cache.shape[2], CONFIG.num_kv_heads, 128, dtype=torch.float16)  # head_dim 128, not 64
+    with pytest.raises(ValueError, match="no kernels"), torch.inference_mode():
+        model(ids, batch, [(wide, wide.clone()) for _ in range(CONFIG.num_layers)])

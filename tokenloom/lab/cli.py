@@ -60,11 +60,11 @@ def add_lab_parser(subparsers) -> argparse.ArgumentParser:
     return lab
 
 
-def load_real_model(model: str | None = None, dtype: str = "float32"):
+def load_real_model(model: str | None = None, dtype: str = "float32", quantization: str | None = None):
     """Load weights and tokenizer once, for every engine of a lab run."""
     from ..model.load import load
 
-    return load(model, dtype)[:2]
+    return load(model, dtype, quantization=quantization)[:2]
 
 
 def run_all(model, tokenizer, requests: list[WorkloadRequest], runs: list[LabRun], log=print, **engine_kwargs):

@@ -55,6 +55,15 @@ class DecoderLoop:
         cfg, layers = model.config, model.layers
         self.ops, self.attention = model.layer_ops, model.decode_attention  # what the loop was built from
         first = layers[0]
+        # The loop reads these tensors through raw pointers: holding them keeps the memory alive even if
+        # the model's modules were swapped later (the loop is built for the weights as loaded).
+        self._weights = [t for layer in layers for t in (
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            *(getattr(proj, name) for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)
+              for name in ("codes", "scales", "offsets")))]
+        self._cache_shape = (cfg.num_kv_heads, cfg.dim_per_head)
+        self._head_dim = cfg.dim_per_head
         self._layers = (_Layer * len(layers))(*(
             _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                    _weight(layer.self_attn.qkv_proj), _weight(layer.self_attn.o_proj),
@@ -83,18 +92,22 @@ class DecoderLoop:
         tables, context_lens, block_size = prepared
         k0 = kv_caches[0][0]
         model = self._models.get(k0.dtype)
-        if model is None or any(not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == k0.dtype
-                                     and k.shape == v.shape == k0.shape) for k, v in kv_caches):
-            raise ValueError(f"decoder loop: no kernels for a {k0.dtype} KV cache of these shapes")
+        if model is None or k0.shape[1:] != self._cache_shape or any(
+                not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == k0.dtype
+                     and k.shape == v.shape == k0.shape) for k, v in kv_caches):
+            raise ValueError(f"decoder loop: no kernels for a {k0.dtype} KV cache of shape {tuple(k0.shape)}")
         model.cache_slots = k0.shape[0]
         for layer, (k, v) in zip(self._layers, kv_caches, strict=True):
             layer.k_cache, layer.v_cache = k.data_ptr(), v.data_ptr()
         x = x.contiguous()
         cos, sin = (t.contiguous() for t in rope)
-        slots = batch.slot_mapping.contiguous()
-        if slots.dtype != torch.int64 or slots.numel() != x.shape[0]:
+        slots, rows = batch.slot_mapping.contiguous(), x.shape[0]
+        if slots.dtype != torch.int64 or slots.numel() != rows:
             raise ValueError("decoder loop: slot_mapping must be int64 with one slot per row")
-        status = self._run(ctypes.byref(model), self._layers, x.data_ptr(), x.shape[0], cos.data_ptr(),
+        if tables.shape[0] != rows or any(t.dtype != torch.float32 or t.numel() != rows * self._head_dim
+                                          for t in (cos, sin)):
+            raise ValueError("decoder loop: block tables and RoPE tables must have one row per token")
+        status = self._run(ctypes.byref(model), self._layers, x.data_ptr(), rows, cos.data_ptr(),
                            sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
                            context_lens.data_ptr(), block_size)
         if status == 1:

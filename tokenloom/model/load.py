@@ -30,10 +30,11 @@ def load(
     if quantization not in (None, "none"):
         cap = linear.detect()
         kernel = f" ({cap['int4_kernel']} kernel)" if model.quantization == "int4" else ""
-        logger.info("forward path: %s weights%s, %s residual, %s KV cache, %s decode attention, %s layer ops "
-                    "(asked %s; torch CPU capability %s, bf16 %s)", model.quantization, kernel, dtype,
+        logger.info("forward path: %s weights%s, %s residual, %s KV cache, %s decode attention, %s layer ops, "
+                    "decoder loop %s (asked %s; torch CPU capability %s, bf16 %s)", model.quantization, kernel, dtype,
                     str(model.kv_cache_dtype).removeprefix("torch."), model.decode_attention.name,
-                    model.layer_ops.name, quantization, cap["cpu_capability"], cap["avx512_bf16"])
+                    model.layer_ops.name, "on" if model.decoder_loop is not None else "off", quantization,
+                    cap["cpu_capability"], cap["avx512_bf16"])
     return model, load_tokenizer(resolved.path), model.config
 
 
