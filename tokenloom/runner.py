@@ -154,8 +154,9 @@ class ModelRunner(Runner):
         results = [StepResult(seq, n, None) for seq, n in out.scheduled]
         if sample_rows:
             sampled = [results[k].seq for k in sample_rows]
+            rows = list(sample_rows.values())
             tokens, logprobs = self.sampler(
-                logits[list(sample_rows.values())],
+                logits if rows == list(range(len(logits))) else logits[rows],  # every row samples: no copy
                 [s.params for s in sampled],
                 [s.prompt_token_ids for s in sampled],
                 [s.output_token_ids for s in sampled],

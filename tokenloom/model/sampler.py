@@ -136,11 +136,13 @@ class Sampler:
             for ids in prompt_ids:
                 faults.maybe_raise_for_prompt("sampler", ids)
         raw = logits
-        logits = logits.clone()
-        for r, p in enumerate(params):
-            if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-                apply_penalties(logits[r], p, prompt_ids[r], output_ids[r])
-        apply_constraints(logits, constraints, raw)
+        penalised = [r for r, p in enumerate(params)
+                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
+        if penalised or any(constraints):  # edited in place below; `raw` keeps the model's for logprobs
+            logits = logits.clone()
+            for r in penalised:
+                apply_penalties(logits[r], params[r], prompt_ids[r], output_ids[r])
+            apply_constraints(logits, constraints, raw)
 
         tokens = logits.argmax(dim=-1)
         random_rows = [r for r, p in enumerate(params) if not p.greedy]
