@@ -6,7 +6,8 @@ mid-step waits for the step to end as it would in a server; then it runs one `en
 is pluggable through the engine: a clock with ``sleep_until(t)`` (the simulator's `VirtualClock`, the
 lab's per-engine clock) jumps over idle time; any other callable (the wall clock, `time.monotonic` by
 default) is slept on. Idle means no unfinished request (wait for the next arrival) or an empty step
-(e.g. dynamic batching waiting for company: advance `IDLE_TICK_S`, or to the next arrival if sooner).
+(dynamic batching waiting for company: to its timer or the next arrival, whichever is sooner; otherwise
+`IDLE_TICK_S`).
 
 `turn()` is one iteration, so a caller can interleave several engines step by step (the lab);
 `replay(engine, workload)` runs one to completion. Both the simulator (virtual clock) and the real
@@ -127,7 +128,8 @@ class Replay:
             if out.finished:
                 self.outputs[out.request_id] = out
         if engine.last_step is not None and engine.last_step.num_seqs == 0:
-            self.sleep_until(min(self._next_arrival(), self.clock() + IDLE_TICK_S))
+            due = engine.scheduler.batch_due_time()
+            self.sleep_until(min(self._next_arrival(), self.clock() + IDLE_TICK_S if due is None else due))
 
     def run(self) -> ReplayResult:
         while not self.done:

@@ -186,6 +186,13 @@ class Scheduler:
 
     # -- batching modes --------------------------------------------------------------------------
 
+    def batch_due_time(self) -> float | None:
+        """When a dynamic batch still waiting for company closes by its timer (None if no such wait):
+        a replay on a clock that can jump goes straight there instead of ticking through the wait."""
+        if self.config.batching != "dynamic" or self.batch is not None or self.running or not self.waiting:
+            return None
+        return min(s.times.arrival for s in self.waiting) + self.config.max_wait_ms / 1000
+
     def _batch_open(self, now: float) -> bool:
         """May waiting sequences be admitted now? Forms the next static/dynamic batch when due."""
         mode = self.config.batching
