@@ -16,8 +16,15 @@
 #   ISA=avx2 LLAMA_BIN=.../build-avx2/bin/llama-server PEERS="llama tokenloom-int4" bash benchmarks/peers.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# OUT: peers/ on an AVX-512 machine, peers-avx2/ when played (ISA=avx2), peers-avx2-native/ on an AVX2-only CPU.
 ISA=${ISA:-native}
-OUT=benchmarks/results/peers$([[ $ISA == avx2 ]] && echo -avx2 || true)
+if [[ $ISA == avx2 ]]; then
+    OUT=${OUT:-benchmarks/results/peers-avx2}
+elif grep -qw avx512f /proc/cpuinfo; then
+    OUT=${OUT:-benchmarks/results/peers}
+else
+    OUT=${OUT:-benchmarks/results/peers-avx2-native}
+fi
 mkdir -p "$OUT"
 PEERS=${PEERS:-"llama tokenloom-fp32 tokenloom-int4"}
 LLAMA_BIN=${LLAMA_BIN:-$(dirname "$(mktemp -u)")/llamacpp/build/bin/llama-server}
@@ -34,6 +41,7 @@ start() {
         tokenloom-fp32) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --port $PORT --quantization none >"$OUT/$1.log" 2>&1 & ;;
         tokenloom-int4) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --port $PORT --quantization auto >"$OUT/$1.log" 2>&1 & ;;
         vllm) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT >"$OUT/$1.log" 2>&1 & ;;
+        vllm-fp32) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT float32 >"$OUT/$1.log" 2>&1 & ;;
     esac
     PID=$!
     for _ in $(seq 600); do
@@ -69,7 +77,7 @@ for s in servers:
     c1, mixed = (json.load(open(f"{out}/{s}-{cell}.json")) for cell in ("c1", "mixed"))
     rows[s] = {"c1_output_tok_s": c1["output_throughput"], "c1_tpot_p50_ms": c1["median_tpot_ms"],
                "c1_ttft_p50_ms": c1["median_ttft_ms"], "mixed_output_tok_s": mixed["output_throughput"]}
-for peer in ("llama", "vllm"):
+for peer in ("llama", "vllm", "vllm-fp32"):
     base = rows.get(peer)
     if base:
         for s, r in rows.items():
@@ -77,8 +85,9 @@ for peer in ("llama", "vllm"):
                                "c1_ttft_ratio": r["c1_ttft_p50_ms"] / base["c1_ttft_p50_ms"],
                                "mixed_throughput_ratio": r["mixed_output_tok_s"] / base["mixed_output_tok_s"]}
 isa = os.environ.get("ISA", "native")
+model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
 summary = {"command": ("ISA=avx2 " if isa == "avx2" else "") + "PEERS='" + " ".join(servers) + "' bash benchmarks/peers.sh",
-           "isa": isa, "cpu_flags": flags,
+           "isa": isa, "cpu_model": model, "cpu_flags": flags,
            "machine": platform.machine(), "servers": rows}
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 print(json.dumps(rows, indent=2))

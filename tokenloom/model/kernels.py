@@ -4,9 +4,9 @@ Each kernel is compiled with the system C compiler into ~/.cache/tokenloom/kerne
 overrides), keyed by its source and headers, flags, the CPU's flags, the compiler and the check, then
 run once on a small case in a child process before this process loads it: an instruction the CPU
 advertises but traps on kills the child, not the server. Any failure (no compiler, a missing CPU flag,
-a wrong answer) gives None, logged, and the caller keeps its torch path (TOKENLOOM_C_KERNELS=0 asks for
-that everywhere). The libraries link against the libgomp torch already loaded, so they share its
-OpenMP thread pool.
+a wrong answer) gives None, logged, and the caller takes its next choice, another kernel or torch's op
+(TOKENLOOM_C_KERNELS=0 asks for torch's everywhere). The libraries link against the libgomp torch
+already loaded, so they share its OpenMP thread pool.
 """
 
 from __future__ import annotations
@@ -73,16 +73,16 @@ def load(spec: KernelSpec) -> ctypes.CDLL | None:
     """Compile (once per source/flags/CPU), check in a child process, load. None (logged) if any step fails
     or TOKENLOOM_C_KERNELS=0 turns them all off (to compare against the torch paths)."""
     if os.environ.get("TOKENLOOM_C_KERNELS", "1") == "0":
-        logger.info("%s kernel: off (TOKENLOOM_C_KERNELS=0); using the torch path", spec.name)
+        logger.info("%s kernel: off (TOKENLOOM_C_KERNELS=0)", spec.name)
         return None
     flags = cpu_flags()
     missing = spec.cpu_flags - set(flags)
     if missing:
-        logger.info("%s kernel: this CPU lacks %s; using the torch path", spec.name, " ".join(sorted(missing)))
+        logger.info("%s kernel: this CPU lacks %s; the next choice is taken", spec.name, " ".join(sorted(missing)))
         return None
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
-        logger.info("%s kernel: no C compiler found; using the torch path", spec.name)
+        logger.info("%s kernel: no C compiler found; the next choice is taken", spec.name)
         return None
     source = CSRC / f"{spec.name}.c"
     cflags = ["-O3", "-fopenmp", "-shared", "-fPIC", *spec.cflags]
@@ -108,5 +108,5 @@ def load(spec: KernelSpec) -> ctypes.CDLL | None:
         return ctypes.CDLL(str(lib_path))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or ""
-        logger.warning("%s kernel unavailable (%s %s); using the torch path", spec.name, exc, detail[-300:])
+        logger.warning("%s kernel unavailable (%s %s); the next choice is taken", spec.name, exc, detail[-300:])
         return None
