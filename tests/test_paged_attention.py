@@ -80,6 +80,38 @@ def test_kernel_rows_do_not_depend_on_the_batch(which):
         assert torch.equal(one, full[s : s + 1])
 
 
+@needs_kernel
+@pytest.mark.parametrize("which", KERNELS)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_prompts_rows_share_a_task_and_keep_their_bits(which, kv_dtype):
+    """A prompt's tokens in one step are rows with one block table and their own contexts; the AVX2
+    kernel runs up to 8 of them in one task over float32 tiles of the context. Each row still gets the
+    bits it gets alone, next to decode rows, a second prompt whose table shares the first one's leading
+    blocks (a prefix-cache hit), rows out of order, and contexts past the stack buffer."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    k = torch.randn(160 * bs, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    v = torch.randn(160 * bs, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    perm = torch.randperm(160, generator=gen)
+    prompt, other, shared = perm[:40], perm[40:60], torch.cat([perm[:3], perm[60:70]])
+    rows = [(prompt, c) for c in range(570, 590)]  # 20 tokens of a long prompt: runs of 8, 8, 4
+    rows += [(shared, c) for c in (5, 48, 33, 150, 151)]  # within (joining that run), then past, its shared blocks
+    rows += [(other, 37), (other, 301)]  # decodes
+    rows += [(prompt, c) for c in (3, 1, 2)]  # a short prompt's tokens, out of order
+    tables = torch.zeros(len(rows), 40, dtype=torch.long)
+    for r, (table, _) in enumerate(rows):
+        tables[r, : len(table)] = table
+    lens = torch.tensor([c for _, c in rows])
+    q = torch.randn(len(rows), heads, head_dim, generator=gen)
+    kernel, ref_impl = kernel_for(which), pa.TorchDecodeAttention()
+    full = kernel(kernel.prepare(tables, lens, bs), q, k, v, 0.125)
+    ref = ref_impl(ref_impl.prepare(tables, lens, bs), q, k, v, 0.125)
+    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
+    for r in range(len(rows)):
+        one = kernel(kernel.prepare(tables[r : r + 1], lens[r : r + 1], bs), q[r : r + 1], k, v, 0.125)
+        assert torch.equal(one, full[r : r + 1]), r
+
+
 def test_the_torch_path_is_used_where_the_kernel_does_not_apply():
     assert isinstance(pa.decode_attention_for(torch.bfloat16, torch.float32, 64, 9, 3, want=True), pa.TorchDecodeAttention)
     assert isinstance(pa.decode_attention_for(torch.float32, torch.float32, 48, 9, 3, want=True), pa.TorchDecodeAttention)

@@ -5,11 +5,12 @@ one interface, chosen once at load:
 - `TorchDecodeAttention`: gathers each sequence's context slots into a [seqs, longest context] copy
   (padded, masked) and runs SDPA. Always available; the float32 reference path uses it. Prompt tokens
   go to SDPA as spans (`takes_prefill_rows` False).
-- `PagedDecodeAttention`: C kernels that read K/V in place through the block tables, one OpenMP task
-  per (query, KV head): no gathered copy, no padding. csrc/paged_attention.c (AVX2 + FMA + F16C, any
-  head_dim multiple of 32) and csrc/paged_attention_avx512.c (head_dim 64, up to 4 query heads per KV
-  head, each K/V row read once for all of them). At 32 sequences of ~300 tokens the gather and SDPA
-  were 40% of a decode step. Built and checked at first use (model/kernels.py); unavailable (no
+- `PagedDecodeAttention`: C kernels that read K/V in place through the block tables: no gathered copy,
+  no padding. csrc/paged_attention.c (AVX2 + FMA + F16C, any head_dim multiple of 32 up to 256): one
+  OpenMP task per (run of rows reading one context, KV head), so each K/V row is converted to float32
+  once for the group's query heads and up to 8 of a prompt's tokens; csrc/paged_attention_avx512.c
+  (head_dim 64, up to 4 query heads per KV head): one task per (query, KV head), each K/V row read once
+  for the group. At 32 sequences of ~300 tokens the gather and SDPA were 40% of a decode step. Built and checked at first use (model/kernels.py); unavailable (no
   compiler, missing CPU flags, a failed check) -> the torch path, with the reason logged.
 
 Both are per-query computations: a row's result does not depend on the rest of the batch.
@@ -23,6 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+
+
+MAX_HEAD_DIM = 256  # csrc/paged_attention.c's float32 tile of K or V rows is sized for it
 
 
 class TorchDecodeAttention:
@@ -98,7 +102,7 @@ class PagedDecodeAttention:
 
 def supports(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
     return (dtype == torch.float32 and kv_dtype in (torch.float32, torch.float16) and head_dim % 32 == 0
-            and num_heads % num_kv_heads == 0)
+            and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0)
 
 
 def decode_attention_for(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, num_heads: int,

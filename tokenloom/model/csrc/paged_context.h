@@ -7,7 +7,7 @@
 #include <stdlib.h>
 
 /* A task's offsets and score rows go on the stack up to STACK_CONTEXT positions and MAX_STACK_GROUP query
- * heads per KV head (10 KB): every prompt token of a prefill is a task, and a malloc each cost 7%. */
+ * heads (10 KB): decode tasks and short prompts' ones never malloc (a malloc a prompt token cost 7%). */
 #define STACK_CONTEXT 256
 #define MAX_STACK_GROUP 4
 #define STACK_WORDS (STACK_CONTEXT * (1 + MAX_STACK_GROUP))
