@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 
-from tokenloom.bench.replay import replay
+from tokenloom.bench.replay import Replay, replay
 from tokenloom.bench.workload import WorkloadRequest, make_workload
 from tokenloom.config import EngineConfig
 from tokenloom.sim.cost_model import (
@@ -56,6 +56,18 @@ def test_idle_clock_jumps_to_next_arrival(tokenizer):
     assert res.requests[1].ttft == pytest.approx(0.01)
     assert res.duration == pytest.approx(10.02)
     assert res.num_steps == 4
+
+
+@pytest.mark.parametrize("arrival", [0.1, 0.2, 0.3, 0.7])
+def test_dynamic_batch_opens_at_its_timer_on_a_virtual_clock(tokenizer, arrival):
+    """The replay jumps to the dynamic batch's timer; at that very time the batch must open (0.1 + 0.01
+    - 0.1 is a hair under 0.01 in floats: a check that computed it so kept the batch shut forever)."""
+    engine, _ = build_sim_engine(const_model(0.005), EngineConfig(batching="dynamic", max_num_seqs=4, max_wait_ms=10.0))
+    run = Replay(engine, [WorkloadRequest("a", [300, 301], 3, arrival_time=arrival)])
+    for _ in range(20):
+        run.turn()
+    assert run.done
+    assert run.result().requests[0].ttft == pytest.approx(0.01 + 0.005)  # its wait, then one step
 
 
 def test_continuous_beats_static_on_mixed(tokenizer):

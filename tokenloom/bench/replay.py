@@ -128,8 +128,9 @@ class Replay:
             if out.finished:
                 self.outputs[out.request_id] = out
         if engine.last_step is not None and engine.last_step.num_seqs == 0:
-            due = engine.scheduler.batch_due_time()
-            self.sleep_until(min(self._next_arrival(), self.clock() + IDLE_TICK_S if due is None else due))
+            due, now = engine.scheduler.batch_due_time(), self.clock()
+            wake = due if due is not None and due > now else now + IDLE_TICK_S  # the clock always moves on
+            self.sleep_until(min(self._next_arrival(), wake))
 
     def run(self) -> ReplayResult:
         while not self.done:

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from . import kernels
 
-
 MAX_HEAD_DIM = 256  # csrc/paged_attention.c's float32 tile of K or V rows is sized for it
 
 

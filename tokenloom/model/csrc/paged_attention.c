@@ -1,8 +1,9 @@
 /* Attention straight from the paged KV cache for single queries: a decode token, or a prompt token with
  * its own context length (model/paged_attention.py).
  *
- * One OpenMP task per (run of rows that read one context, KV head): a decode row is a run of its own;
- * a prompt's tokens in one step share their sequence's block table, up to MAX_TILE_QUERIES a run. The
+ * One OpenMP task per (run of consecutive rows that read one context, KV head): a prompt's tokens in one
+ * step share their sequence's block table, up to MAX_TILE_QUERIES a run; a decode row usually runs
+ * alone (rows join a run only where their blocks are the run's: a shared prefix qualifies). The
  * task converts the context's K rows, then its V rows, to float32 a tile of KV_TILE positions at a
  * time, through the block table (no gathered copy of the whole context, no padding to the longest
  * one), and every query head of the GQA group and every row of the run uses each tile while it is in
@@ -78,7 +79,8 @@ static inline void store8_f16(float *dst, const uint16_t *src) {
 }
 
 /* Positions converted to float32 at a time (8 KB at head_dim 64: they stay in L1 while every query of
- * a task uses them), and the prompt tokens of one sequence that share a task. */
+ * a task uses them; the 32 KB at head_dim 256 fill it), and the prompt tokens of one sequence that
+ * share a task. */
 #define KV_TILE 32
 #define MAX_TILE_QUERIES 8
 #define MAX_HEAD_DIM 256

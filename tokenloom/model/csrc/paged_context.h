@@ -6,8 +6,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* A task's offsets and score rows go on the stack up to STACK_CONTEXT positions and MAX_STACK_GROUP query
- * heads (10 KB): decode tasks and short prompts' ones never malloc (a malloc a prompt token cost 7%). */
+/* A task's offsets and score rows go on the stack while they fit in STACK_WORDS (10 KB: 256 positions
+ * for 4 query heads, ~75 for a run of 8 tokens of 4): short contexts never malloc (a malloc for every
+ * prompt token cost 7% of a prefill). */
 #define STACK_CONTEXT 256
 #define MAX_STACK_GROUP 4
 #define STACK_WORDS (STACK_CONTEXT * (1 + MAX_STACK_GROUP))
