@@ -187,17 +187,13 @@ class Scheduler:
     # -- batching modes --------------------------------------------------------------------------
 
     def batch_due_time(self) -> float | None:
-        """When a dynamic batch still waiting for company closes by its timer (None if no such wait):
-        a replay on a clock that can jump goes straight there instead of ticking through the wait."""
+        """When a dynamic batch still waiting for company closes by its timer: the oldest waiting arrival
+        + max_wait_ms (None if no such wait). `_batch_open` compares the clock with this very number, so a
+        replay on a clock that can jump goes straight there and finds the batch open (computed as
+        (now - oldest) * 1000 < max_wait_ms, a rounding could keep it shut at that very time)."""
         if (self.config.batching != "dynamic" or self.batch is not None or self.running or not self.waiting
                 or len(self.waiting) >= self.config.max_num_seqs):
             return None
-        return self._timer_end()
-
-    def _timer_end(self) -> float:
-        """The dynamic batch's timer: the oldest waiting arrival + max_wait_ms. One expression for both
-        the check and `batch_due_time`, so a clock set to the due time finds the batch open (computed
-        as (now - oldest) * 1000 < max_wait_ms, a rounding could keep it shut at that very time)."""
         return min(s.times.arrival for s in self.waiting) + self.config.max_wait_ms / 1000
 
     def _batch_open(self, now: float) -> bool:
@@ -210,9 +206,10 @@ class Scheduler:
         self.batch = None
         if self.running or not self.waiting:
             return False
-        size = self.config.max_num_seqs
-        if mode == "dynamic" and len(self.waiting) < size and now < self._timer_end():
+        due = self.batch_due_time()  # None unless a dynamic batch is short of max_num_seqs
+        if due is not None and now < due:
             return False
+        size = self.config.max_num_seqs
         self.waiting.sort(key=lambda s: self.policy(s, now))
         self.batch = {s.seq_id for s in self.waiting[:size]}
         return True
