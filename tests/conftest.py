@@ -10,11 +10,11 @@ import pytest
 
 from tokenloom import LLM, EngineConfig
 from tokenloom.engine.llm_engine import LLMEngine
-from tokenloom.model.llama import LlamaConfig
+from tokenloom.model.config import ModelConfig
 from tokenloom.model.loader import bundled_model_path, random_model
 from tokenloom.model.tokenizer import load_tokenizer
 
-TINY = LlamaConfig(
+TINY = ModelConfig(
     vocab_size=49152,  # the real tokenizer's vocabulary, so text round-trips
     hidden_size=64,
     intermediate_size=128,

@@ -12,13 +12,13 @@ import torch
 
 from tokenloom.model import decoder_loop, kernels, linear
 from tokenloom.model.layer_ops import TORCH_OPS
-from tokenloom.model.llama import ForwardBatch, LlamaConfig, PrefillSpan
+from tokenloom.model.decoder import ForwardBatch, ModelConfig, PrefillSpan
 from tokenloom.model.loader import random_model, use_c_kernels
 
 needs_loop = pytest.mark.skipif(kernels.load(decoder_loop.SPEC) is None or linear.quant_gemm() is None,
                                 reason="the decoder loop or the C kernels do not build or run here (logged)")
 # head_dim 64 and two query heads per KV head: the shapes the C attention kernels (both ISAs) take.
-CONFIG = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=2,
+CONFIG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=2,
                      num_kv_heads=1, max_position_embeddings=256)
 BLOCK = 16
 

@@ -197,10 +197,10 @@ def test_quantization_names():
 
 @needs_int4
 def test_random_model_int4_runs_in_bfloat16():
-    from tokenloom.model.llama import LlamaConfig
+    from tokenloom.model.config import ModelConfig
     from tokenloom.model.loader import random_model
 
-    TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+    TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
 
     model = linear.quantize_model(random_model(TINY, dtype="bfloat16"), "int4")
     assert next(model.parameters()).dtype == torch.bfloat16
@@ -287,7 +287,7 @@ def avx2_kernel(load):
 
 def teacher_forced_logprobs(model, ids: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     """log-softmax at every position of one prefill over the whole text, [N, vocab] float32."""
-    from tokenloom.model.llama import ForwardBatch, PrefillSpan
+    from tokenloom.model.decoder import ForwardBatch, PrefillSpan
 
     n, cfg = ids.numel(), model.config
     dtype = model.kv_cache_dtype or model.embed_tokens.weight.dtype  # the fast path's float16 cache included

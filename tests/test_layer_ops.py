@@ -106,10 +106,10 @@ def test_other_dtypes_fall_back_to_torch(c_ops):
 def test_a_model_forward_with_c_ops_matches_the_torch_ops(tokenizer, monkeypatch):
     from tokenloom import EngineConfig, SamplingParams
     from tokenloom.engine.llm_engine import LLMEngine
-    from tokenloom.model.llama import LlamaConfig
+    from tokenloom.model.config import ModelConfig
     from tokenloom.model.loader import random_model
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+    cfg = ModelConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                       num_kv_heads=2, max_position_embeddings=512)
     outputs, logits = [], []
     for ops in (TORCH, lo.CLayerOps(LIB)):

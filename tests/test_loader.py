@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tokenloom.model.llama import ForwardBatch, LlamaConfig
+from tokenloom.model.decoder import ForwardBatch, ModelConfig
 from tokenloom.model.loader import ModelSource, load_model, random_model
 
-CFG = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                   num_kv_heads=2, max_position_embeddings=128, tie_word_embeddings=True)
 
 
@@ -88,7 +88,7 @@ def prefill_logits(model, tokens: list[int]) -> torch.Tensor:
     dtype = next(model.parameters()).dtype
     shape = (n, cfg.num_kv_heads, cfg.dim_per_head)
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
-    from tokenloom.model.llama import PrefillSpan
+    from tokenloom.model.decoder import PrefillSpan
 
     batch = ForwardBatch(
         positions=torch.arange(n), slot_mapping=torch.arange(n),
@@ -157,5 +157,5 @@ def test_unsupported_architecture_and_bad_files(tmp_path):
         load_model(ModelSource("gguf", str(tmp_path / "junk.gguf")))
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(ValueError, match="unsupported model_type 'bert'"):
+    with pytest.raises(ValueError, match="unsupported architectures 'bert'"):
         load_model(ModelSource.resolve(str(tmp_path / "hf")))

@@ -125,11 +125,11 @@ def test_prompt_tokens_are_single_queries_through_the_kernel(tokenizer):
     while the projections still split decode-like rows from long chunks; logits match the span path."""
     from tokenloom import EngineConfig, SamplingParams
     from tokenloom.engine.llm_engine import LLMEngine
-    from tokenloom.model.llama import LlamaConfig
+    from tokenloom.model.config import ModelConfig
     from tokenloom.model.loader import random_model
     from tokenloom.runner import SHORT_CHUNK
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+    cfg = ModelConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                       num_kv_heads=2, max_position_embeddings=512)
     batches, logits = [], []
     for kernel in (pa.TorchDecodeAttention(), kernel_for(None)):

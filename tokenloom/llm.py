@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 
@@ -16,12 +17,24 @@ from .sampling_params import SamplingParams
 PromptType = str | list[int] | dict
 
 
+def _log_unless_configured() -> None:
+    """As vLLM's offline API does, show tokenloom's INFO lines (the forward plan at load) on stderr when
+    the application has configured no logging of its own."""
+    ours = logging.getLogger("tokenloom")
+    if not logging.getLogger().handlers and not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+
+
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         """Keyword arguments are `EngineConfig` fields (dtype, max_num_seqs, block_size, ...); `engine=`
         passes a ready `LLMEngine` instead."""
         engine = kwargs.pop("engine", None)
         if engine is None:
+            _log_unless_configured()
             unknown = set(kwargs) - EngineConfig.field_names()
             if unknown:
                 raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")

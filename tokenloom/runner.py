@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from .model.llama import ForwardBatch, LlamaModel, PrefillSpan
+from .model.decoder import ForwardBatch, DecoderModel, PrefillSpan
 from .model.sampler import Sampler, top_logprobs
 from .step import Runner, StepPlan, StepResult, is_decode, samples
 
@@ -24,7 +24,7 @@ SHORT_CHUNK = 16
 
 
 class ModelRunner(Runner):
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_host_blocks: int = 0, seed: int = 0,
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, num_host_blocks: int = 0, seed: int = 0,
                  kv_dtype: torch.dtype | None = None):
         """`kv_dtype`: the KV cache's element type; None = the model's `kv_cache_dtype`, else its weights'."""
         self.model = model

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
-from ..model.llama import LlamaConfig
+from ..model.config import ModelConfig
 from ..model.loader import kv_bytes_per_block_for, torch_dtype
 from ..step import Sequence
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 BlockKey = tuple  # (parent key hash or None, token ids tuple, extra keys)
 
 
-def kv_cache_size(config: EngineConfig, model_config: LlamaConfig, kv_dtype: torch.dtype | None = None
+def kv_cache_size(config: EngineConfig, model_config: ModelConfig, kv_dtype: torch.dtype | None = None
                   ) -> tuple[int, int, int]:
     """(device blocks, host blocks for swap, bytes per block) that the config's memory budget holds, for
     a cache of `kv_dtype` (default: the config's `dtype`)."""

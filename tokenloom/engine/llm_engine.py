@@ -31,7 +31,7 @@ import torch
 from .. import faults
 from .. import step as steps
 from ..config import EngineConfig
-from ..model.llama import LlamaConfig
+from ..model.config import ModelConfig
 from ..model.load import load, set_num_threads
 from ..model.loader import torch_dtype
 from ..model.tokenizer import IncrementalDetokenizer, TokenizerWrapper
@@ -123,7 +123,7 @@ class LLMEngine:
         model: torch.nn.Module | None = None,
         tokenizer: TokenizerWrapper | None = None,
         runner: Runner | None = None,
-        model_config: LlamaConfig | None = None,
+        model_config: ModelConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         """Pass `model`/`tokenizer` to run an already-built model (tests use a random-weight one).

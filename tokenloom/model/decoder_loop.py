@@ -117,22 +117,38 @@ class DecoderLoop:
         return x
 
 
-def decoder_loop_for(model) -> DecoderLoop | None:
-    """The loop when every layer of `model` runs the C kernels (and the library builds and checks), else None."""
-    ok = (isinstance(model.layer_ops, CLayerOps) and isinstance(model.decode_attention, PagedDecodeAttention)
-          and model.embed_tokens.weight.dtype == torch.float32)
+def why_no_decoder_loop(model) -> str | None:
+    """Why the loop cannot run `model` (None: it can, if its library builds and checks)."""
+    if not model.config.has_llama_layers:  # the only layer shape the loop was written and checked for
+        return f"{model.config.architecture} layers (biases, QK-norm, GeGLU, extra norms or windows) are not the loop's"
+    if not isinstance(model.layer_ops, CLayerOps):
+        return "the layer ops are torch's (float32 activations and the C library are needed)"
+    if not isinstance(model.decode_attention, PagedDecodeAttention):
+        return "attention is torch's"
+    if model.embed_tokens.weight.dtype != torch.float32:
+        return f"the residual stream is {model.embed_tokens.weight.dtype}, the loop's is float32"
     kernel = None
-    for layer in model.layers if ok else []:
-        projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        for proj in projections:
-            ok = ok and isinstance(proj, Int4Linear) and proj.kernel is not None and proj.kernel is (kernel or proj.kernel)
-            kernel = kernel or getattr(proj, "kernel", None)
+    for layer in model.layers:
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if not isinstance(proj, Int4Linear) or proj.kernel is None or proj.bias is not None:
+                return "a projection is not an int4 weight on the C kernels"
+            if proj.kernel is not (kernel or proj.kernel):
+                return "projections use different int4 kernels"
+            kernel = proj.kernel
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        ok = ok and all(w.dtype == torch.float32 and w.is_contiguous() for w in norms)
-    if not ok:
-        return None
+        if not all(w.dtype == torch.float32 and w.is_contiguous() for w in norms):
+            return "a norm weight is not contiguous float32"
+    return None
+
+
+def decoder_loop_for(model) -> tuple[DecoderLoop | None, str | None]:
+    """(the loop, None) when every layer of `model` runs the C kernels and the library builds and
+    checks, else (None, why not)."""
+    reason = why_no_decoder_loop(model)
+    if reason is not None:
+        return None, reason
     lib = kernels.load(SPEC)
-    return DecoderLoop(lib, model) if lib is not None else None
+    return (DecoderLoop(lib, model), None) if lib is not None else (None, "its C library did not build or check")
 
 
 # Run in a child (model/kernels.py): two layers over stand-in kernels (Python callbacks: each norm

@@ -41,6 +41,11 @@ class TorchLayerOps:
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2 * inter] (gate, then up) -> gelu_tanh(gate) * up (GeGLU), [T, inter]."""
+        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
         """k, v [T, kv_heads, head_dim] into the caches' rows `slots`, cast to the cache's dtype."""

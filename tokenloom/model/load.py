@@ -9,7 +9,8 @@ import os
 import torch
 
 from . import linear
-from .llama import LlamaConfig, LlamaModel
+from .config import ModelConfig
+from .decoder import DecoderModel
 from .loader import ModelSource, bundled_model_path, load_model
 from .tokenizer import TokenizerWrapper, load_tokenizer
 
@@ -24,17 +25,12 @@ def model_path(source: str | None) -> str:
 def load(
     source: str | None = None, dtype: str = "float32", device: str = "cpu", quantization: str | None = None,
     kv_cache_dtype: str = "auto",
-) -> tuple[LlamaModel, TokenizerWrapper, LlamaConfig]:
+) -> tuple[DecoderModel, TokenizerWrapper, ModelConfig]:
     resolved = ModelSource.resolve(model_path(source))
     model = load_model(resolved, dtype=dtype, device=device, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
-    if quantization not in (None, "none"):
-        cap = linear.detect()
-        kernel = f" ({cap['int4_kernel']} kernel)" if model.quantization == "int4" else ""
-        logger.info("forward path: %s weights%s, %s residual, %s KV cache, %s decode attention, %s layer ops, "
-                    "decoder loop %s (asked %s; torch CPU capability %s, bf16 %s)", model.quantization, kernel, dtype,
-                    str(model.kv_cache_dtype).removeprefix("torch."), model.decode_attention.name,
-                    model.layer_ops.name, "on" if model.decoder_loop is not None else "off", quantization,
-                    cap["cpu_capability"], cap["avx512_bf16"])
+    cap = linear.detect() if quantization not in (None, "none") else None
+    logger.info("%s (asked %s%s)", model.plan.line(), quantization or "none",
+                f"; torch CPU capability {cap['cpu_capability']}, bf16 {cap['avx512_bf16']}" if cap else "")
     return model, load_tokenizer(resolved.path), model.config
 
 

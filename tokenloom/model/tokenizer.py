@@ -1,7 +1,9 @@
 """Tokenizer, chat template and incremental detokenizer.
 
 The tokenizer is built with the `tokenizers` library from a GGUF file's metadata (GPT-2 style
-byte-level BPE: tokens, merges, token types) or loaded from a `tokenizer.json`. The chat template
+byte-level BPE from tokens, merges and the pre-tokenizer's name; or SentencePiece-style BPE over "▁"
+words with byte fallback, its merges ranked by the tokens' scores, as Gemma's) or loaded from a
+`tokenizer.json`. The chat template
 comes from the same metadata (or `tokenizer_config.json`) and is rendered with jinja2 in a sandbox,
 as Hugging Face renders it. `IncrementalDetokenizer` turns a growing list of token ids into text
 deltas that never split a UTF-8 character.
@@ -15,11 +17,20 @@ from collections.abc import Sequence
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
-_GGUF_CONTROL = 3  # tokenizer.ggml.token_type value for control (special) tokens
+_GGUF_NORMAL = 1  # tokenizer.ggml.token_type values
+_GGUF_CONTROL = 3  # control (special) tokens
 _GGUF_USER_DEFINED = 4
+_GGUF_BYTE = 6  # <0x41>: SentencePiece's byte-fallback pieces
+
+# Pre-tokenizer split rules by GGUF `tokenizer.ggml.pre` (each the regex the model's own tokenizer.json
+# uses; ByteLevel then maps bytes without splitting again). Not listed: GPT-2's own regex.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")}
+_DIGIT_SPLIT = ("smollm", "starcoder")  # single digits, then GPT-2's regex
 
 
 class TokenizerWrapper:
@@ -47,26 +58,28 @@ class TokenizerWrapper:
 
         reader = read_gguf_metadata(path)
         kind = gguf_field(reader, "tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is)")
-        tokens = list(gguf_field(reader, "tokenizer.ggml.tokens"))
-        merges = [tuple(m.split(" ", 1)) for m in gguf_field(reader, "tokenizer.ggml.merges")]
-        types = list(gguf_field(reader, "tokenizer.ggml.token_type", [1] * len(tokens)))
-        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if gguf_field(reader, "tokenizer.ggml.pre") in ("smollm", "starcoder", "qwen2", "llama-bpe"):
-            # These pre-tokenizers split numbers into single digits before the GPT-2 regex.
-            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        tokens = list(gguf_field(reader, "tokenizer.ggml.tokens", []))
+        types = list(gguf_field(reader, "tokenizer.ggml.token_type", [_GGUF_NORMAL] * len(tokens)))
+        if kind == "gpt2":
+            tok = _byte_level_bpe(tokens, list(gguf_field(reader, "tokenizer.ggml.merges")),
+                                  gguf_field(reader, "tokenizer.ggml.pre"))
+        elif kind == "llama":
+            tok = _sentencepiece_bpe(tokens, list(gguf_field(reader, "tokenizer.ggml.scores")), types,
+                                     unk=int(gguf_field(reader, "tokenizer.ggml.unknown_token_id", 0)),
+                                     space_prefix=bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True)))
         else:
-            tok.pre_tokenizer = byte_level
-        tok.decoder = decoders.ByteLevel()
-        special = [t for t, ty in zip(tokens, types, strict=True) if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)]
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+            raise ValueError(f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
+                             "SentencePiece BPE 'llama' are)")
+        # Control tokens are special (skipped when decoding); user-defined ones (Gemma's whitespace runs,
+        # Qwen's <tool_call>) are whole tokens that decode as text, as in the models' own tokenizer.json.
+        tok.add_tokens([AddedToken(t, special=ty == _GGUF_CONTROL, normalized=False)
+                        for t, ty in zip(tokens, types, strict=True) if ty in (_GGUF_CONTROL, _GGUF_USER_DEFINED)])
         eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
         bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
         eos_ids = [int(eos)] if eos is not None else []
         # The end-of-text token also ends generation for chat models trained with a separate turn end.
-        eos_ids += [tokens.index(t) for t in ("<|endoftext|>", "<|im_end|>", "<|eot_id|>") if t in tokens]
+        eos_ids += [tokens.index(t) for t in ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+                    if t in tokens]
         return cls(
             tok,
             eos_ids,
@@ -139,6 +152,44 @@ class TokenizerWrapper:
         if token_id in self._added_ids or any(c not in decoder for c in piece):
             return piece.encode("utf-8")
         return bytes(decoder[c] for c in piece)
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Tokenizer:
+    """GPT-2 style: text split by the model's regex, bytes mapped to printable characters, BPE merges."""
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                               merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    if pre in _SPLITS:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    elif pre in _DIGIT_SPLIT:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], unk: int,
+                       space_prefix: bool) -> Tokenizer:
+    """SentencePiece BPE (llama.cpp's "llama" tokenizer model): spaces become "▁", pairs merge best score
+    first, and a character outside the vocabulary falls back to its UTF-8 bytes (<0xNN> pieces). The
+    merges are every split of a vocabulary piece into two vocabulary pieces, ranked by the piece's
+    score (as Hugging Face's converter derives them)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    mergeable = [(score, i, t) for i, (t, score, ty) in enumerate(zip(tokens, scores, types, strict=True))
+                 if ty == _GGUF_NORMAL and len(t) > 1]
+    merges = []
+    for score, _, t in sorted(mergeable, key=lambda m: -m[0]):  # stable: ties keep the vocabulary order
+        splits = [(t[:k], t[k:]) for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab]
+        merges += sorted(splits, key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=tokens[unk], fuse_unk=True, byte_fallback=True))
+    replace = normalizers.Replace(" ", "▁")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), replace]) if space_prefix else replace
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    return tok
 
 
 def load_tokenizer(model_path: str) -> TokenizerWrapper:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model.llama import LlamaConfig
+from ..model.config import ModelConfig
 from ..step import StepShape, is_decode
 
 LINEAR_FEATURES = ("tokens", "sampled", "seqs", "prefill_seqs", "decode_kv", "prefill_attn")
@@ -167,14 +167,14 @@ HARDWARE = {
 }
 
 MODELS = {
-    "llama-3-8b": LlamaConfig(128256, 4096, 14336, 32, 32, 8, 500000.0, 1e-5, 8192, False),
-    "llama-3-70b": LlamaConfig(128256, 8192, 28672, 80, 64, 8, 500000.0, 1e-5, 8192, False),
-    "mistral-7b": LlamaConfig(32000, 4096, 14336, 32, 32, 8, 1e6, 1e-5, 32768, False),
-    "smollm2-135m": LlamaConfig(49152, 576, 1536, 30, 9, 3, 100000.0, 1e-5, 8192, True),
+    "llama-3-8b": ModelConfig(128256, 4096, 14336, 32, 32, 8, 500000.0, 1e-5, 8192, False),
+    "llama-3-70b": ModelConfig(128256, 8192, 28672, 80, 64, 8, 500000.0, 1e-5, 8192, False),
+    "mistral-7b": ModelConfig(32000, 4096, 14336, 32, 32, 8, 1e6, 1e-5, 32768, False),
+    "smollm2-135m": ModelConfig(49152, 576, 1536, 30, 9, 3, 100000.0, 1e-5, 8192, True),
 }
 
 
-def body_params(cfg: LlamaConfig) -> int:
+def body_params(cfg: ModelConfig) -> int:
     """Weights every token goes through (attention and MLP of all layers; no embedding, no LM head)."""
     hd = cfg.dim_per_head
     attn = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + cfg.num_heads * hd * cfg.hidden_size
@@ -195,7 +195,7 @@ class RooflineCostModel:
     kind = "roofline"
 
     @property
-    def model_config(self) -> LlamaConfig:
+    def model_config(self) -> ModelConfig:
         return MODELS[self.model]
 
     @property

@@ -16,7 +16,7 @@ from ..bench.replay import ReplayResult, VirtualClock, replay
 from ..bench.workload import WorkloadRequest
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
-from ..model.llama import LlamaConfig
+from ..model.config import ModelConfig
 from ..step import Runner, StepPlan, StepResult, samples
 from .cost_model import MODELS, CostModel, StepFeatures, step_features
 
@@ -51,7 +51,7 @@ class SimRunner(Runner):
 def build_sim_engine(
     cost_model: CostModel,
     config: EngineConfig | None = None,
-    model_config: LlamaConfig | None = None,
+    model_config: ModelConfig | None = None,
     tokenizer=None,
 ) -> tuple[LLMEngine, VirtualClock]:
     """An `LLMEngine` over a `SimRunner`. The pretended model defaults to the preset's model (roofline
@@ -74,7 +74,7 @@ def simulate(
     cost_model: CostModel,
     workload: list[WorkloadRequest],
     config: EngineConfig | None = None,
-    model_config: LlamaConfig | None = None,
+    model_config: ModelConfig | None = None,
     tokenizer=None,
 ) -> ReplayResult:
     """Run `workload` through the real scheduler and KV cache on a virtual clock."""

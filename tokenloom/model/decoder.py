@@ -1,7 +1,9 @@
-"""A Llama-family decoder written for one flat, variable-length batch per step.
+"""The decoder layers every architecture shares, written for one flat, variable-length batch per step.
 
-Read top to bottom: config → RMSNorm → RoPE → attention over the paged KV cache → SwiGLU MLP →
-decoder layer → model. A forward takes the tokens of many sequences concatenated (prefill chunks and
+Read top to bottom: RMSNorm → RoPE → attention over the paged KV cache → gated MLP → decoder layer →
+model. What a family does differently (biases, QK-norm, GeGLU, sandwich norms, embedding scale,
+sliding-window layers with their own RoPE base) is a field of `ModelConfig` (model/config.py) that
+a layer reads once when it is built; model/architectures/ fills the config and names the weights. A forward takes the tokens of many sequences concatenated (prefill chunks and
 single decode tokens together) plus a `ForwardBatch` saying where each token's K/V goes in the paged
 cache (`slot_mapping`) and which cache slots each sequence attends to. Decode tokens come first in the
 flat batch, then short prefill chunks, then long ones: the first `decode_like_rows` rows are few per
@@ -11,9 +13,9 @@ sequence, the rest are long chunks, and a projection may send the two groups to 
 when the C kernel runs) and the rest as prefill spans through SDPA. Nothing is padded. The LM head
 runs only on `logits_indices`.
 
-The math mirrors Hugging Face's LlamaForCausalLM operation by operation (RMSNorm in float32,
-rotate-half RoPE, scaled-dot-product attention, SiLU-gated MLP), so float32 output matches it token
-for token.
+The math mirrors Hugging Face's Llama, Qwen2 and Gemma 3 models operation by operation (RMSNorm in
+float32, rotate-half RoPE, scaled-dot-product attention, gated MLP), so float32 output matches them
+token for token (tests/test_architectures.py).
 """
 
 from __future__ import annotations
@@ -24,27 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import ModelConfig
 from .layer_ops import TORCH_OPS, TorchLayerOps
 from .paged_attention import TorchDecodeAttention
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = True
-    head_dim: int | None = None
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
 
 
 @dataclass
@@ -80,11 +64,13 @@ class Linear(nn.Linear):
     needs not."""
 
     def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
-    ops: TorchLayerOps = TORCH_OPS  # set per model at load (LlamaModel.layer_ops)
+    """`weight` is the multiplier itself (Gemma's checkpoints store it minus one; the loader adds it back)."""
+
+    ops: TorchLayerOps = TORCH_OPS  # set per model at load (DecoderModel.layer_ops)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -104,6 +90,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        self.theta = theta
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
@@ -112,10 +99,17 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-class Attention(nn.Module):
-    ops: TorchLayerOps = TORCH_OPS  # set per model at load (LlamaModel.layer_ops)
+def window_mask(query_positions: torch.Tensor, context_len: int, window: int) -> torch.Tensor:
+    """[queries, context] bool: key position j is seen by the query at position p when p - window < j <= p."""
+    keys = torch.arange(context_len, device=query_positions.device)[None, :]
+    p = query_positions[:, None]
+    return (keys <= p) & (keys > p - window)
 
-    def __init__(self, cfg: LlamaConfig):
+
+class Attention(nn.Module):
+    ops: TorchLayerOps = TORCH_OPS  # set per model at load (DecoderModel.layer_ops)
+
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -123,23 +117,37 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # Q, K and V in one matmul: one pass over the activations instead of three.
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.attention_scale
+        self.window = cfg.window(layer)  # None: the whole context
+        self.rope_theta = cfg.layer_rope_theta(layer)
+
+    def _normed_heads(self, qkv: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Q and K as [T, heads + kv_heads, head_dim], each head RMS-normed (QK-norm)."""
+        qk = qkv[:, : self.q_size + self.kv_size].reshape(num_tokens, -1, self.head_dim)
+        q = self.q_norm(qk[:, : self.num_heads].reshape(-1, self.head_dim))
+        k = self.k_norm(qk[:, self.num_heads :].reshape(-1, self.head_dim))
+        return torch.cat([q.view(num_tokens, self.num_heads, -1), k.view(num_tokens, self.num_kv_heads, -1)], 1)
 
     def forward(
         self,
         x: torch.Tensor,
         batch: ForwardBatch,
-        rope: tuple[torch.Tensor, torch.Tensor],  # (cos, sin) of this step's positions
+        rope: tuple[torch.Tensor, torch.Tensor],  # (cos, sin) of this step's positions for this layer's base
         decode,  # (decode attention, what it prepared for this step), see model/paged_attention.py
         k_cache: torch.Tensor,  # [num_slots, kv_heads, head_dim] (a view of this layer's blocks)
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         num_tokens, d = x.shape[0], batch.num_decodes
         qkv = self.qkv_proj(x, batch.decode_like_rows)
-        # RoPE on Q and K in one go: they sit side by side in the fused projection's output.
-        qk = self.ops.rope(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *rope)
+        if self.q_norm is None:  # RoPE on Q and K in one go: they sit side by side in the projection's output
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        else:
+            qk = self._normed_heads(qkv, num_tokens)
+        qk = self.ops.rope(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         # Write the new K/V first: every query then reads its whole context from the cache,
@@ -155,63 +163,78 @@ class Attention(nn.Module):
             else:
                 out[:d] = od
         for span in batch.prefills:
+            mask, causal = span.causal_mask, span.causal_mask is None
+            if self.window is not None and len(span.context_slots) > self.window:
+                positions = batch.positions[span.query_start : span.query_start + span.query_len]
+                mask, causal = window_mask(positions, len(span.context_slots), self.window), False
             # 4-D [1, heads, tokens, head_dim]: SDPA's CPU flash kernel (3-D inputs take the math path,
             # which materialises the whole score matrix: 2.7x slower for 512 queries over 6,000 keys).
             qs = q[span.query_start : span.query_start + span.query_len].transpose(0, 1)[None]
             ks = k_cache[span.context_slots].to(qs.dtype).transpose(0, 1)[None]  # [1, KVH, C, hd]
             vs = v_cache[span.context_slots].to(qs.dtype).transpose(0, 1)[None]
             os_ = F.scaled_dot_product_attention(
-                qs,
-                ks,
-                vs,
-                attn_mask=span.causal_mask,
-                is_causal=span.causal_mask is None,
-                scale=self.scale,
-                enable_gqa=True,
-            )
+                qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
             out[span.query_start : span.query_start + span.query_len] = os_[0].transpose(0, 1)
         return self.o_proj(out.reshape(num_tokens, self.q_size), batch.decode_like_rows)
 
 
 class MLP(nn.Module):
-    ops: TorchLayerOps = TORCH_OPS  # set per model at load (LlamaModel.layer_ops)
+    ops: TorchLayerOps = TORCH_OPS  # set per model at load (DecoderModel.layer_ops)
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor, decode_like_rows: int) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x, decode_like_rows)), decode_like_rows)
+        gate_up = self.gate_up_proj(x, decode_like_rows)
+        act = self.ops.gelu_tanh_mul(gate_up) if self.gelu else self.ops.silu_mul(gate_up)
+        return self.down_proj(act, decode_like_rows)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """Pre-norm attention and MLP, each added to the residual stream. With `sandwich_norms` each branch's
+    output is normed again before the add (Gemma's post_attention / post_feedforward norms)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the MLP's input norm
         self.mlp = MLP(cfg)
+        sandwich = cfg.sandwich_norms
+        self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
+        self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
 
     def forward(self, x, batch, rope, decode, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), batch, rope, decode, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.decode_like_rows)
+        h = self.self_attn(self.input_layernorm(x), batch, rope, decode, k_cache, v_cache)
+        x = x + (h if self.attn_output_norm is None else self.attn_output_norm(h))
+        h = self.mlp(self.post_attention_layernorm(x), batch.decode_like_rows)
+        return x + (h if self.mlp_output_norm is None else self.mlp_output_norm(h))
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope = RotaryEmbedding(cfg.dim_per_head, cfg.max_position_embeddings, cfg.rope_theta)
+        thetas = sorted({cfg.layer_rope_theta(i) for i in range(cfg.num_layers)})
+        self.ropes = nn.ModuleList(RotaryEmbedding(cfg.dim_per_head, cfg.max_position_embeddings, t) for t in thetas)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.logits_proj: nn.Module | None = None  # a quantized LM head (model/linear.py), when chosen
         self.decode_attention = TorchDecodeAttention()  # or the paged C kernel, chosen at load
         self.kv_cache_dtype: torch.dtype | None = None  # None: the activations' dtype; set at load
         self.layer_ops = TORCH_OPS  # or the C ones (model/layer_ops.py), chosen at load
         self.decoder_loop = None  # all layers in one C call when every row takes the C kernels (set at load)
+        self.windows = sorted({w for i in range(cfg.num_layers) if (w := cfg.window(i))})
+
+    @property
+    def rope(self) -> RotaryEmbedding:
+        """The RoPE of the full-attention layers (the only one a Llama has)."""
+        return next(r for r in self.ropes if r.theta == self.config.rope_theta)
 
     @property
     def layer_ops(self) -> TorchLayerOps:
@@ -224,21 +247,42 @@ class LlamaModel(nn.Module):
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.config.embedding_scale is not None:  # in the weights' dtype, as Gemma's embedding does
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        return x
+
+    def _decode_attention(self, batch: ForwardBatch) -> dict[int | None, tuple]:
+        """(attention, prepared) per window (None: full layers), prepared once a step. A sliding layer
+        whose rows all see less than its window attends like a full one; otherwise it takes the torch
+        path with the window in its mask (the C kernels attend to a whole context)."""
+        attend = self.decode_attention
+        full = attend, attend.prepare(batch.decode_block_tables, batch.decode_context_lens, batch.block_size)
+        decode: dict[int | None, tuple] = {None: full}
+        longest = int(batch.decode_context_lens.max()) if self.windows else 0
+        for window in self.windows:
+            if longest <= window:
+                decode[window] = full
+            else:
+                torch_attend = TorchDecodeAttention()
+                decode[window] = torch_attend, torch_attend.prepare(
+                    batch.decode_block_tables, batch.decode_context_lens, batch.block_size, window)
+        return decode
+
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden states of all tokens, float32 logits at `batch.logits_indices`)."""
-        x = self.embed_tokens(input_ids)
-        rope = self.rope(batch.positions, x.dtype)
-        decode = None
-        if batch.num_decodes:
-            attend = self.decode_attention
-            decode = attend, attend.prepare(batch.decode_block_tables, batch.decode_context_lens, batch.block_size)
+        x = self.embed(input_ids)
+        ropes = {r.theta: r(batch.positions, x.dtype) for r in self.ropes}
+        decode = self._decode_attention(batch) if batch.num_decodes else {}
         if self.decoder_loop is not None and self.decoder_loop.applies(self, x, batch):
-            x = self.decoder_loop(x, batch, rope, decode[1], kv_caches)
+            x = self.decoder_loop(x, batch, ropes[self.config.rope_theta], decode[None][1], kv_caches)
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-                x = layer(x, batch, rope, decode, k_cache, v_cache)
+                attn = layer.self_attn
+                x = layer(x, batch, ropes[attn.rope_theta], decode.get(attn.window), k_cache, v_cache)
         x = self.norm(x)
         return x, self.compute_logits(x[batch.logits_indices])
 

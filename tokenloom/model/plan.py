@@ -1,0 +1,69 @@
+"""The forward plan: every choice about how a model's forward runs, made once at load and kept in one
+immutable record (`model.plan`), with the reason for each path not taken. Every entry point (serve,
+generate, the offline `LLM`, the benchmarks) logs the same one line from it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from .config import SLIDING
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    architecture: str
+    weights: str  # the projections' format and kernel
+    weight_sources: str  # which of the file's block formats they came from
+    residual: str  # dtype of the residual stream
+    kv_cache: str
+    attention: str  # decode rows and prompt tokens through the paged cache
+    layer_ops: str  # RMSNorm, RoPE, KV write, gated activation
+    lm_head: str
+    long_prompts: str  # what prefill chunks of SHORT_CHUNK rows or more go through
+    decoder_loop: str  # "on" or "off: why"
+
+    def line(self) -> str:
+        return (f"forward plan: {self.architecture}; weights {self.weights} (from {self.weight_sources}); "
+                f"{self.residual} residual; {self.kv_cache} KV cache; attention {self.attention}; "
+                f"layer ops {self.layer_ops}; LM head {self.lm_head}; long prompts {self.long_prompts}; "
+                f"decoder loop {self.decoder_loop}")
+
+
+def _dtype(t: torch.dtype | None) -> str:
+    return str(t).removeprefix("torch.")
+
+
+def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> ForwardPlan:
+    """Describe the model as loaded (`source_types`: the file's block format of every projection weight)."""
+    from .linear import Int4Linear, Int8Linear, RescoredInt8Head
+
+    cfg = model.config
+    projection = model.layers[0].mlp.down_proj
+    if isinstance(projection, Int4Linear):
+        weights = f"int4 ({projection.kernel.name if projection.kernel is not None else 'torch'} kernel)"
+        long_prompts = "dense bf16 (oneDNN-packed)" if projection.dense is not None else "int4"
+    elif isinstance(projection, Int8Linear):
+        weights, long_prompts = "int8", "int8"
+    else:
+        weights = long_prompts = _dtype(projection.weight.dtype)
+    head = model.logits_proj
+    if isinstance(head, RescoredInt8Head):
+        lm_head = "int8, top 16 rescored in float32"
+    elif head is not None:
+        lm_head = "int8"
+    else:
+        lm_head = "tied to the embedding" if model.lm_head is None else _dtype(model.lm_head.weight.dtype)
+    attention = model.decode_attention.name
+    if cfg.layer_types and SLIDING in cfg.layer_types:
+        attention += f" (sliding layers: torch beyond {cfg.sliding_window} positions)"
+    sources = ", ".join(f"{n} {kind}" for kind, n in source_types.most_common()) or "random weights"
+    if weights.startswith("int4") and set(source_types) - {"Q4_1"}:
+        sources += "; all but Q4_1 requantized to Q4_1"
+    return ForwardPlan(
+        architecture=cfg.architecture, weights=weights, weight_sources=sources,
+        residual=_dtype(model.embed_tokens.weight.dtype), kv_cache=_dtype(model.kv_cache_dtype),
+        attention=attention, layer_ops=model.layer_ops.name, lm_head=lm_head, long_prompts=long_prompts,
+        decoder_loop="on" if model.decoder_loop is not None else f"off: {loop_reason}")
