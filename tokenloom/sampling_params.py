@@ -21,8 +21,16 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# Constraint sizes: each is built once per request (engine/constraints.py), but its memory and the time to
+# build it grow with these. The largest vocabularies in use are ~256k tokens.
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+MAX_LOGIT_BIAS = 1024  # OpenAI's limit is 300
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 1024
+MAX_BAD_WORDS_TOTAL_CHARS = 16384  # two token sequences per word go into the bad-word automaton
 MAX_TEMPERATURE = 1e4
 MAX_REPETITION_PENALTY = 1e4
+MAX_CACHE_SALT_CHARS = 1024
 _TOP_K_OFF = (None, 0, -1)
 # Fields whose None means "the default" (for max_tokens, seed, logprobs, ... None is a value).
 _NONE_IS_DEFAULT = ("n", "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -56,6 +64,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] | None = None  # words that must not be generated
     structured_outputs: StructuredOutputsParams | dict | None = None  # a grammar the output must follow
+    # Prefix-cache isolation (vLLM's name): requests share cached KV blocks only under the same salt.
+    # A gateway sets one secret value per tenant, so no tenant can hit (and time) another's prompts.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -70,23 +81,28 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError):
                 raise ValueError("logit_bias: must map integer token ids to numbers") from None
-            if len(self.logit_bias) > 1024:
-                raise ValueError("logit_bias: at most 1024 tokens")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens")
             if not all(-100 <= v <= 100 for v in self.logit_bias.values()):
                 raise ValueError("logit_bias: values must be in [-100, 100]")
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not isinstance(ids, list | tuple) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
                 raise ValueError("allowed_token_ids: must be a non-empty list of non-negative integers")
-            if len(ids) > 1 << 20:
-                raise ValueError("allowed_token_ids: too many ids")
+            if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids: at most {MAX_ALLOWED_TOKEN_IDS} ids (got {len(ids)})")
             self.allowed_token_ids = list(ids)
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list | tuple) or not all(isinstance(w, str) and w for w in self.bad_words):
                 raise ValueError("bad_words: must be a list of non-empty strings")
-            if len(self.bad_words) > 1024 or any(len(w) > 1024 for w in self.bad_words):
-                raise ValueError("bad_words: at most 1024 words of at most 1024 characters")
+            if (len(self.bad_words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in self.bad_words)
+                    or sum(map(len, self.bad_words)) > MAX_BAD_WORDS_TOTAL_CHARS):
+                raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} "
+                                 f"characters, {MAX_BAD_WORDS_TOTAL_CHARS} in all")
             self.bad_words = list(self.bad_words)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt: must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

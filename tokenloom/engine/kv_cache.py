@@ -8,8 +8,12 @@ one of three states, which `check_invariants()` verifies:
   by a cache hit until it is evicted);
 - free and empty: `ref_cnt == 0`, no key, in the free queue.
 
-Prefix caching: a *full* block is identified by the key (parent block's key hash, its token ids,
-extra keys); a sequence's keys chain from its first block, so equal keys mean equal prefixes. Keys
+Prefix caching: a *full* block is identified by its key, SHA-256 over the parent block's key and the
+block's token ids (the first block's over the request's `cache_salt` instead of a parent); a sequence's
+keys chain from its first block, so equal keys mean equal prefixes under the same salt. A collision-
+resistant hash because a collision would hand one request another's KV (Python's `hash()` of tuples is
+not: vLLM's CVE-2025-25183 is this class), and a salt because tenants that must not learn each other's
+prompts through cache hits (TTFT, the hit counters) must not share blocks at all. Keys
 are registered when a block is allocated for the tokens that fill it (the forward that computes it
 runs before anything else can read it), and dropped only when a free block is taken for reuse
 (LRU eviction: the free queue hands out the least recently freed block first, and a sequence's
@@ -21,7 +25,9 @@ written again: no copy-on-write is needed.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -33,7 +39,21 @@ from ..step import Sequence
 if TYPE_CHECKING:
     import torch
 
-BlockKey = tuple  # (parent key hash or None, token ids tuple, extra keys)
+BlockKey = bytes  # SHA-256 digest of the block's prefix: see block_key
+
+
+def block_key(parent: BlockKey | None, token_ids, salt: str | None = None) -> BlockKey:
+    """The prefix-cache key of a full block: SHA-256 over a tag, the parent's key (or, for the first
+    block, the salt, length-prefixed so no salt is a prefix of another's encoding) and the token ids as
+    fixed-width unsigned 32-bit integers (a block always holds block_size of them)."""
+    h = hashlib.sha256()
+    if parent is None:
+        salt_bytes = (salt or "").encode("utf-8", "surrogatepass")
+        h.update(b"first\0" + len(salt_bytes).to_bytes(8, "little") + salt_bytes)
+    else:
+        h.update(b"next\0" + parent)
+    h.update(array("I", token_ids).tobytes())
+    return h.digest()
 
 
 def kv_cache_size(config: EngineConfig, model_config: ModelConfig, kv_dtype: torch.dtype | None = None
@@ -128,9 +148,10 @@ class KVCacheManager:
 
     def _keys_up_to(self, seq: Sequence, num_full_blocks: int) -> list[BlockKey]:
         bs, keys = self.block_size, seq.block_keys
+        salt = seq.params.cache_salt
         while len(keys) < num_full_blocks:
             i = len(keys)
-            keys.append((hash(keys[i - 1]) if i else None, tuple(seq.token_ids[i * bs : (i + 1) * bs]), ()))
+            keys.append(block_key(keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs], salt))
         return keys[:num_full_blocks]
 
     def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:

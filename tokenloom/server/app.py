@@ -29,6 +29,7 @@ from .protocol import (
     TokenizeRequest,
 )
 from .state import ServerState, now_s
+from .tenancy import ClientPriorityRange, MetricsAccess, public_metrics
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -55,9 +56,19 @@ def build_app(
     model_path: str | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     shutdown_timeout: float = 30.0,
+    metrics_token: str | None = None,
+    metrics_open: bool = False,
+    client_priority: ClientPriorityRange | None = None,
+    trust_chat_messages: bool = False,
 ) -> FastAPI:
+    """`metrics_token`/`metrics_open`: who reads /metrics (tenancy.MetricsAccess); `client_priority`:
+    the `priority` values a client may send; `trust_chat_messages`: chat message content may
+    spell control tokens that take effect (off: content is text, see chat_text.py)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
-    state = ServerState(async_llm, names or ["tokenloom"], model_path, metrics)
+    state = ServerState(async_llm, names or ["tokenloom"], model_path, metrics,
+                        client_priority=client_priority or ClientPriorityRange(),
+                        trust_chat_messages=trust_chat_messages)
+    metrics_access = MetricsAccess(api_key, metrics_token, metrics_open)
 
     deadline: list[float] = []  # set once shutdown begins
 
@@ -123,29 +134,53 @@ def build_app(
             raise APIError(400, "prompt: give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
             _, tokens = await render_prompt_ids(state, ChatCompletionRequest(
-                messages=body.messages, add_generation_prompt=body.add_generation_prompt))
+                messages=body.messages, add_generation_prompt=body.add_generation_prompt),
+                add_special_tokens=body.add_special_tokens)
         else:
-            tokens = await state.encode(body.prompt, "prompt")
+            tokens = await state.encode(body.prompt, "prompt", body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": async_llm.config.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize", responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest):
         state.check_model(body.model)
+        if len(body.tokens) > state.max_model_len:
+            raise _detokenize_too_long(state.max_model_len)
         vocab = state.tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens: every id must be in [0, {vocab})", param="tokens")
         return {"prompt": await state.decode(body.tokens)}
 
-    @app.get("/metrics")
-    async def prometheus_metrics():
+    @app.get("/metrics", responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
+    async def prometheus_metrics(request: Request):
+        view = metrics_access.view(request.headers.get("authorization", "").encode("latin-1"))
+        if view is None:
+            return metrics_access.refusal().response()
         if metrics is None:
             return APIError(404, "metrics are disabled").response()
         from ..engine.metrics import CONTENT_TYPE
 
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        text = metrics.render()
+        return Response(text if view == "full" else public_metrics(text), media_type=CONTENT_TYPE)
 
-    # Outermost first: the size limit runs before auth reads anything, auth before the app.
+    # Starlette runs the middleware added last first: auth (headers only) before anything reads a
+    # body, then the size limits, then the app.
+    max_ids = async_llm.config.max_model_len
+    detokenize_limit = (max_ids * DETOKENIZE_BYTES_PER_ID + DETOKENIZE_SLACK_BYTES, _detokenize_too_long(max_ids))
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes,
+                       route_limits={"/detokenize": detokenize_limit})
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
     return app
+
+
+# /detokenize takes at most a context's worth of ids, and its body is bounded to match before it is
+# parsed: a million ids parse into ~40 MB of Python ints each, and 60 such calls left the process
+# 1.9 GB larger for good (freed ints stay in the allocator's arenas).
+DETOKENIZE_BYTES_PER_ID = 16  # "49151, " is 7; room for whitespace
+DETOKENIZE_SLACK_BYTES = 64 * 1024
+
+
+def _detokenize_too_long(max_ids: int) -> APIError:
+    return APIError(400, f"tokens: /detokenize takes at most {max_ids} token ids (max_model_len; a body over "
+                    f"{max_ids * DETOKENIZE_BYTES_PER_ID + DETOKENIZE_SLACK_BYTES} bytes is refused unread)",
+                    param="tokens")

@@ -17,27 +17,39 @@ from .streams import ChoiceDelta
 from .structured import ToolChoice, tool_choice
 
 
-def render_prompt(state: ServerState, req: ChatCompletionRequest, tools: ToolChoice | None = None) -> str:
+def render_prompt(state: ServerState, req: ChatCompletionRequest, tools: ToolChoice | None = None
+                  ) -> tuple[str, list[int] | None]:
+    """The rendered prompt and, unless the operator trusts chat messages, its ids with message content
+    tokenized as text (chat_text.py; no BOS yet)."""
+    messages = convert.chat_messages(req, tools)
+    encoder = state.chat_encoder
     try:
-        return state.tokenizer.apply_chat_template(convert.chat_messages(req, tools), req.add_generation_prompt)
+        if state.trust_chat_messages:
+            return state.tokenizer.apply_chat_template(messages, req.add_generation_prompt), None
+        encoder.check_messages(messages)
+        text, spans = encoder.render(messages, req.add_generation_prompt)
     except (ValueError, APIError):
         raise
     except Exception as exc:  # jinja errors: the messages do not fit the template
         raise APIError(400, f"messages: the chat template failed: {exc}", param="messages") from exc
+    state.check_text_length(len(text), "messages")
+    return text, encoder.encode(text, spans, messages)
 
 
-async def render_prompt_ids(state: ServerState, req: ChatCompletionRequest,
-                            tools: ToolChoice | None = None) -> tuple[str, list[int]]:
+async def render_prompt_ids(state: ServerState, req: ChatCompletionRequest, tools: ToolChoice | None = None,
+                            add_special_tokens: bool = True) -> tuple[str, list[int]]:
     """The rendered prompt and its ids; long conversations are rendered off the event loop, and
     one whose text alone cannot fit the context is refused before rendering."""
     chars = sum(len(m.content) if isinstance(m.content, str) else
                 sum(len(p.text or "") for p in m.content or ()) for m in req.messages)
     state.check_text_length(chars, "messages")
     if chars < INLINE_CHARS:
-        text = render_prompt(state, req, tools)
+        text, ids = render_prompt(state, req, tools)
     else:
-        text = await state.run_off_loop(render_prompt, state, req, tools)
-    return text, await state.encode(text, "messages")
+        text, ids = await state.run_off_loop(render_prompt, state, req, tools)
+    if ids is None:
+        return text, await state.encode(text, "messages", add_special_tokens)
+    return text, state.with_bos(ids) if add_special_tokens else ids
 
 
 class _ChatView(GenerationView):

@@ -32,6 +32,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
                         "(default: $TOKENLOOM_API_KEY; unset = no auth)")
+    p.add_argument("--metrics-token", default=os.environ.get("TOKENLOOM_METRICS_TOKEN"),
+                   help="a scrape-only token: /metrics then needs 'Bearer TOKEN' (not the API key) and shows "
+                        "everything; with only --api-key, the key reads /metrics without the prefix-cache "
+                        "counters (default: $TOKENLOOM_METRICS_TOKEN)")
+    p.add_argument("--metrics-open", action="store_true",
+                   help="/metrics without a key (still without the prefix-cache counters when --api-key is set)")
+    p.add_argument("--min-client-priority", type=int, default=0,
+                   help="the most urgent `priority` a client may send (lower runs sooner; default 0: clients may "
+                        "lower their own priority, not jump the queue)")
+    p.add_argument("--max-client-priority", type=int, default=1000, help="the largest `priority` a client may send")
+    p.add_argument("--trust-chat-messages", action="store_true",
+                   help="chat message content may spell control tokens (e.g. <|im_end|>) that take effect, and any "
+                        "role goes; default: content is tokenized as text and roles are OpenAI's or the template's")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use as `model` (default: the model file's name)")
     p.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
@@ -73,6 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..engine.metrics import EngineMetrics
     from ..model.load import set_num_threads
     from .app import build_app
+    from .tenancy import ClientPriorityRange
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
@@ -90,6 +104,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(
         async_llm, names, args.api_key, metrics=metrics, model_path=config.model,
         max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
+        metrics_token=args.metrics_token, metrics_open=args.metrics_open,
+        client_priority=ClientPriorityRange(args.min_client_priority, args.max_client_priority),
+        trust_chat_messages=args.trust_chat_messages,
     )
     logging.getLogger("tokenloom.server").info(
         "serving %s on http://%s:%d (torch threads %d, auth %s)",

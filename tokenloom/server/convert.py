@@ -24,6 +24,7 @@ _SAME_NAME = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output",
     "ignore_eos", "skip_special_tokens", "priority", "logit_bias", "allowed_token_ids", "bad_words",
+    "cache_salt",
 )
 
 

@@ -68,6 +68,7 @@ class GenerationView(abc.ABC):
         arrival = time.monotonic()
         view = cls(state, req, state.check_model(req.model))
         params, prompts = await view.engine_inputs()
+        state.client_priority.check(params.priority)  # the operator's range, not the engine's int32
         view.n = params.n
         for ids in prompts:  # the model-dependent checks, before anything reaches the engine thread
             check_request(params, ids, state.vocab_size, state.max_model_len)

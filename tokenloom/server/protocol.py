@@ -71,7 +71,10 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    priority: int = 0
+    priority: int = Field(0, description="Lower runs sooner (vLLM's convention); by default a client may only "
+                          "lower its own priority (>= 0): the server's --min-client-priority bounds it")
+    cache_salt: Text | None = Field(
+        None, description="Prefix-cache isolation (vLLM's field): requests share cached KV only under the same salt")
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ..engine.async_llm import AsyncLLM
+from .chat_text import ChatEncoder
 from .errors import APIError
+from .tenancy import ClientPriorityRange
 
 INLINE_CHARS = 4096  # texts shorter than this are tokenized on the loop (well under a millisecond)
 _EXECUTOR_THREADS = 2
@@ -30,6 +32,8 @@ class ServerState:
     model_path: str | None = None
     metrics: object | None = None  # EngineMetrics
     shutting_down: bool = False
+    client_priority: ClientPriorityRange = field(default_factory=ClientPriorityRange)
+    trust_chat_messages: bool = False  # content may spell control tokens, any role (operator's choice)
     _executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(_EXECUTOR_THREADS, thread_name_prefix="tokenloom-text"))
 
@@ -69,16 +73,27 @@ class ServerState:
     async def run_off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def encode(self, text: str, param: str = "prompt") -> list[int]:
-        """Token ids of `text` as `TokenizerWrapper.encode` gives them, off the loop when long."""
+    async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` as `TokenizerWrapper.encode` gives them (with `add_special_tokens`
+        false: without the BOS it adds for a model that wants one), off the loop when long."""
         self.check_text_length(len(text), param)
         wrapper = self.tokenizer
         if len(text) < INLINE_CHARS:
-            return wrapper.encode(text)
-        ids = (await self.run_off_loop(_encode_releasing_gil, wrapper.tokenizer, text))
+            ids = wrapper.tokenizer.encode(text, add_special_tokens=False).ids
+        else:
+            ids = (await self.run_off_loop(_encode_releasing_gil, wrapper.tokenizer, text))
+        return self.with_bos(ids) if add_special_tokens else ids
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """`ids` with the BOS a model that wants one gets (unless they start with it)."""
+        wrapper = self.tokenizer
         if wrapper.add_bos_token and wrapper.bos_token_id is not None and (not ids or ids[0] != wrapper.bos_token_id):
             ids = [wrapper.bos_token_id, *ids]
         return ids
+
+    @cached_property
+    def chat_encoder(self) -> ChatEncoder:
+        return ChatEncoder(self.tokenizer)
 
     async def decode(self, ids: list[int]) -> str:
         if len(ids) < INLINE_CHARS:
