@@ -34,13 +34,14 @@ from ..config import EngineConfig
 from ..model.config import ModelConfig
 from ..model.load import load, set_num_threads
 from ..model.loader import torch_dtype
+from ..model.sampler import choice_generator
 from ..model.tokenizer import IncrementalDetokenizer, TokenizerWrapper
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..request_checks import check_request
 from ..runner import ModelRunner
 from ..sampling_params import SamplingParams
 from ..step import RowConstraint, Runner, Sequence, SequenceStatus, StepPlan, StepResult, StepShape
-from ..structured_outputs import GrammarCompiler
+from ..structured_outputs import GrammarCompiler, GrammarError
 from .constraints import RequestConstraints
 from .kv_cache import KVCacheManager, kv_cache_size
 from .scheduler import Scheduler
@@ -198,12 +199,10 @@ class LLMEngine:
         self._check_lengths(ids, params)
         # The grammar compiler (~0.1 s to build) only for a request that has a grammar.
         grammars = self.grammars if params.structured_outputs is not None else None
-        constraints = RequestConstraints.of(params, self.tokenizer, grammars)
+        constraints = RequestConstraints.of(params, self.tokenizer, grammars, self.model_config.vocab_size)
         seqs = []
         for i in range(params.n):
-            gen = None
-            if params.seed is not None:
-                gen = torch.Generator().manual_seed(params.seed + i)
+            gen = None if params.seed is None else choice_generator(params.seed, i)
             seq = Sequence(request_id, i, ids, params, self.clock() if arrival_time is None else arrival_time, gen)
             seqs.append(seq)
         detok = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
@@ -328,7 +327,8 @@ class LLMEngine:
         if state.error is not None:
             return
         logger.error("request %s failed: %r", state.request_id, exc, exc_info=exc if not collateral else None)
-        state.error = f"internal error: {exc!r}"
+        # A grammar that failed mid-generation is the request's error, said as such (not "internal").
+        state.error = str(exc) if isinstance(exc, GrammarError) else f"internal error: {exc!r}"
         if collateral:
             self.fault_stats.requests_failed_collateral += 1
         else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+import numpy as np
 import torch
 
 from .. import faults
@@ -21,6 +22,7 @@ from ..outputs import TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..step import RowConstraint
 from ..structured_outputs import bitmask_words, unpack_bitmask
+from ..token_sets import allowed_mask, bias_tensors
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int]) -> None:
@@ -60,14 +62,11 @@ def apply_constraints(logits: torch.Tensor, constraints: Seq[RowConstraint | Non
     for r, c in enumerate(constraints):
         if c is None:
             continue
-        if c.logit_bias:
-            ids = torch.tensor(list(c.logit_bias), dtype=torch.long)
-            logits[r, ids] += torch.tensor(list(c.logit_bias.values()), dtype=logits.dtype)
+        if c.logit_bias:  # the engine's TokenBias / TokenSet carry their tensors, built once per request
+            ids, values = bias_tensors(c.logit_bias, logits.dtype)
+            logits[r, ids] += values
         if c.allowed_ids is not None:
-            keep = torch.full_like(logits[r], float("-inf"))
-            ids = torch.tensor(c.allowed_ids, dtype=torch.long)
-            keep[ids] = logits[r, ids]
-            logits[r] = keep
+            logits[r].masked_fill_(~allowed_mask(c.allowed_ids, logits.shape[-1]), float("-inf"))
         if c.banned_ids:
             logits[r, list(c.banned_ids)] = float("-inf")
         if c.grammar is not None:
@@ -88,9 +87,7 @@ def apply_constraints(logits: torch.Tensor, constraints: Seq[RowConstraint | Non
         c = constraints[r]
         logits[r] = raw[r]
         if c is not None and c.allowed_ids is not None:
-            keep = torch.full_like(raw[r], float("-inf"))
-            keep[list(c.allowed_ids)] = raw[r, list(c.allowed_ids)]
-            logits[r] = keep
+            logits[r].masked_fill_(~allowed_mask(c.allowed_ids, raw.shape[-1]), float("-inf"))
 
 
 def top_logprobs(logprobs_row: torch.Tensor, chosen: int, n: int) -> TokenLogprobs:
@@ -100,6 +97,14 @@ def top_logprobs(logprobs_row: torch.Tensor, chosen: int, n: int) -> TokenLogpro
         out = dict(zip(ids.tolist(), values.tolist(), strict=True))
     out.setdefault(chosen, float(logprobs_row[chosen]))
     return out
+
+
+def choice_generator(seed: int, choice: int) -> np.random.Generator:
+    """The random stream of choice `choice` of a request seeded with `seed` (any 64-bit integer).
+    torch's CPU generator keeps only the low 32 bits of a seed, and seeding choice i with seed + i made
+    choice 1 of seed s replay choice 0 of seed s + 1; numpy's SeedSequence hashes all 64 bits and the
+    choice index (as a spawn key) into a PCG64 state, so every (seed, choice) gets its own stream."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed & (2**64 - 1), spawn_key=(choice,))))
 
 
 class Sampler:
@@ -112,7 +117,7 @@ class Sampler:
         params: list[SamplingParams],
         prompt_ids: list[Seq[int]],
         output_ids: list[Seq[int]],
-        generators: list[torch.Generator | None],
+        generators: list[np.random.Generator | None],  # seeded choices (choice_generator)
         constraints: list[RowConstraint | None],
     ) -> tuple[list[int | Exception], list[TokenLogprobs | None]]:
         args = (logits, params, prompt_ids, output_ids, generators, constraints)
@@ -159,7 +164,11 @@ class Sampler:
             probs = sub.softmax(dim=-1)
             noise = torch.empty_like(probs)
             for j, r in enumerate(random_rows):
-                noise[j].exponential_(generator=generators[r] or self.default_generator)
+                if generators[r] is None:
+                    noise[j].exponential_(generator=self.default_generator)
+                else:  # a seeded choice: its own 128-bit stream (see choice_generator)
+                    noise[j] = torch.from_numpy(generators[r].standard_exponential(noise.shape[1], dtype=np.float32))
+            noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # an Exp(1) draw of 0 would divide by zero
             tokens[rows] = (probs / noise).argmax(dim=-1)
 
         chosen = tokens.tolist()

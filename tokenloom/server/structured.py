@@ -16,6 +16,7 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from ..grammar_limits import DEFAULT_LIMITS, json_depth
 from ..structured_outputs import StructuredOutputsParams
 from .errors import APIError
 from .protocol import ChatCompletionRequest, _SamplingFields
@@ -114,6 +115,11 @@ def tool_choice(req: ChatCompletionRequest, template_knows_tools: bool) -> ToolC
         if tool.type != "function" or tool.function is None:
             raise APIError(400, f"tools[{i}]: only function tools are supported", param="tools")
         params = tool.function.parameters or {"type": "object", "properties": {}}
+        # Measured without recursion before anything walks it (`_hoist`, json.dumps): nested deeper than
+        # the grammar limit it would otherwise be a RecursionError, a 500.
+        if (depth := json_depth(params)) > DEFAULT_LIMITS.max_grammar_depth:
+            raise APIError(400, f"tools[{i}].function.parameters: a nesting depth of {depth} exceeds "
+                           f"max_grammar_depth ({DEFAULT_LIMITS.max_grammar_depth})", param="tools")
         tools[tool.function.name] = params
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     if choice == "none":
