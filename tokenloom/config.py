@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields
-from typing import Literal, get_args
+from typing import Literal, get_args, get_origin, get_type_hints
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
+QUANTIZATIONS = ("none", "auto", "int4", "q4", "q4_1", "int8", "q8")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: ~46k tokens of SmolLM2-135M KV in float32
 
 
@@ -59,7 +60,7 @@ class EngineConfig:
         choices = {
             "dtype": DTYPES,
             "kv_cache_dtype": ("auto", *DTYPES),
-            "quantization": (None, "none", "auto", "int4", "q4", "q4_1", "int8", "q8"),
+            "quantization": (None, *QUANTIZATIONS),
             "preemption_mode": ("recompute", "swap"),
             "scheduling_policy": ("fcfs", "sjf", "priority"),
             "batching": ("continuous", "dynamic", "static"),
@@ -99,17 +100,29 @@ class EngineConfig:
         return {f.name for f in fields(cls)}
 
 
+_FLAG_HELP = {
+    "model": "a GGUF file, an HF directory or a catalog name (`tokenloom models`); "
+             "default: the bundled SmolLM2-135M-Instruct",
+}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every EngineConfig field as --kebab-case option (vLLM's names)."""
-    defaults = EngineConfig()
+    """Every EngineConfig field as --kebab-case option (vLLM's names), with its choices. The help shows
+    the parser's default when --help runs (`%(default)s`), so a command's set_defaults (serve: auto, 1.5)
+    is what it prints."""
+    defaults, hints = EngineConfig(), get_type_hints(EngineConfig)
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-        else:
-            kind = type(default) if default is not None else (str if f.name in ("model", "quantization") else int)
-            parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+            continue
+        kind = type(default) if default is not None else (str if f.name in ("model", "quantization") else int)
+        choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else None
+        if f.name == "quantization":
+            choices = QUANTIZATIONS
+        parser.add_argument(flag, type=kind, default=default, choices=choices,
+                            help=_FLAG_HELP.get(f.name, "(default: %(default)s)"))
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
