@@ -18,8 +18,12 @@ logger = logging.getLogger("tokenloom.load")
 
 
 def model_path(source: str | None) -> str:
-    """The GGUF file or HF directory `source` names; None = the bundled SmolLM2-135M-Instruct."""
-    return source or bundled_model_path()
+    """The GGUF file or HF directory `source` names: a path, or a catalog name once pulled (model/catalog.py;
+    a missing path or a hub id is a ModelNotFoundError saying what to pass); None = the bundled
+    SmolLM2-135M-Instruct."""
+    from .catalog import resolve
+
+    return resolve(source) if source else bundled_model_path()
 
 
 def load(
