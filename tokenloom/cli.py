@@ -11,16 +11,6 @@ from .config import add_engine_args, engine_config_from_args
 from .model import catalog
 
 
-def pull_if_missing(source: str | None) -> None:
-    """`serve NAME` / `generate --model NAME` pull a catalog model that is not here yet, as `vllm serve`
-    downloads a hub model and `ollama run` pulls: the user asked for that model. A bad source (a missing
-    path, a hub id) fails here, in one line, before anything loads."""
-    name = catalog.missing_pull(source)
-    if name is not None:
-        print(f"{name} is not pulled yet: pulling it (as `tokenloom pull {name}` would)", file=sys.stderr)
-        catalog.pull(name)
-
-
 def cmd_pull(args: argparse.Namespace) -> int:
     path = catalog.pull(args.name, force=args.force, find_links=args.find_links or (), no_index=args.no_index)
     print(path)
@@ -30,7 +20,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     found = catalog.local_models(rehash=args.verify)
     here = {m.name for m in found}
-    print(f"{'NAME':<20} {'SIZE':>9}  {'VERIFIED':<10} PATH")
+    print(f"{'NAME':<20} {'SIZE':>10}  {'VERIFIED':<10} PATH")
     for m in found:
         print(f"{m.name:<20} {m.size / 2**20:>6,.0f} MiB  {m.verified:<10} {m.path}")
     rest = [name for name in catalog.CATALOG if name not in here]
@@ -43,7 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling_params import SamplingParams
 
-    pull_if_missing(args.model)
+    catalog.pull_missing(args.model)
     llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
     params = SamplingParams(
         temperature=args.temperature,

@@ -341,6 +341,16 @@ def pull(
     return dest
 
 
+def pull_missing(source: str | None) -> None:
+    """What `serve NAME` and `generate --model NAME` do first: pull a catalog model that is not here yet,
+    as `vllm serve` downloads a hub model and `ollama run` pulls one (the user asked for that model). A
+    bad source (a missing path, a hub id) fails here, in one line, before anything loads."""
+    name = missing_pull(source)
+    if name is not None:
+        print(f"{name} is not pulled yet: pulling it (as `tokenloom pull {name}` would)", file=sys.stderr)
+        pull(name)
+
+
 # --- listing ----------------------------------------------------------------------------------------
 
 

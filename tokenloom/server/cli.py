@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
+import re
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -27,6 +30,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from ..config import add_engine_args
 
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    # The model as `vllm serve MODEL` takes it; --model (an engine flag) still works.
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="a catalog name (`tokenloom models`; pulled on first use), a GGUF file or an HF directory "
+                        "(default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY"),
@@ -46,7 +53,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="chat message content may spell control tokens (e.g. <|im_end|>) that take effect, and any "
                         "role goes; default: content is tokenized as text and roles are OpenAI's or the template's")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use as `model` (default: the model file's name)")
+                   help="name(s) clients use as `model`; /v1/models lists them (default: a catalog name as "
+                        "given, else the file's name without .gguf and its quantization suffix)")
     p.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                    help="reject new requests with 503 + Retry-After while this many sequences wait "
                         f"(default: {DEFAULT_MAX_QUEUE_LEN})")
@@ -68,15 +76,42 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _default_served_names(model: str | None) -> list[str]:
-    """The file name without `.gguf`, first without its quantization suffix: `SmolLM2-135M-Instruct`
-    and `SmolLM2-135M-Instruct.Q4_1` both name the bundled model."""
-    from ..model.load import model_path
+# llama.cpp's file-name suffix for the weight format (`.Q4_1`, `.Q4_K_M`, `-F16`): not part of a model's name.
+_QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|[BF]F?16|F32)$", re.IGNORECASE)
 
-    path = model_path(model)
-    name = Path(path).name.removesuffix(".gguf")
-    short = name.rsplit(".", 1)[0] if "." in name else name
-    return list(dict.fromkeys([short, name]))
+
+def _default_served_name(model: str | None, path: str) -> str:
+    """One name, as vLLM serves the model under the name it was given: a catalog name as given; a path's
+    file or directory name without `.gguf` and its quantization suffix (the bundled model is
+    `SmolLM2-135M-Instruct`, `Qwen2.5-0.5B` stays whole). --served-model-name renames."""
+    from ..model.catalog import CATALOG
+
+    if model in CATALOG and not os.path.exists(model):
+        return model
+    return _QUANT_SUFFIX.sub("", Path(path).name.removesuffix(".gguf"))
+
+
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """The listening sockets, bound before the model loads (seconds to minutes): a busy port fails at
+    once instead of after the load, and nothing can take the port meanwhile. uvicorn listens on them
+    once the app starts (until then a connection is refused, so /health cannot pass early)."""
+    sockets: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn and asyncio do
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        why = ("is in use (another server?); choose another --port" if exc.errno == errno.EADDRINUSE
+               else f"cannot be bound: {exc.strerror or exc}")
+        raise ValueError(f"--host {host} --port {port}: {why}") from None
+    return sockets
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -84,12 +119,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..engine.async_llm import AsyncLLM, default_num_threads
     from ..engine.llm_engine import LLMEngine
     from ..engine.metrics import EngineMetrics
-    from ..model.load import set_num_threads
+    from ..model import catalog
+    from ..model.load import model_path, set_num_threads
     from .app import build_app
     from .tenancy import ClientPriorityRange
 
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}; pass one")
+        args.model = args.model_tag
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
+    # Everything that can fail in a second fails before the model loads: the source, then the port.
+    to_pull = catalog.missing_pull(config.model)
+    sockets = _bind(args.host, args.port)
+    if to_pull is not None:
+        catalog.pull_missing(to_pull)
+    path = model_path(config.model)
     num_threads = config.num_threads or default_num_threads()
     # The model runs on the engine thread, which sets its own thread count (AsyncLLM). The main thread
     # loads with one: once it owns an OpenMP team of two, the engine thread's team shares the cores with
@@ -97,12 +143,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config.num_threads = None
     set_num_threads(1)
     engine = LLMEngine(config)
-    names = args.served_model_name or _default_served_names(config.model)
+    names = args.served_model_name or [_default_served_name(config.model, path)]
     metrics = EngineMetrics(names[0], log_interval_s=args.log_interval, log_requests=not args.disable_log_requests)
     async_llm = AsyncLLM(engine, max_queue_len=args.max_queue_len, metrics=metrics, num_threads=num_threads,
                          exit_on_fatal=True)
     app = build_app(
-        async_llm, names, args.api_key, metrics=metrics, model_path=config.model,
+        async_llm, names, args.api_key, metrics=metrics, model_path=path,
         max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
         metrics_token=args.metrics_token, metrics_open=args.metrics_open,
         client_priority=ClientPriorityRange(args.min_client_priority, args.max_client_priority),
@@ -110,7 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     logging.getLogger("tokenloom.server").info(
         "serving %s on http://%s:%d (torch threads %d, auth %s)",
-        names[0], args.host, args.port, num_threads, "on" if args.api_key else "off",
+        names[0], args.host, sockets[0].getsockname()[1], num_threads, "on" if args.api_key else "off",
     )
     from .connection import connection_limits  # read/idle timeouts, header size bound
 
@@ -119,7 +165,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout + 5.0,  # a backstop: the app answers by the deadline
         **connection_limits(args.request_read_timeout),
     ))
-    server.run()
+    server.run(sockets=sockets)
     return 0
 
 
