@@ -23,7 +23,8 @@ from .grammar_worker import write_frame
 
 logger = logging.getLogger("tokenloom.grammar")
 
-_START_TIMEOUT_S = 60.0  # building the tokenizer in the worker takes ~0.3 s; a loaded machine, more
+_START_TIMEOUT_S = 60.0
+_DIED, _TIMED_OUT = object(), object()  # building the tokenizer in the worker takes ~0.3 s; a loaded machine, more
 
 
 class GrammarSandbox:
@@ -41,10 +42,10 @@ class GrammarSandbox:
                 write_frame(proc.stdin, {"kind": kind, "spec": spec, "limits": limits})
                 reply = self._read(proc, timeout)
             except BrokenPipeError:
-                reply = None
-            if reply is not None:
+                reply = _DIED
+            if isinstance(reply, dict):
                 return reply
-            why = self._kill(proc)
+            why = self._kill(proc, timed_out=reply is _TIMED_OUT)
             raise ValueError(f"structured_outputs.{kind}: {why}")
 
     def close(self) -> None:
@@ -60,13 +61,13 @@ class GrammarSandbox:
         self._proc = subprocess.Popen([sys.executable, grammar_worker.__file__], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, close_fds=True)
         write_frame(self._proc.stdin, self._setup)
-        if self._read(self._proc, _START_TIMEOUT_S) is None:
-            why = self._kill(self._proc)
+        if not isinstance(reply := self._read(self._proc, _START_TIMEOUT_S), dict):
+            why = self._kill(self._proc, timed_out=reply is _TIMED_OUT)
             raise RuntimeError(f"the grammar worker did not start: {why}")
         return self._proc
 
-    def _read(self, proc: subprocess.Popen, timeout: float) -> dict | None:
-        """One reply frame, or None when the worker died or the time ran out."""
+    def _read(self, proc: subprocess.Popen, timeout: float) -> dict | object:
+        """One reply frame, or _DIED / _TIMED_OUT."""
         fd = proc.stdout.fileno()
         deadline = time.monotonic() + timeout
         data = b""
@@ -75,19 +76,24 @@ class GrammarSandbox:
         while len(data) < need:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
+                return _TIMED_OUT
             chunk = os.read(fd, need - len(data))
             if not chunk:
-                return None
+                return _DIED
             data += chunk
             if size is None and len(data) == 4:
                 size = int.from_bytes(data, "big")
                 need = 4 + size
         return json.loads(data[4:])
 
-    def _kill(self, proc: subprocess.Popen) -> str:
+    def _kill(self, proc: subprocess.Popen, timed_out: bool = True) -> str:
         """Why the worker stopped answering (it is killed if still alive, then reaped)."""
-        code = proc.poll()
+        code = None
+        if not timed_out:  # its pipe closed: it is exiting, collect how
+            try:
+                code = proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         if code is None:
             proc.kill()
             proc.wait()
