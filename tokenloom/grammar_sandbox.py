@@ -63,7 +63,7 @@ class GrammarSandbox:
         write_frame(self._proc.stdin, self._setup)
         if not isinstance(reply := self._read(self._proc, _START_TIMEOUT_S), dict):
             why = self._kill(self._proc, timed_out=reply is _TIMED_OUT)
-            raise RuntimeError(f"the grammar worker did not start: {why}")
+            raise RuntimeError(f"the grammar worker did not start: {why}")  # noqa: TRY004 - a server fault, a 500
         return self._proc
 
     def _read(self, proc: subprocess.Popen, timeout: float) -> dict | object:
