@@ -8,6 +8,7 @@ routes); set TOKENLOOM_FUZZ_EXAMPLES to scale it.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections import Counter
@@ -120,3 +121,92 @@ def test_fuzz_every_route_no_5xx(server):
     r = requests.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"]
     assert wait_for(lambda: metric(scrape(server.url), "tokenloom:num_requests_running") == 0, timeout=5)
+
+
+# -- grammar-shaped fields: a hypothesis strategy that grows schemas, regexes and grammars deep and wide --
+
+from hypothesis import strategies as st
+
+
+def _schemas():
+    leaf = st.sampled_from([{"type": "integer"}, {"type": "string"}, {"type": "boolean"},
+                            {"type": "string", "maxLength": 5000}, {"enum": ["a", "b"]}])
+
+    def grow(inner):
+        return st.one_of(
+            st.dictionaries(st.text("abcxyz", min_size=1, max_size=4), inner, min_size=1, max_size=8)
+            .map(lambda props: {"type": "object", "properties": props, "required": list(props)}),
+            st.builds(lambda s: {"type": "array", "items": s, "maxItems": 3}, inner),
+            st.lists(inner, min_size=1, max_size=6).map(lambda xs: {"anyOf": xs}),
+        )
+
+    shallow = st.recursive(leaf, grow, max_leaves=60)
+    # Deep on purpose: chains of $refs and nestings past every limit, to either side of it.
+    chains = st.integers(1, 1500).map(lambda n: {"$ref": "#/$defs/d0", "$defs": {
+        **{f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}, f"d{n}": {"type": "integer"}}})
+    # Nested dicts stay within what the client's own JSON encoder can write (~300 levels); deeper ones
+    # go as text (_schema_texts).
+    nested = st.integers(1, 300).map(lambda n: json.loads('{"anyOf":[' * n + '{"type":"integer"}' + "]}" * n))
+    return st.one_of(shallow, chains, nested)
+
+
+def _schema_texts():
+    """guided_json as a string, nested up to 100,000 deep (json.loads of it in the server would recurse)."""
+    return st.integers(1, 100_000).map(lambda n: '{"anyOf":[' * n + '{"type":"integer"}' + "]}" * n)
+
+
+def _regexes():
+    atom = st.sampled_from(["a", "[a-z]", r"\d", ".", "(ab|cd)", "x*"])
+    count = st.integers(1, 3000).map(lambda n: f"{{{n}}}")
+    return st.recursive(atom, lambda inner: st.one_of(
+        st.tuples(inner, count).map(lambda t: f"({t[0]}){t[1]}"),
+        st.lists(inner, min_size=2, max_size=5).map("|".join),
+        st.lists(inner, min_size=2, max_size=5).map("".join)), max_leaves=12)
+
+
+def _grammars():
+    chain = st.integers(1, 4000).map(lambda n: "\n".join(
+        ["start: r0", *(f"r{i}: r{i + 1} | \"t{i}\"" for i in range(n)), f'r{n}: "x"']))
+    wide = st.integers(1, 3000).map(lambda n: "\n".join(
+        ["root ::= " + " | ".join(f"r{i}" for i in range(n)), *(f'r{i} ::= "w{i}"' for i in range(n))]))
+    deep_parens = st.integers(1, 3000).map(lambda n: 'root ::= ' + "(" * n + '"a"' + ")" * n)
+    return st.one_of(chain, wide, deep_parens)
+
+
+GRAMMAR_FIELDS = st.one_of(
+    _schemas().map(lambda s: {"guided_json": s}),
+    _schema_texts().map(lambda s: {"guided_json": s}),
+    _schemas().map(lambda s: {"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": s}}}),
+    _regexes().map(lambda r: {"guided_regex": r}),
+    _grammars().map(lambda g: {"guided_grammar": g}),
+    _grammars().map(lambda g: {"structured_outputs": {"grammar": g}}),
+    st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=3000).map(lambda c: {"guided_choice": c}),
+)
+GRAMMAR_EXAMPLES = int(os.environ.get("TOKENLOOM_FUZZ_GRAMMAR_EXAMPLES", "100"))
+
+
+def test_fuzz_grammar_fields_never_5xx_nor_kill_the_server(server):
+    """Every generated grammar is either served (200) or refused (400 naming the field or the limit);
+    the server lives through all of them and /health stays truthful."""
+    failures: list[str] = []
+    statuses: Counter = Counter()
+    session = requests.Session()
+
+    @settings(max_examples=GRAMMAR_EXAMPLES, deadline=None, database=None, derandomize=True,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(fields=GRAMMAR_FIELDS, n=st.sampled_from([1, 1, 4]))
+    def run(fields, n):
+        body = {"prompt": "Answer:", "max_tokens": 2, "n": n, "temperature": 1.0, "seed": 0, **fields}
+        r = session.post(server.url + "/v1/completions", json=body, timeout=300)
+        statuses[r.status_code] += 1
+        if r.status_code not in (200, 400) or "error" not in r.json() and r.status_code == 400:
+            failures.append(f"{r.status_code}: {r.text[:300]} fields={str(fields)[:200]}")
+        if server.proc.poll() is not None:
+            failures.append(f"server exited ({server.proc.returncode}) after fields={str(fields)[:200]}")
+
+    run()
+    print(f"\ngrammar fuzz: statuses {dict(statuses)}")
+    assert not failures, "\n".join(failures[:10])
+    assert statuses[200] and statuses[400]  # both sides of the limits were reached
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    assert wait_for(lambda: metric(scrape(server.url), "tokenloom:num_requests_running") == 0, timeout=10)
