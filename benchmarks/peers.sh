@@ -25,6 +25,10 @@ elif grep -qw avx512f /proc/cpuinfo; then
 else
     OUT=${OUT:-benchmarks/results/peers-avx2-native}
 fi
+# MODEL: a catalog name (tokenloom pull NAME) served by every peer from the same GGUF file; results in
+# <OUT>-<MODEL>/. Unset: the bundled SmolLM2.
+MODEL=${MODEL:-}
+[[ -n $MODEL ]] && OUT=$OUT-$MODEL
 mkdir -p "$OUT"
 PEERS=${PEERS:-"llama tokenloom-fp32 tokenloom-int4"}
 LLAMA_BIN=${LLAMA_BIN:-$(dirname "$(mktemp -u)")/llamacpp/build/bin/llama-server}
@@ -32,14 +36,20 @@ TOKENLOOM_ENV=()
 if [[ $ISA == avx2 ]]; then
     TOKENLOOM_ENV=(TOKENLOOM_MAX_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)
 fi
-GGUF=$(.venv/bin/python -c "from tokenloom.model.load import model_path; print(model_path(None))")
+if [[ -n $MODEL ]]; then
+    GGUF=$(.venv/bin/python -c "import sys; from tokenloom.model import catalog; print(catalog.pull(sys.argv[1], progress=False))" "$MODEL")
+    ALIAS=$MODEL
+else
+    GGUF=$(.venv/bin/python -c "from tokenloom.model.load import model_path; print(model_path(None))")
+    ALIAS=SmolLM2-135M-Instruct
+fi
 PORT=8123
 
 start() {
     case "$1" in
-        llama) "$LLAMA_BIN" -m "$GGUF" -t 2 --parallel 32 -c 16384 --port $PORT --alias SmolLM2-135M-Instruct >"$OUT/$1.log" 2>&1 & ;;
-        tokenloom-fp32) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --port $PORT --quantization none >"$OUT/$1.log" 2>&1 & ;;
-        tokenloom-int4) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --port $PORT --quantization auto >"$OUT/$1.log" 2>&1 & ;;
+        llama) "$LLAMA_BIN" -m "$GGUF" -t 2 --parallel 32 -c 16384 --port $PORT --alias "$ALIAS" >"$OUT/$1.log" 2>&1 & ;;
+        tokenloom-fp32) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --model "$GGUF" --served-model-name "$ALIAS" --port $PORT --quantization none >"$OUT/$1.log" 2>&1 & ;;
+        tokenloom-int4) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --model "$GGUF" --served-model-name "$ALIAS" --port $PORT --quantization auto >"$OUT/$1.log" 2>&1 & ;;
         vllm) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT >"$OUT/$1.log" 2>&1 & ;;
         vllm-fp32) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT float32 >"$OUT/$1.log" 2>&1 & ;;
     esac
@@ -63,11 +73,18 @@ for server in $PEERS; do
     bench "$server" warmup --dataset random --num-prompts 2 --output-len 8 >/dev/null
     bench "$server" c1 --dataset random --num-prompts 8 --max-concurrency 1 --output-len 128
     bench "$server" mixed --dataset mixed --num-prompts 64 --max-concurrency 32
+    # Peak RSS of the server's process tree (vLLM's engine runs in a child).
+    rss=0
+    for pid in $PID $(pgrep -P "$PID" || true); do
+        kb=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status" 2>/dev/null || echo 0)
+        rss=$((rss + ${kb:-0}))
+    done
+    echo "$rss" >"$OUT/$server-peak-rss-kb"
     kill "$PID"; wait "$PID" 2>/dev/null || true
     sleep 2
 done
 
-ISA=$ISA .venv/bin/python - "$OUT" $PEERS <<'PY'
+ISA=$ISA MODEL=$MODEL .venv/bin/python - "$OUT" $PEERS <<'PY'
 import json, os, sys, platform
 out, servers = sys.argv[1], sys.argv[2:]
 flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]
@@ -76,7 +93,8 @@ rows = {}
 for s in servers:
     c1, mixed = (json.load(open(f"{out}/{s}-{cell}.json")) for cell in ("c1", "mixed"))
     rows[s] = {"c1_output_tok_s": c1["output_throughput"], "c1_tpot_p50_ms": c1["median_tpot_ms"],
-               "c1_ttft_p50_ms": c1["median_ttft_ms"], "mixed_output_tok_s": mixed["output_throughput"]}
+               "c1_ttft_p50_ms": c1["median_ttft_ms"], "mixed_output_tok_s": mixed["output_throughput"],
+               "peak_rss_mb": int(open(f"{out}/{s}-peak-rss-kb").read()) / 1024}
 for peer in ("llama", "vllm", "vllm-fp32"):
     base = rows.get(peer)
     if base:
@@ -86,7 +104,9 @@ for peer in ("llama", "vllm", "vllm-fp32"):
                                "mixed_throughput_ratio": r["mixed_output_tok_s"] / base["mixed_output_tok_s"]}
 isa = os.environ.get("ISA", "native")
 model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-summary = {"command": ("ISA=avx2 " if isa == "avx2" else "") + "PEERS='" + " ".join(servers) + "' bash benchmarks/peers.sh",
+model_env = os.environ.get("MODEL", "")
+summary = {"command": ("ISA=avx2 " if isa == "avx2" else "") + (f"MODEL={model_env} " if model_env else "")
+           + "PEERS='" + " ".join(servers) + "' bash benchmarks/peers.sh", "model": model_env or "smollm2-135m",
            "isa": isa, "cpu_model": model, "cpu_flags": flags,
            "machine": platform.machine(), "servers": rows}
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)

@@ -5,6 +5,8 @@ as the Python path refuses it; and on the real model, greedy tokens through the 
 
 from __future__ import annotations
 
+import dataclasses
+
 from unittest import mock
 
 import pytest
@@ -23,15 +25,20 @@ CONFIG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num
 BLOCK = 16
 
 
-def fast_model(kernel_family: str, kv_dtype: torch.dtype = torch.float16):
+def fast_model(kernel_family: str, kv_dtype: torch.dtype = torch.float16, qwen2: bool = False):
     """A random model on the fast path, as the loader builds it; `kernel_family` "avx2" holds the int4
-    kernels to the AVX2 ones (what an AVX2-only machine runs)."""
-    model = random_model(CONFIG, seed=1)
+    kernels to the AVX2 ones (what an AVX2-only machine runs). `qwen2`: QKV biases, and the MLP's gate/up
+    int4 while every other projection is int8 (as a Q4_K_M file loads: 4-bit blocks where the file has
+    them, the wider formats int8)."""
+    config = dataclasses.replace(CONFIG, architecture="qwen2", attention_bias=True) if qwen2 else CONFIG
+    model = random_model(config, seed=1)
     quant = linear.quant_gemm_avx2 if kernel_family == "avx2" else linear.quant_gemm
     if quant() is None:
         pytest.skip(f"no {kernel_family} int4 kernel here")
+    blocks = {f"layers.{i}.mlp.gate_up_proj.weight": linear.q4_1_from_dense(layer.mlp.gate_up_proj.weight)
+              for i, layer in enumerate(model.layers)} if qwen2 else None
     with mock.patch.object(linear, "quant_gemm", quant):
-        linear.quantize_model(model, "int4", lm_head="rescored")
+        linear.quantize_model(model, "int4", blocks, lm_head="rescored", wider_as_int8=qwen2)
     model.kv_cache_dtype = kv_dtype
     use_c_kernels(model, torch.float32)
     assert model.decoder_loop is not None
@@ -74,8 +81,12 @@ def forward(model, ids, batch, cache, kv_dtype, loop: bool):
 @needs_loop
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("family", ["native", "avx2"])
-def test_loop_is_bit_for_bit_the_python_layers(family, kv_dtype):
-    model = fast_model(family, kv_dtype)
+@pytest.mark.parametrize("qwen2", [False, True], ids=["llama", "qwen2-int8-bias"])
+def test_loop_is_bit_for_bit_the_python_layers(family, kv_dtype, qwen2):
+    model = fast_model(family, kv_dtype, qwen2)
+    if qwen2:
+        assert isinstance(model.layers[0].mlp.down_proj, linear.Int8Linear)
+        assert model.layers[0].self_attn.qkv_proj.bias is not None
     ids, batch, cache = decode_step()
     assert model.decoder_loop.applies(model, model.embed_tokens(ids), batch)
     looped = forward(model, ids, batch, cache, kv_dtype, loop=True)

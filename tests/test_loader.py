@@ -159,3 +159,22 @@ def test_unsupported_architecture_and_bad_files(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(ValueError, match="unsupported architectures 'bert'"):
         load_model(ModelSource.resolve(str(tmp_path / "hf")))
+
+
+def test_threads_are_sized_from_the_cgroup_quota(tmp_path, monkeypatch):
+    from tokenloom.model import load
+
+    assert load._cgroup_cpu_quota(str(tmp_path)) is None  # no cgroup files: unlimited
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert load._cgroup_cpu_quota(str(tmp_path)) is None
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert load._cgroup_cpu_quota(str(tmp_path)) == 1.5
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000")
+    assert load._cgroup_cpu_quota(str(tmp_path)) == 0.5
+    monkeypatch.setattr(load.os, "sched_getaffinity", lambda _: {0, 1, 2, 3}, raising=False)
+    for quota, cores in [(None, 4), (0.5, 1), (1.5, 2), (16.0, 4)]:
+        monkeypatch.setattr(load, "_cgroup_cpu_quota", lambda q=quota: q)
+        assert load.usable_cores() == cores

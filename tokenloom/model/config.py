@@ -62,10 +62,3 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.dim_per_head) ** -0.5
-
-    @property
-    def has_llama_layers(self) -> bool:
-        """Layers exactly as a Llama's (the shape the fused C decoder loop was written and checked for)."""
-        return not (self.attention_bias or self.qk_norm or self.sandwich_norms or self.embedding_scale
-                    or self.hidden_act != "silu" or (self.layer_types and SLIDING in self.layer_types)
-                    or self.query_pre_attn_scalar)

@@ -1,6 +1,8 @@
 """Every decoder layer of a step in one C call (csrc/decoder_loop.c), for the steps where each row takes
-the C kernels anyway: int4 projections, C layer ops, the paged C attention, rows that are single
-queries (decode tokens, short prompt chunks), a float32 residual stream. The loop calls the kernels the
+the C kernels anyway: int4 or int8 projections (with or without biases), C layer ops, the paged C
+attention, rows that are single queries (decode tokens, short prompt chunks), a float32 residual
+stream, and layers of the Llama / Qwen2 shape (pre-norm, SwiGLU, every layer attending to the whole
+context). The loop calls the kernels the
 Python layers would call, in their order, on the same values, so a step's output is bit for bit the
 same (tests/test_decoder_loop.py); what goes is the Python between ~400 kernel calls a step (3.2 of
 6.9 ms at one row, 5.4 of 25.7 ms at 32). Any other step (long prefill chunks through dense bf16, the
@@ -14,24 +16,25 @@ import ctypes
 import torch
 
 from . import kernels
+from .config import SLIDING
 from .layer_ops import CLayerOps
-from .linear import Int4Linear
+from .linear import Int4Linear, Int8Linear
 from .paged_attention import PagedDecodeAttention
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
-class _Int4Weight(ctypes.Structure):
-    _fields_ = [("codes", _p), ("scales", _p), ("offsets", _p)]
+class _Weight(ctypes.Structure):
+    _fields_ = [("codes", _p), ("scales", _p), ("offsets", _p), ("bias", _p), ("int8", _i64)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _p), ("post_attention_norm", _p), ("qkv", _Int4Weight), ("o", _Int4Weight),
-                ("gate_up", _Int4Weight), ("down", _Int4Weight), ("k_cache", _p), ("v_cache", _p)]
+    _fields_ = [("input_norm", _p), ("post_attention_norm", _p), ("qkv", _Weight), ("o", _Weight),
+                ("gate_up", _Weight), ("down", _Weight), ("k_cache", _p), ("v_cache", _p)]
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("int4_gemm", _p), ("rms_norm", _p), ("rope", _p), ("write_kv", _p), ("silu_mul", _p),
+    _fields_ = [("int4_gemm", _p), ("int8_gemm", _p), ("rms_norm", _p), ("rope", _p), ("write_kv", _p), ("silu_mul", _p),
                 ("attention", _p), ("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("heads", _i64),
                 ("kv_heads", _i64), ("head_dim", _i64), ("cache_slots", _i64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float)]
@@ -41,8 +44,16 @@ def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-def _weight(linear: Int4Linear) -> _Int4Weight:
-    return _Int4Weight(linear.codes.data_ptr(), linear.scales.data_ptr(), linear.offsets.data_ptr())
+def _weight(linear: Int4Linear | Int8Linear) -> _Weight:
+    bias = linear.bias.data_ptr() if linear.bias is not None else None
+    if isinstance(linear, Int8Linear):
+        return _Weight(linear.codes.data_ptr(), linear.scales.data_ptr(), None, bias, 1)
+    return _Weight(linear.codes.data_ptr(), linear.scales.data_ptr(), linear.offsets.data_ptr(), bias, 0)
+
+
+def _tensors(linear: Int4Linear | Int8Linear) -> list[torch.Tensor]:
+    names = ("codes", "scales") + (("offsets",) if isinstance(linear, Int4Linear) else ())
+    return [getattr(linear, n) for n in names] + ([linear.bias] if linear.bias is not None else [])
 
 
 class DecoderLoop:
@@ -59,9 +70,7 @@ class DecoderLoop:
         # the model's modules were swapped later (the loop is built for the weights as loaded).
         self._weights = [t for layer in layers for t in (
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            *(getattr(proj, name) for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)
-              for name in ("codes", "scales", "offsets")))]
+            *(t for proj in _projections(layer) for t in _tensors(proj)))]
         self._cache_shape = (cfg.num_kv_heads, cfg.dim_per_head)
         self._head_dim = cfg.dim_per_head
         self._layers = (_Layer * len(layers))(*(
@@ -74,8 +83,9 @@ class DecoderLoop:
         for dtype, write in self.ops._write.items():
             attend = self.attention.kernel_for(cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head, dtype)
             if attend is not None:
+                kernel = first.self_attn.qkv_proj.kernel
                 self._models[dtype] = _Model(
-                    _address(first.self_attn.qkv_proj.kernel._int4), _address(self.ops._rms_norm),
+                    _address(kernel._int4), _address(kernel._int8), _address(self.ops._rms_norm),
                     _address(self.ops._rope), _address(write), _address(self.ops._silu_mul), _address(attend),
                     len(layers), cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                     cfg.dim_per_head, 0, first.input_layernorm.eps, first.self_attn.scale)
@@ -117,10 +127,16 @@ class DecoderLoop:
         return x
 
 
+def _projections(layer) -> tuple:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
 def why_no_decoder_loop(model) -> str | None:
     """Why the loop cannot run `model` (None: it can, if its library builds and checks)."""
-    if not model.config.has_llama_layers:  # the only layer shape the loop was written and checked for
-        return f"{model.config.architecture} layers (biases, QK-norm, GeGLU, extra norms or windows) are not the loop's"
+    cfg = model.config
+    if cfg.qk_norm or cfg.sandwich_norms or cfg.hidden_act != "silu" or SLIDING in (cfg.layer_types or ()):
+        return (f"{cfg.architecture} layers (QK-norm, GeGLU, extra norms or sliding windows) are not the shape "
+                "it was written and checked for")
     if not isinstance(model.layer_ops, CLayerOps):
         return "the layer ops are torch's (float32 activations and the C library are needed)"
     if not isinstance(model.decode_attention, PagedDecodeAttention):
@@ -129,11 +145,11 @@ def why_no_decoder_loop(model) -> str | None:
         return f"the residual stream is {model.embed_tokens.weight.dtype}, the loop's is float32"
     kernel = None
     for layer in model.layers:
-        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if not isinstance(proj, Int4Linear) or proj.kernel is None or proj.bias is not None:
-                return "a projection is not an int4 weight on the C kernels"
+        for proj in _projections(layer):
+            if not isinstance(proj, (Int4Linear, Int8Linear)) or proj.kernel is None:
+                return "a projection is not an int4 or int8 weight on the C kernels"
             if proj.kernel is not (kernel or proj.kernel):
-                return "projections use different int4 kernels"
+                return "projections use different C kernel libraries"
             kernel = proj.kernel
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if not all(w.dtype == torch.float32 and w.is_contiguous() for w in norms):
@@ -152,8 +168,9 @@ def decoder_loop_for(model) -> tuple[DecoderLoop | None, str | None]:
 
 
 # Run in a child (model/kernels.py): two layers over stand-in kernels (Python callbacks: each norm
-# scales by its weight, each gemm sums its input row times a per-weight number, the attention passes
-# the queries through), against the same arithmetic done directly.
+# scales by its weight, each int4 gemm sums its input row times a per-weight number, the int8 one
+# (layer 1's down projection) twice that, the attention passes the queries through; layer 0's QKV has a
+# bias), against the same arithmetic done directly.
 _CHECK = r"""
 import ctypes, sys
 lib = ctypes.CDLL(sys.argv[1])
@@ -177,30 +194,40 @@ def write_kv(k, ks, v, vs, rows, width, slots, num_slots, kc, vc):
 def silu_mul(gu, rows, inter, out):
     for r in range(rows):
         for i in range(inter): store(out, r * inter + i, val(gu, r * 2 * inter + i) - val(gu, r * 2 * inter + inter + i))
+def gemm8(x, rows, k, codes, scales, n, y):
+    for r in range(rows):
+        s = sum(val(x, r * k + i) for i in range(k))
+        for j in range(n): store(y, r * n + j, 2 * s * val(codes, 0) + j)
+    return 0
 callbacks = [ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, p, i64, p)(gemm),
+             ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, i64, p)(gemm8),
              ctypes.CFUNCTYPE(None, p, p, i64, i64, f, p)(norm),
              ctypes.CFUNCTYPE(None, p, i64, i64, i64, i64, p, p)(lambda *a: None),
              ctypes.CFUNCTYPE(ctypes.c_int, p, i64, p, i64, i64, i64, p, i64, p, p)(write_kv),
              ctypes.CFUNCTYPE(None, p, i64, i64, p)(silu_mul),
              ctypes.CFUNCTYPE(ctypes.c_int, p, p, p, p, i64, p, i64, i64, i64, i64, i64, f, p)(attention)]
 class Model(ctypes.Structure):
-    _fields_ = [(n, p) for n in "gemm norm rope write silu attn".split()] + [(n, i64) for n in "L H I heads kvh hd slots".split()] + [("eps", f), ("scale", f)]
+    _fields_ = [(n, p) for n in "gemm gemm8 norm rope write silu attn".split()] + [(n, i64) for n in "L H I heads kvh hd slots".split()] + [("eps", f), ("scale", f)]
 ROWS, H, I, HEADS, KVH, HD, LAYERS = 2, 4, 3, 2, 1, 2, 2
 m = Model(*[ctypes.cast(c, p) for c in callbacks], LAYERS, H, I, HEADS, KVH, HD, 7, 1e-5, 0.5)
 F = lambda *v: (ctypes.c_float * len(v))(*v)
 weights = [F(1.0, 2.0, 0.5, 1.0), F(0.5, 0.5, 1.0, 2.0)] + [F(c) for c in (0.25, 0.5, 1.0, -0.125, 0.75, 0.5, 0.25, 1.0)]
-layer = lambda l: [ctypes.addressof(weights[l])] * 2 + sum(([ctypes.addressof(weights[2 + 4 * l + j]), 0, 0] for j in range(4)), []) + [0, 0]
-layers = (p * (16 * LAYERS))(*(layer(0) + layer(1)))
+QKV, Q = (HEADS + 2 * KVH) * HD, HEADS * HD
+bias = F(*[0.125 * j - 0.5 for j in range(QKV)])
+int8 = {(1, 3)}  # (layer, projection) through the int8 gemm
+has_bias = {(0, 0)}
+weight = lambda l, j: [ctypes.addressof(weights[2 + 4 * l + j]), 0, 0, ctypes.addressof(bias) if (l, j) in has_bias else 0, int((l, j) in int8)]
+layer = lambda l: [ctypes.addressof(weights[l])] * 2 + sum((weight(l, j) for j in range(4)), []) + [0, 0]
+layers = (p * (24 * LAYERS))(*(layer(0) + layer(1)))
 x = [0.5, -1.0, 2.0, 0.25, 1.5, 0.0, -0.5, 1.0]
 buf = F(*x)
 zeros = (i64 * 8)()
 assert lib.decoder_loop(ctypes.byref(m), layers, buf, ROWS, F(*[1.0] * 4), F(*[0.0] * 4), zeros, zeros, 1, zeros, 16) == 0
-QKV, Q = (HEADS + 2 * KVH) * HD, HEADS * HD
 for l in range(LAYERS):
-    c = [weights[2 + 4 * l + j][0] for j in range(4)]
+    c = [weights[2 + 4 * l + j][0] * (2 if (l, j) in int8 else 1) for j in range(4)]
     for r in range(ROWS):
         row = x[r * H:(r + 1) * H]
-        qkv = [sum(v * weights[l][i] for i, v in enumerate(row)) * c[0] + j for j in range(QKV)]
+        qkv = [sum(v * weights[l][i] for i, v in enumerate(row)) * c[0] + j + (bias[j] if l == 0 else 0) for j in range(QKV)]
         attended = [v * 0.5 for v in qkv[:Q]]
         row = [v + sum(attended) * c[1] + j for j, v in enumerate(row)]
         gu = [sum(v * weights[l][i] for i, v in enumerate(row)) * c[2] + j for j in range(2 * I)]

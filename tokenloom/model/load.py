@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -38,9 +39,34 @@ def load(
     return model, load_tokenizer(resolved.path), model.config
 
 
-def default_num_threads() -> int:
-    """Serving: leave a core to the event loop when there are more than two (see DESIGN.md)."""
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a container
+    given 1.5 CPUs of a 2-core machine gets 2 threads, one given 1 CPU gets 1). More threads than that
+    wait on each other at every parallel region while the OS runs them in turn."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_cpu_quota()
+    return max(1, min(cores, math.ceil(quota))) if quota else cores
+
+
+def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs granted by the cgroup (v2 cpu.max, v1 cfs quota/period); None when unlimited or unknown."""
+    try:
+        with open(f"{root}/cpu.max") as f:
+            quota, period = f.read().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(f"{root}/cpu/cpu.cfs_quota_us") as q, open(f"{root}/cpu/cpu.cfs_period_us") as p:
+            quota, period = int(q.read()), int(p.read())
+        return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def default_num_threads() -> int:
+    """Serving: the usable cores, leaving one to the event loop when there are more than two (DESIGN.md)."""
+    cores = usable_cores()
     return cores - 1 if cores > 2 else cores
 
 

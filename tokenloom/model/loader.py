@@ -95,7 +95,7 @@ def load_model(
         # and int4 is 3x faster at 128 rows: measured with torch held to AVX2)
         cap = linear.detect()
         linear.quantize_model(model, method, blocks, lm_head="rescored",
-                              dense_prefill=cap["avx512_bf16"] or cap["amx_bf16"])
+                              dense_prefill=cap["avx512_bf16"] or cap["amx_bf16"], wider_as_int8=source.kind == "gguf")
     elif method != "none":
         linear.quantize_model(model, method, blocks)
     model.quantization = method
@@ -191,8 +191,9 @@ def _layer_norm_names(config: ModelConfig) -> list[str]:
 
 def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None
                ) -> tuple[ModelConfig, dict[str, torch.Tensor], Counter]:
-    """(config, dequantized state, block formats of the projection weights). When `blocks` is a dict it also receives the raw Q4_1 blocks of
-    every linear weight stored as Q4_1 (see linear.q4_1_blocks), under the same names as the state."""
+    """(config, dequantized state, block formats of the projection weights). When `blocks` is a dict it
+    also receives the 4-bit blocks of every projection stored in a 4-bit format (linear.FOUR_BIT_BLOCKS),
+    under the same names as the state."""
     reader = read_gguf_metadata(path)
     arch = architectures.for_gguf(gguf_field(reader, "general.architecture"), path)
     config = arch.config_from_gguf(architectures.GGUFMetadata(reader, path, arch.name))
@@ -210,12 +211,12 @@ def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None
             raise ValueError(f"{path}: cannot dequantize {name} ({t.tensor_type.name}): {exc}") from exc
 
     def get_blocks(name: str) -> torch.Tensor | None:
-        from .linear import q4_1_blocks
+        from .linear import FOUR_BIT_BLOCKS
 
         t = tensors[name]
-        if t.tensor_type.name != "Q4_1":
+        if t.tensor_type.name not in FOUR_BIT_BLOCKS:
             raise LookupError(name)
-        return q4_1_blocks(t.data, tuple(int(d) for d in reversed(t.shape)))
+        return FOUR_BIT_BLOCKS[t.tensor_type.name](t.data, tuple(int(d) for d in reversed(t.shape)))
 
     def q_and_k(get, b: str, kind: str) -> list[torch.Tensor]:
         q, k = get(f"{b}attn_q.{kind}"), get(f"{b}attn_k.{kind}")
@@ -223,11 +224,13 @@ def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None
             q, k = _unpermute_rope_rows(q, config.num_heads), _unpermute_rope_rows(k, config.num_kv_heads)
         return [q, k]
 
-    def linear_weights(dest: dict, p: str, b: str, get) -> None:
-        dest[p + "self_attn.qkv_proj.weight"] = torch.cat([*q_and_k(get, b, "weight"), get(b + "attn_v.weight")])
-        dest[p + "self_attn.o_proj.weight"] = get(b + "attn_output.weight")
-        dest[p + "mlp.gate_up_proj.weight"] = torch.cat([get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")])
-        dest[p + "mlp.down_proj.weight"] = get(b + "ffn_down.weight")
+    # Each shared projection and how to build it from the file's tensors (fused ones concatenated).
+    projections = {
+        "self_attn.qkv_proj": lambda get, b: torch.cat([*q_and_k(get, b, "weight"), get(b + "attn_v.weight")]),
+        "self_attn.o_proj": lambda get, b: get(b + "attn_output.weight"),
+        "mlp.gate_up_proj": lambda get, b: torch.cat([get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")]),
+        "mlp.down_proj": lambda get, b: get(b + "ffn_down.weight"),
+    }
 
     state = {"embed_tokens.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
     if not config.tie_word_embeddings:
@@ -237,18 +240,17 @@ def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None
     ours_to_gguf = {ours: g for g, ours in _GGUF_NORMS.items()}
     for i in range(config.num_layers):
         p, b = f"layers.{i}.", f"blk.{i}."
-        linear_weights(state, p, b, get)
+        for name, build in projections.items():
+            state[f"{p}{name}.weight"] = build(get, b)
+            if blocks is not None:
+                try:
+                    blocks[f"{p}{name}.weight"] = build(get_blocks, b)
+                except LookupError:  # a part is stored wider than 4 bits: linear.quantize_model decides
+                    pass
         if config.attention_bias:
             state[p + "self_attn.qkv_proj.bias"] = torch.cat([*q_and_k(get, b, "bias"), get(b + "attn_v.bias")])
         for name in _layer_norm_names(config):
             state[f"{p}{name}.weight"] = get(f"{b}{ours_to_gguf[name]}.weight")
-        if blocks is not None:
-            layer: dict[str, torch.Tensor] = {}
-            try:
-                linear_weights(layer, p, b, get_blocks)
-            except LookupError:  # weights written before a non-Q4_1 one are kept; the rest are
-                pass  # quantized from the dense weights by linear.quantize_model
-            blocks.update(layer)
     unknown = sorted(set(tensors) - used)
     if unknown:
         raise ValueError(f"{path}: tensors tokenloom's {arch.name} does not use: {unknown[:5]}"

@@ -1,6 +1,6 @@
 /* Every decoder layer of one step in one call, for steps whose rows all take the C kernels (decode
  * tokens and short prompt chunks, each row a single query): the same kernels, called in the same order
- * on the same buffers as model/llama.py's layers do through ctypes, so the same bits. At one row a
+ * on the same buffers as model/decoder.py's layers do through ctypes, so the same bits. At one row a
  * step runs ~400 small kernels and the Python between them cost about as much as the kernels did
  * (3.2 of 6.9 ms); here it is one call.
  *
@@ -13,6 +13,8 @@
 
 typedef int (*int4_gemm_fn)(const float *x, int64_t rows, int64_t k, const void *codes, const void *scales,
                             const void *offsets, int64_t n, float *y);
+typedef int (*int8_gemm_fn)(const float *x, int64_t rows, int64_t k, const void *codes, const void *scales,
+                            int64_t n, float *y);
 typedef void (*rms_norm_fn)(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *out);
 typedef void (*rope_fn)(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
                         const float *cos, const float *sin);
@@ -23,18 +25,21 @@ typedef int (*attention_fn)(const float *q, const void *k_cache, const void *v_c
                             int64_t max_blocks, const int64_t *context_lens, int64_t rows, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out);
 
-typedef struct {
+typedef struct {  /* a projection: int4 codes, scales and offsets, or int8 codes and scales; a bias or NULL */
     const void *codes, *scales, *offsets;
-} Int4Weight;
+    const float *bias;
+    int64_t int8;
+} Weight;
 
 typedef struct {  /* one decoder layer's weights and KV cache (model/decoder_loop.py fills these) */
     const float *input_norm, *post_attention_norm;
-    Int4Weight qkv, o, gate_up, down;
+    Weight qkv, o, gate_up, down;
     void *k_cache, *v_cache;
 } Layer;
 
 typedef struct {  /* the kernels and the shapes, fixed at load */
     int4_gemm_fn int4_gemm;
+    int8_gemm_fn int8_gemm;
     rms_norm_fn rms_norm;
     rope_fn rope;
     write_kv_fn write_kv;
@@ -46,6 +51,15 @@ typedef struct {  /* the kernels and the shapes, fixed at load */
 
 static void add_into(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* y [rows, n] = x [rows, k] @ w^T (+ bias, added after the product as model/linear.py adds it). */
+static int gemm(const Model *m, const Weight *w, const float *x, int64_t rows, int64_t k, int64_t n, float *y) {
+    const int status = w->int8 ? m->int8_gemm(x, rows, k, w->codes, w->scales, n, y)
+                               : m->int4_gemm(x, rows, k, w->codes, w->scales, w->offsets, n, y);
+    if (status == 0 && w->bias)
+        for (int64_t r = 0; r < rows; r++) add_into(y + r * n, w->bias, n);
+    return status;
 }
 
 /* x [rows, hidden] float32: the embeddings in, the last layer's residual stream out. cos, sin [rows,
@@ -69,7 +83,7 @@ int decoder_loop(const Model *m, const Layer *layers, float *x, int64_t rows, co
     for (int64_t l = 0; l < m->num_layers; l++) {
         const Layer *L = &layers[l];
         m->rms_norm(x, L->input_norm, rows, m->hidden, m->eps, normed);
-        if (m->int4_gemm(normed, rows, m->hidden, L->qkv.codes, L->qkv.scales, L->qkv.offsets, qkv_size, wide)) {
+        if (gemm(m, &L->qkv, normed, rows, m->hidden, qkv_size, wide)) {
             status = 2;
             break;
         }
@@ -85,20 +99,18 @@ int decoder_loop(const Model *m, const Layer *layers, float *x, int64_t rows, co
             status = 3;
             break;
         }
-        if (m->int4_gemm(attended, rows, q_size, L->o.codes, L->o.scales, L->o.offsets, m->hidden, normed)) {
+        if (gemm(m, &L->o, attended, rows, q_size, m->hidden, normed)) {
             status = 2;
             break;
         }
         add_into(x, normed, rows * m->hidden);
         m->rms_norm(x, L->post_attention_norm, rows, m->hidden, m->eps, normed);
-        if (m->int4_gemm(normed, rows, m->hidden, L->gate_up.codes, L->gate_up.scales, L->gate_up.offsets,
-                         2 * m->intermediate, wide)) {
+        if (gemm(m, &L->gate_up, normed, rows, m->hidden, 2 * m->intermediate, wide)) {
             status = 2;
             break;
         }
         m->silu_mul(wide, rows, m->intermediate, act);
-        if (m->int4_gemm(act, rows, m->intermediate, L->down.codes, L->down.scales, L->down.offsets, m->hidden,
-                         normed)) {
+        if (gemm(m, &L->down, act, rows, m->intermediate, m->hidden, normed)) {
             status = 2;
             break;
         }

@@ -139,7 +139,7 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
     }
     to_bf16(x, M, G, xb, sums);
     const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t nb0 = t * TILE_COLS;
         const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
@@ -185,7 +185,7 @@ int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const f
     if (!xb) return 1;
     to_bf16(x, M, G, xb, NULL);  /* per-column scales: no group sums needed */
     const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t nb0 = t * TILE_COLS;
         const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);

@@ -129,7 +129,7 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
     const int64_t G = K / GROUP, blocks = N / COLS;
     const Int16Rows rows = quantize_rows(x, M, K);
     if (!rows.xq) return 1;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
     for (int64_t nb = 0; nb < blocks; nb++) {
         for (int64_t m = 0; m < M; m += TILE_ROWS) {
             const int16_t *xm = rows.xq + m * K;
@@ -197,7 +197,7 @@ int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const f
     const int64_t G = K / GROUP, blocks = N / COLS;
     const Int16Rows rows = quantize_rows(x, M, K);
     if (!rows.xq) return 1;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
     for (int64_t nb = 0; nb < blocks; nb++) {
         for (int64_t m = 0; m < M; m += TILE_ROWS) {
             const int16_t *xm = rows.xq + m * K;
