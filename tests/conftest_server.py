@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import ClassVar
 
 import httpx
 
@@ -29,14 +30,24 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], api_key: str | None = None, startup_timeout: float = 180.0):
+    # url -> the Authorization header `scrape` sends there (/metrics is behind the key when one is set)
+    scrape_headers: ClassVar[dict[str, dict[str, str]]] = {}
+
+    def __init__(self, args: list[str], api_key: str | None = None, startup_timeout: float = 180.0,
+                 metrics_token: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
+        self.metrics_token = metrics_token
+        scrape_secret = metrics_token or api_key
+        if scrape_secret:
+            ServerProcess.scrape_headers[self.url] = {"Authorization": f"Bearer {scrape_secret}"}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tokenloom-serve-", suffix=".log", delete=False)  # noqa: SIM115 - lives as long as the server
         cmd = [sys.executable, "-m", "tokenloom.cli", "serve", "--port", str(self.port), *BASE_ARGS, *args]
         if api_key:
             cmd += ["--api-key", api_key]
+        if metrics_token:
+            cmd += ["--metrics-token", metrics_token]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("TOKENLOOM_API_KEY", None)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -80,7 +91,7 @@ _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
 
 def scrape(base_url: str) -> dict[str, float]:
     """/metrics as {'name{labels}': value}; label order as the server prints it."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10.0).text
+    text = httpx.get(f"{base_url}/metrics", headers=ServerProcess.scrape_headers.get(base_url), timeout=10.0).text
     out = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)

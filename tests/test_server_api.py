@@ -19,6 +19,7 @@ from tokenloom import SamplingParams
 pytestmark = pytest.mark.slow
 
 API_KEY = "test-key"
+METRICS_TOKEN = "scrape-only"
 MODEL = "tl-test"
 PROMPTS = [
     "The capital of France is",
@@ -30,7 +31,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess(["--served-model-name", MODEL, "--max-request-body-bytes", "65536"], api_key=API_KEY)
+    srv = ServerProcess(["--served-model-name", MODEL, "--max-request-body-bytes", "65536"], api_key=API_KEY,
+                        metrics_token=METRICS_TOKEN)
     yield srv
     srv.stop()
 
@@ -271,10 +273,13 @@ def test_errors_have_openai_shape_and_server_keeps_serving(server, http):
     assert_error(http.post("/v1/completions", content=b"{nope", headers={"Content-Type": "application/json"}), 400)
     # Body too large (this server allows 64 KiB).
     assert_error(http.post("/v1/completions", json={"prompt": "x" * 70000}), 413, code="request_too_large")
-    # Auth: no key, wrong key -> 401; health and metrics stay open.
+    # Auth: no key, wrong key -> 401; health stays open; /metrics takes only the scrape token.
     assert_error(httpx.post(f"{server.url}/v1/completions", json={"prompt": "x"}), 401, code="invalid_api_key")
     assert_error(httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
-    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert_error(httpx.get(f"{server.url}/metrics"), 401)
+    assert_error(http.get("/metrics"), 401)  # the API key does not open it when a scrape token exists
+    assert httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).status_code == 200
     # Unknown route: OpenAI shape too.
     assert_error(http.get("/v1/nothing"), 404)
     # Still serving.

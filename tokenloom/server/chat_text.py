@@ -76,7 +76,7 @@ class ChatEncoder:
         """The rendered prompt and the (start, end) spans of every message's content in it; spans are
         None when the template does not render the content verbatim."""
         text = self.wrapper.apply_chat_template(messages, add_generation_prompt)
-        nonce = secrets.token_hex(8)
+        nonce = f"{secrets.randbelow(10**18):018d}"  # digits: what a template would rewrite least
         marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} if isinstance(m.get("content"), str) else m
                   for i, m in enumerate(messages)]
         rendered = self.wrapper.apply_chat_template(marked, add_generation_prompt)

@@ -6,12 +6,19 @@ arrives, so a client that opens a socket and sends nothing, or dribbles headers 
 opens and after every response; it is cleared only once a whole request (headers and body) has
 arrived. A connection still short of that at the deadline is closed (the app, if it was reading the
 body, sees a disconnect). Header size is bounded by h11 (`h11_max_incomplete_event_size`).
+
+Malformed framing (a garbage request line, `Content-Length: -1`, a bad chunk size, oversized
+headers) is answered by uvicorn itself, before any app runs, as `text/plain`; here it is the same
+400 in the OpenAI error shape every other error has, with h11's reason, when nothing was sent yet on
+the connection (otherwise the connection is just closed, as uvicorn does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 KEEP_ALIVE_S = 5.0
@@ -24,7 +31,32 @@ class ReadTimeoutH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._read_timer: asyncio.TimerHandle | None = None
+        self._framing_error: str | None = None
+        next_event = self.conn.next_event
+
+        def remembering_next_event():  # uvicorn drops h11's reason; keep it for the 400's message
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as exc:
+                self._framing_error = str(exc)
+                raise
+
+        self.conn.next_event = remembering_next_event
         self._arm_read_timer()
+
+    def send_400_response(self, msg: str) -> None:
+        reason = self._framing_error or msg
+        body = json.dumps({"error": {"message": f"malformed HTTP request: {reason}", "type": "invalid_request_error",
+                                     "param": None, "code": "bad_http_request"}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        try:
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        except h11.LocalProtocolError:
+            pass  # a response had begun on this connection already: nothing more can be said on it
+        self.transport.close()
 
     def _arm_read_timer(self) -> None:
         self._cancel_read_timer()

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from ..model.tokenizer import IncrementalDetokenizer
 from ..sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from .errors import APIError
 from .protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -145,19 +146,31 @@ def _pad_front(token_ids: list[int], entries: list) -> list:
 
 
 class CompletionLogprobs:
-    """Builds OpenAI completions `logprobs` incrementally (streaming sends the newest part)."""
+    """Builds OpenAI completions `logprobs` incrementally (streaming sends the newest part).
 
-    def __init__(self, tokenizer):
+    `text_offset` is the index in the choice's returned text (a str, so in characters) where each
+    token's text begins: the length of what the tokens before it decode to, as the engine decodes
+    them (incrementally: a token that ends inside a character adds nothing until the one that
+    completes it; special tokens count only if the text shows them). The prompt (echo) decodes with
+    its special tokens shown, as the echoed text has them."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.offset = 0  # text offsets count from the start of the choice's returned text
+        self.skip_special_tokens = skip_special_tokens
+        self.offset = 0  # characters of the choice's returned text so far
+        self._detok: IncrementalDetokenizer | None = None
+        self._detok_prompt: bool | None = None
 
-    def part(self, token_ids: list[int], entries: list) -> dict:
+    def part(self, token_ids: list[int], entries: list, prompt: bool = False) -> dict:
+        if self._detok is None or self._detok_prompt != prompt:
+            self._detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=not prompt and self.skip_special_tokens)
+            self._detok_prompt = prompt
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, entry in zip(token_ids, _pad_front(token_ids, entries), strict=True):
             s = token_text(self.tokenizer, tid)
             tokens.append(s)
             offsets.append(self.offset)
-            self.offset += len(self.tokenizer.id_to_token(tid))
+            self.offset += len(self._detok.step(tid))
             if entry is None:  # the first prompt token: nothing predicts it
                 token_lps.append(None)
                 tops.append(None)
@@ -165,6 +178,14 @@ class CompletionLogprobs:
                 token_lps.append(_finite(entry.get(tid)))
                 tops.append({token_text(self.tokenizer, t): _finite(lp) for t, lp in entry.items()})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def clamp_offsets(logprobs: dict | None, text_length: int) -> dict | None:
+    """A finished choice's text may end before its last tokens' text (cut at a stop string): their
+    offsets point at its end."""
+    if logprobs is not None:
+        logprobs["text_offset"] = [min(o, text_length) for o in logprobs["text_offset"]]
+    return logprobs
 
 
 def merge_logprob_parts(a: dict | None, b: dict) -> dict:
