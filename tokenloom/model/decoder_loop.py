@@ -34,7 +34,7 @@ class _Layer(ctypes.Structure):
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("int4_gemm", _p), ("int8_gemm", _p), ("rms_norm", _p), ("rope", _p), ("write_kv", _p), ("silu_mul", _p),
+    _fields_ = [("int4_gemm", _p), ("int8_gemm", _p), ("int8g_gemm", _p), ("rms_norm", _p), ("rope", _p), ("write_kv", _p), ("silu_mul", _p),
                 ("attention", _p), ("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("heads", _i64),
                 ("kv_heads", _i64), ("head_dim", _i64), ("cache_slots", _i64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float)]
@@ -47,7 +47,7 @@ def _address(fn) -> int:
 def _weight(linear: Int4Linear | Int8Linear) -> _Weight:
     bias = linear.bias.data_ptr() if linear.bias is not None else None
     if isinstance(linear, Int8Linear):
-        return _Weight(linear.codes.data_ptr(), linear.scales.data_ptr(), None, bias, 1)
+        return _Weight(linear.codes.data_ptr(), linear.scales.data_ptr(), None, bias, 2 if linear.grouped else 1)
     return _Weight(linear.codes.data_ptr(), linear.scales.data_ptr(), linear.offsets.data_ptr(), bias, 0)
 
 
@@ -85,7 +85,7 @@ class DecoderLoop:
             if attend is not None:
                 kernel = first.self_attn.qkv_proj.kernel
                 self._models[dtype] = _Model(
-                    _address(kernel._int4), _address(kernel._int8), _address(self.ops._rms_norm),
+                    _address(kernel._int4), _address(kernel._int8), _address(kernel._int8g), _address(self.ops._rms_norm),
                     _address(self.ops._rope), _address(write), _address(self.ops._silu_mul), _address(attend),
                     len(layers), cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                     cfg.dim_per_head, 0, first.input_layernorm.eps, first.self_attn.scale)
@@ -169,8 +169,9 @@ def decoder_loop_for(model) -> tuple[DecoderLoop | None, str | None]:
 
 # Run in a child (model/kernels.py): two layers over stand-in kernels (Python callbacks: each norm
 # scales by its weight, each int4 gemm sums its input row times a per-weight number, the int8 one
-# (layer 1's down projection) twice that, the attention passes the queries through; layer 0's QKV has a
-# bias), against the same arithmetic done directly.
+# (layer 1's down projection) twice that, the grouped int8 one (layer 0's down projection) three times,
+# the attention passes the queries through; layer 0's QKV has a bias), against the same arithmetic
+# done directly.
 _CHECK = r"""
 import ctypes, sys
 lib = ctypes.CDLL(sys.argv[1])
@@ -199,24 +200,30 @@ def gemm8(x, rows, k, codes, scales, n, y):
         s = sum(val(x, r * k + i) for i in range(k))
         for j in range(n): store(y, r * n + j, 2 * s * val(codes, 0) + j)
     return 0
+def gemm8g(x, rows, k, codes, scales, n, y):
+    for r in range(rows):
+        s = sum(val(x, r * k + i) for i in range(k))
+        for j in range(n): store(y, r * n + j, 3 * s * val(codes, 0) + j)
+    return 0
 callbacks = [ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, p, i64, p)(gemm),
              ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, i64, p)(gemm8),
+             ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, i64, p)(gemm8g),
              ctypes.CFUNCTYPE(None, p, p, i64, i64, f, p)(norm),
              ctypes.CFUNCTYPE(None, p, i64, i64, i64, i64, p, p)(lambda *a: None),
              ctypes.CFUNCTYPE(ctypes.c_int, p, i64, p, i64, i64, i64, p, i64, p, p)(write_kv),
              ctypes.CFUNCTYPE(None, p, i64, i64, p)(silu_mul),
              ctypes.CFUNCTYPE(ctypes.c_int, p, p, p, p, i64, p, i64, i64, i64, i64, i64, f, p)(attention)]
 class Model(ctypes.Structure):
-    _fields_ = [(n, p) for n in "gemm gemm8 norm rope write silu attn".split()] + [(n, i64) for n in "L H I heads kvh hd slots".split()] + [("eps", f), ("scale", f)]
+    _fields_ = [(n, p) for n in "gemm gemm8 gemm8g norm rope write silu attn".split()] + [(n, i64) for n in "L H I heads kvh hd slots".split()] + [("eps", f), ("scale", f)]
 ROWS, H, I, HEADS, KVH, HD, LAYERS = 2, 4, 3, 2, 1, 2, 2
 m = Model(*[ctypes.cast(c, p) for c in callbacks], LAYERS, H, I, HEADS, KVH, HD, 7, 1e-5, 0.5)
 F = lambda *v: (ctypes.c_float * len(v))(*v)
 weights = [F(1.0, 2.0, 0.5, 1.0), F(0.5, 0.5, 1.0, 2.0)] + [F(c) for c in (0.25, 0.5, 1.0, -0.125, 0.75, 0.5, 0.25, 1.0)]
 QKV, Q = (HEADS + 2 * KVH) * HD, HEADS * HD
 bias = F(*[0.125 * j - 0.5 for j in range(QKV)])
-int8 = {(1, 3)}  # (layer, projection) through the int8 gemm
+int8 = {(1, 3): 2, (0, 3): 3}  # (layer, projection) through the int8 gemm (x2) or the grouped one (x3)
 has_bias = {(0, 0)}
-weight = lambda l, j: [ctypes.addressof(weights[2 + 4 * l + j]), 0, 0, ctypes.addressof(bias) if (l, j) in has_bias else 0, int((l, j) in int8)]
+weight = lambda l, j: [ctypes.addressof(weights[2 + 4 * l + j]), 0, 0, ctypes.addressof(bias) if (l, j) in has_bias else 0, {2: 1, 3: 2}.get(int8.get((l, j)), 0)]
 layer = lambda l: [ctypes.addressof(weights[l])] * 2 + sum((weight(l, j) for j in range(4)), []) + [0, 0]
 layers = (p * (24 * LAYERS))(*(layer(0) + layer(1)))
 x = [0.5, -1.0, 2.0, 0.25, 1.5, 0.0, -0.5, 1.0]
@@ -224,7 +231,7 @@ buf = F(*x)
 zeros = (i64 * 8)()
 assert lib.decoder_loop(ctypes.byref(m), layers, buf, ROWS, F(*[1.0] * 4), F(*[0.0] * 4), zeros, zeros, 1, zeros, 16) == 0
 for l in range(LAYERS):
-    c = [weights[2 + 4 * l + j][0] * (2 if (l, j) in int8 else 1) for j in range(4)]
+    c = [weights[2 + 4 * l + j][0] * int8.get((l, j), 1) for j in range(4)]
     for r in range(ROWS):
         row = x[r * H:(r + 1) * H]
         qkv = [sum(v * weights[l][i] for i, v in enumerate(row)) * c[0] + j + (bias[j] if l == 0 else 0) for j in range(QKV)]

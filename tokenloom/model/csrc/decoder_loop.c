@@ -28,7 +28,7 @@ typedef int (*attention_fn)(const float *q, const void *k_cache, const void *v_c
 typedef struct {  /* a projection: int4 codes, scales and offsets, or int8 codes and scales; a bias or NULL */
     const void *codes, *scales, *offsets;
     const float *bias;
-    int64_t int8;
+    int64_t int8;  /* 0: int4; 1: int8, a scale per column; 2: int8, a scale per group of 32 and column */
 } Weight;
 
 typedef struct {  /* one decoder layer's weights and KV cache (model/decoder_loop.py fills these) */
@@ -39,7 +39,7 @@ typedef struct {  /* one decoder layer's weights and KV cache (model/decoder_loo
 
 typedef struct {  /* the kernels and the shapes, fixed at load */
     int4_gemm_fn int4_gemm;
-    int8_gemm_fn int8_gemm;
+    int8_gemm_fn int8_gemm, int8g_gemm;
     rms_norm_fn rms_norm;
     rope_fn rope;
     write_kv_fn write_kv;
@@ -55,8 +55,9 @@ static void add_into(float *x, const float *y, int64_t n) {
 
 /* y [rows, n] = x [rows, k] @ w^T (+ bias, added after the product as model/linear.py adds it). */
 static int gemm(const Model *m, const Weight *w, const float *x, int64_t rows, int64_t k, int64_t n, float *y) {
-    const int status = w->int8 ? m->int8_gemm(x, rows, k, w->codes, w->scales, n, y)
-                               : m->int4_gemm(x, rows, k, w->codes, w->scales, w->offsets, n, y);
+    const int status = w->int8 == 2 ? m->int8g_gemm(x, rows, k, w->codes, w->scales, n, y)
+                       : w->int8    ? m->int8_gemm(x, rows, k, w->codes, w->scales, n, y)
+                                    : m->int4_gemm(x, rows, k, w->codes, w->scales, w->offsets, n, y);
     if (status == 0 && w->bias)
         for (int64_t r = 0; r < rows; r++) add_into(y + r * n, w->bias, n);
     return status;

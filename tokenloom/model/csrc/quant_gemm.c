@@ -1,7 +1,9 @@
 /* Matmuls over quantized weights with AVX512-BF16 dot products, for every batch size:
  *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T with W in the GGUF's own Q4_1 blocks (w = d*q + m per 32
  *              weights, q in 0..15): the decoder's projections;
- *   int8_gemm: the same with W = scale[n] * q[n][k], q in -127..127: the LM head's approximate logits.
+ *   int8_gemm: the same with W = scale[n] * q[n][k], q in -127..127: the LM head's approximate logits;
+ *   int8g_gemm: W = scale[n][k / 32] * q[n][k], a scale per group of 32 inputs: the projections a GGUF
+ *               stores wider than 4 bits (Q5_0 and Q8_0 are such groups already; Q6_K, F16 nearly).
  *
  * int4, per output element and block of 32 weights:
  *     y += d * sum(x_bf16 * (128 + q)) + (m - 128 d) * sum(x_bf16)
@@ -21,7 +23,7 @@
  * Layout (model/linear.py pack_c_layout): for each block of 16 output columns, group of 32 inputs and
  * quarter jq of the group, 32 16-bit lanes; nibble t of lane 2c + p is the code of column c, input
  * 8 jq + 2 t + p. Scales d and offsets m: float16, [N/16][K/32][16].
- * int8: [N/16][K/2][16][2] bytes, scales float32 [N].
+ * int8: [N/16][K/2][16][2] bytes, scales float32 [N]; int8g: the same codes, scales float32 [N/16][K/32][16].
  *
  * Built at run time by model/kernels.py with -mavx512f -mavx512bw -mavx512vl -mavx512bf16.
  */
@@ -201,6 +203,65 @@ int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const f
             }
 #undef ROWS8
 #undef TILE8
+        }
+    }
+    free(xb);
+    return 0;
+}
+
+/* --- int8 with a scale per group of 32 inputs ------------------------------------------------------- */
+
+/* As tile8, but each group's dot products meet the group's column scales before joining the running
+ * outputs in y (L1), as int4's tile does with its d and m. */
+INLINE void tile8g(const uint16_t *xb, int64_t K, int64_t G, const int MR, const int NB, const int8_t *codes,
+                   const float *gscale, int64_t nb0, float *y, int64_t N) {
+    __m512 acc[INT8_TILE_ROWS][TILE_COLS];
+    for (int r = 0; r < MR; r++)
+        for (int b = 0; b < NB; b++) _mm512_storeu_ps(y + r * N + (nb0 + b) * COLS, _mm512_setzero_ps());
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < MR; r++)
+            for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
+        for (int64_t j = g * GROUP / 2; j < (g + 1) * GROUP / 2; j++) {
+            __m512i w[TILE_COLS];
+            for (int b = 0; b < NB; b++) w[b] = int8_to_bf16(codes + ((nb0 + b) * (K / 2) + j) * 2 * COLS);
+            for (int r = 0; r < MR; r++) {
+                const __m512i xv = _mm512_set1_epi32(pair_bits(xb + r * K + 2 * j));
+                for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)w[b]);
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const __m512 s = _mm512_loadu_ps(gscale + ((nb0 + b) * G + g) * COLS);
+            for (int r = 0; r < MR; r++) {
+                float *o = y + r * N + (nb0 + b) * COLS;
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(acc[r][b], s, _mm512_loadu_ps(o)));
+            }
+        }
+    }
+}
+
+/* y[M, N] = (x rounded to bfloat16) @ (scale[n][k / 32] * q[n][k])^T. K % 32 == 0, N % 16 == 0. */
+int int8g_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *gscale, int64_t N, float *y) {
+    const int64_t G = K / GROUP, blocks = N / COLS;
+    uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * M * K + 63) / 64 * 64);
+    if (!xb) return 1;
+    to_bf16(x, M, G, xb, NULL);
+    const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
+#pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t nb0 = t * TILE_COLS;
+        const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
+        for (int64_t m = 0; m < M; m += INT8_TILE_ROWS) {
+            const int mr = (int)(M - m < INT8_TILE_ROWS ? M - m : INT8_TILE_ROWS);
+            const uint16_t *xm = xb + m * K;
+            float *ym = y + m * N;
+#define TILE8G(MR, NB) tile8g(xm, K, G, MR, NB, codes, gscale, nb0, ym, N)
+#define ROWS8G(MR) case MR * 4 + 3: TILE8G(MR, 3); break; case MR * 4 + 2: TILE8G(MR, 2); break; \
+                   case MR * 4 + 1: TILE8G(MR, 1); break;
+            switch (mr * 4 + nb) {
+                ROWS8G(8) ROWS8G(7) ROWS8G(6) ROWS8G(5) ROWS8G(4) ROWS8G(3) ROWS8G(2) ROWS8G(1)
+            }
+#undef ROWS8G
+#undef TILE8G
         }
     }
     free(xb);

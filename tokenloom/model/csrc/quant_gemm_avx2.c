@@ -2,7 +2,8 @@
  *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T over the GGUF's Q4_1 blocks (the decoder's projections),
  *     in its own code layout (model/linear.py pack_avx2_layout; scales and offsets as quant_gemm.c's);
  *   int8_gemm: the same over per-column int8 weights (the LM head's approximate logits), quant_gemm.c's
- *     layout, the same int16 activations.
+ *     layout, the same int16 activations;
+ *   int8g_gemm: int8 weights with a scale per group of 32 inputs and column (quant_gemm.c's int8g).
  *
  * int4: the activations rounded to int16 per group of 32 with a power-of-two scale (15 bits relative to
  * the group's largest; bfloat16 keeps 8 relative to each value), then per group of 32 weights
@@ -152,8 +153,10 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
  * 8 columns as they lie. Per group of 32 the int32 sums meet the group's activation scale (no overflow:
  * 32 * 127 * 32767 < 2^31), and each column's own scale at the end. */
 
+/* `gscale` NULL: per-column `scale` at the end; else a scale per group and column [N/16][G][16] that
+ * meets each group's sums with the activations' scale. */
 INLINE void tile8(const int16_t *xq, const float *xscale, int64_t K, int64_t G, const int MR, const int8_t *codes,
-                  const float *scale, int64_t nb, float *y, int64_t N) {
+                  const float *scale, const float *gscale, int64_t nb, float *y, int64_t N) {
     __m256i acc[TILE_ROWS][2];
     for (int r = 0; r < MR; r++) {
         _mm256_storeu_ps(y + r * N + nb * COLS, _mm256_setzero_ps());
@@ -178,10 +181,12 @@ INLINE void tile8(const int16_t *xq, const float *xscale, int64_t K, int64_t G, 
             const __m256 xs = _mm256_set1_ps(xscale[r * G + g]);
             for (int h = 0; h < 2; h++) {
                 float *o = y + r * N + nb * COLS + 8 * h;
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), xs, _mm256_loadu_ps(o)));
+                const __m256 f = gscale ? _mm256_mul_ps(xs, _mm256_loadu_ps(gscale + (nb * G + g) * COLS + 8 * h)) : xs;
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), f, _mm256_loadu_ps(o)));
             }
         }
     }
+    if (gscale) return;
     for (int h = 0; h < 2; h++) {
         const __m256 s = _mm256_loadu_ps(scale + nb * COLS + 8 * h);
         for (int r = 0; r < MR; r++) {
@@ -191,9 +196,8 @@ INLINE void tile8(const int16_t *xq, const float *xscale, int64_t K, int64_t G, 
     }
 }
 
-/* Same signature and layout as quant_gemm.c's int8_gemm (K a multiple of 32, N of 16). Returns 0, or 1
- * when the activations' int16 buffer cannot be allocated. */
-int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, int64_t N, float *y) {
+static int int8_any(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
+                    const float *gscale, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
     const Int16Rows rows = quantize_rows(x, M, K);
     if (!rows.xq) return 1;
@@ -204,13 +208,24 @@ int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const f
             const float *cm = rows.scale + m * G;
             float *ym = y + m * N;
             switch (M - m < TILE_ROWS ? (int)(M - m) : TILE_ROWS) {
-                case 4: tile8(xm, cm, K, G, 4, codes, scale, nb, ym, N); break;
-                case 3: tile8(xm, cm, K, G, 3, codes, scale, nb, ym, N); break;
-                case 2: tile8(xm, cm, K, G, 2, codes, scale, nb, ym, N); break;
-                default: tile8(xm, cm, K, G, 1, codes, scale, nb, ym, N); break;
+                case 4: tile8(xm, cm, K, G, 4, codes, scale, gscale, nb, ym, N); break;
+                case 3: tile8(xm, cm, K, G, 3, codes, scale, gscale, nb, ym, N); break;
+                case 2: tile8(xm, cm, K, G, 2, codes, scale, gscale, nb, ym, N); break;
+                default: tile8(xm, cm, K, G, 1, codes, scale, gscale, nb, ym, N); break;
             }
         }
     }
     free(rows.xq);
     return 0;
+}
+
+/* Same signature and layout as quant_gemm.c's int8_gemm (K a multiple of 32, N of 16). Returns 0, or 1
+ * when the activations' int16 buffer cannot be allocated. */
+int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, int64_t N, float *y) {
+    return int8_any(x, M, K, codes, scale, NULL, N, y);
+}
+
+/* Same signature and layout as quant_gemm.c's int8g_gemm. */
+int int8g_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *gscale, int64_t N, float *y) {
+    return int8_any(x, M, K, codes, NULL, gscale, N, y);
 }
