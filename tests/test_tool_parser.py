@@ -4,6 +4,7 @@ as vLLM's `hermes` parser reads it, and the streaming parser, whose deltas accum
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 
@@ -127,7 +128,7 @@ class SDKAccumulator:
 def stream(text: str, cuts: list[int]) -> tuple[SDKAccumulator, StreamingToolCallParser]:
     parser, acc = StreamingToolCallParser(), SDKAccumulator()
     bounds = [0, *sorted(set(cuts)), len(text)]
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
     for i, piece in enumerate(pieces):
         acc.add(parser.feed(piece, final=i == len(pieces) - 1))
     return acc, parser

@@ -15,6 +15,8 @@ from .protocol import ChatCompletionRequest
 from .state import INLINE_CHARS, ServerState
 from .streams import ChoiceDelta
 from .structured import ToolChoice, tool_choice
+from .tool_parser import StreamingToolCallParser, new_call_id, parse_tool_calls
+from .tool_template import encoder_with_tools, refuse_spelled_controls, wrapper_with_tools
 
 
 def render_prompt(state: ServerState, req: ChatCompletionRequest, tools: ToolChoice | None = None
@@ -22,10 +24,14 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, tools: ToolCho
     """The rendered prompt and, unless the operator trusts chat messages, its ids with message content
     tokenized as text (chat_text.py; no BOS yet)."""
     messages = convert.chat_messages(req, tools)
-    encoder = state.chat_encoder
+    encoder, wrapper = state.chat_encoder, state.tokenizer
+    template_tools = tools.template_tools if tools is not None else None
+    if template_tools is not None:
+        encoder, wrapper = encoder_with_tools(encoder, template_tools), wrapper_with_tools(wrapper, template_tools)
     try:
         if state.trust_chat_messages:
-            return state.tokenizer.apply_chat_template(messages, req.add_generation_prompt), None
+            return wrapper.apply_chat_template(messages, req.add_generation_prompt), None
+        refuse_spelled_controls(encoder.control_texts, template_tools or [], messages)
         encoder.check_messages(messages)
         text, spans = encoder.render(messages, req.add_generation_prompt)
     except (ValueError, APIError):
@@ -58,14 +64,18 @@ class _ChatView(GenerationView):
     chunk_object = "chat.completion.chunk"
 
     tools: ToolChoice | None = None
+    _parsers: dict[int, StreamingToolCallParser]  # "auto", streaming: one per choice
 
     async def engine_inputs(self):
-        self.tools = tool_choice(self.req, "tools" in (self.tok.chat_template or ""))
+        self.tools = tool_choice(self.req, self.tok.chat_template)
         params = convert.chat_params(self.req, self.tools)
         _, ids = await render_prompt_ids(self.state, self.req, self.tools)
+        self._parsers = {}
         return params, [ids]
 
     def render(self, d: ChoiceDelta, streaming: bool) -> dict:
+        if self.tools is not None and self.tools.auto:
+            return self._render_auto_stream(d) if streaming else self._render_auto_whole(d)
         if self.tools is not None:
             return self._render_tool_calls(d, streaming)
         if d.first:
@@ -76,6 +86,33 @@ class _ChatView(GenerationView):
         if d.logprobs is not None:
             logprobs = convert.chat_logprobs(self.tok, d.token_ids, d.logprobs, self.req.top_logprobs or 0)
         return {"delta" if streaming else "message": message, "logprobs": logprobs}
+
+    def _logprobs(self, d: ChoiceDelta) -> dict | None:
+        if d.logprobs is None:
+            return None
+        return convert.chat_logprobs(self.tok, d.token_ids, d.logprobs, self.req.top_logprobs or 0)
+
+    def _render_auto_whole(self, d: ChoiceDelta) -> dict:
+        """"auto": the model's `<tool_call>` blocks become `tool_calls`, the text before them `content`."""
+        parsed = parse_tool_calls(d.text)
+        message: dict = {"role": "assistant", "content": parsed.content}
+        out = {"message": message, "logprobs": self._logprobs(d)}
+        if parsed.calls:
+            message["tool_calls"] = [{"id": new_call_id(), "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in parsed.calls]
+            out["finish_reason"] = "tool_calls"
+        return out
+
+    def _render_auto_stream(self, d: ChoiceDelta) -> dict:
+        """"auto", streamed: content deltas until a `<tool_call>` starts, then tool-call deltas."""
+        parser = self._parsers.setdefault(d.index, StreamingToolCallParser())
+        delta = parser.feed(d.text, final=d.choice.finish_reason is not None)
+        if d.first:
+            delta = {"role": "assistant", "content": delta.pop("content", None), **delta}
+        out = {"delta": delta, "logprobs": self._logprobs(d)}
+        if d.choice.finish_reason is not None and parser.called:
+            out["finish_reason"] = "tool_calls"
+        return out
 
     def _render_tool_calls(self, d: ChoiceDelta, streaming: bool) -> dict:
         """A forced call: the grammar-constrained text becomes `tool_calls` once the choice is complete

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import json
+
 from ..model.tokenizer import IncrementalDetokenizer
 from ..sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from .errors import APIError
@@ -67,7 +69,7 @@ def chat_params(req: ChatCompletionRequest, tools: ToolChoice | None = None) -> 
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    if tools is None:
+    if tools is None or tools.auto:  # "auto" is read back from the text (tool_parser.py), not forced
         return sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
     if structured_outputs(req) is not None:
         raise APIError(400, "tool_choice: a forced tool call cannot be combined with response_format or "
@@ -97,10 +99,14 @@ def completion_prompts(prompt, n: int = 1) -> list[str | list[int]]:
 
 def chat_messages(req: ChatCompletionRequest, tools: ToolChoice | None = None) -> list[dict]:
     """Messages as the chat template expects them: content flattened to a string (text parts only:
-    an image or audio part is a 400), the tools described in the system message when a call is forced."""
+    an image or audio part is a 400), earlier calls' arguments as objects, the tools described in the
+    system message when a call is forced and the template has no place for them."""
     out = []
     for i, m in enumerate(req.messages):
         msg = m.model_dump(exclude_none=True)
+        if m.tool_calls is not None:
+            msg["tool_calls"] = [_template_tool_call(f"messages[{i}].tool_calls[{j}]", call)
+                                 for j, call in enumerate(msg["tool_calls"])]
         if isinstance(m.content, list):
             for part in m.content:
                 if part.type != "text":
@@ -110,12 +116,23 @@ def chat_messages(req: ChatCompletionRequest, tools: ToolChoice | None = None) -
         elif m.content is None:
             msg["content"] = ""
         out.append(msg)
-    if tools is not None:
+    if tools is not None and tools.template_tools is None:
         if out and out[0]["role"] == "system":
             out[0]["content"] = f"{out[0]['content']}\n\n{tools.system_prompt()}"
         else:
             out.insert(0, {"role": "system", "content": tools.system_prompt()})
     return out
+
+
+def _template_tool_call(where: str, call: dict) -> dict:
+    """An earlier call as templates read it: OpenAI sends its arguments as a JSON string, templates
+    (Qwen2.5's `tool_call.arguments | tojson`) expect the object, so it is parsed (as vLLM does)."""
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+    except (ValueError, RecursionError):
+        raise APIError(400, f"{where}.function.arguments: must be a JSON text (OpenAI sends the arguments "
+                       "as a JSON object in a string)", param="messages") from None
+    return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
 # -- logprobs ------------------------------------------------------------------------------------

@@ -109,6 +109,19 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
+class CalledFunction(_Body):
+    name: Text
+    arguments: Text = Field(..., description="The call's arguments as a JSON object in a string, as OpenAI returns them")
+
+
+class AssistantToolCall(_Body):
+    """A call an earlier assistant turn made (an entry of its `tool_calls`), rendered by the chat template."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     """Only these fields reach the chat template; others are ignored."""
 
@@ -116,6 +129,8 @@ class ChatMessage(BaseModel):
     role: Text
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[AssistantToolCall] | None = Field(None, max_length=MAX_MESSAGES)
+    tool_call_id: Text | None = None
 
 
 class FunctionDefinition(_Body):

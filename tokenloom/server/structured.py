@@ -6,8 +6,12 @@ older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, and (
 `tool_choice` that forces a call. A forced call goes through the grammar, as vLLM does for any
 model: `"required"` makes the model write a JSON array of `{"name", "parameters"}` objects, one of
 the tools each; a named function makes it write that function's arguments. `"none"` ignores the
-tools; `"auto"` needs a chat template that knows tools, which this model's does not, so it is
-refused with a 400 rather than silently answered as text.
+tools. `"auto"` (OpenAI's default when tools are given) needs a chat template that describes tools
+and tells the model to answer with `<tool_call>` blocks (Qwen2.5's): the model then decides, without
+a grammar, and its output is read back by tool_parser.py (vLLM's `hermes` parser's behaviour). On
+any other template it is refused with a 400 rather than silently answered as text. Where the template
+describes tools, a forced call is rendered with them too (as vLLM renders it), the grammar unchanged;
+elsewhere the tools are described in a system message (`ToolChoice.system_prompt`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from ..grammar_limits import DEFAULT_LIMITS, json_depth
 from ..structured_outputs import StructuredOutputsParams
 from .errors import APIError
 from .protocol import ChatCompletionRequest, _SamplingFields
+from .tool_template import template_renders_tools, template_writes_hermes_calls
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -54,11 +59,16 @@ def structured_outputs(req: _SamplingFields) -> StructuredOutputsParams | None:
 
 @dataclass
 class ToolChoice:
-    """A forced tool call: `name` None = "required" (any of the tools, one or more calls)."""
+    """The request's tools and how a call comes: forced (`name` None = "required": any of the tools,
+    one or more calls; else that function) through a grammar, or `auto` (the model decides; no grammar)."""
 
     tools: dict[str, dict]  # name -> JSON schema of its parameters
     name: str | None
     parallel: bool = True  # "required" may make several calls (OpenAI's parallel_tool_calls)
+    auto: bool = False
+    # The tools in OpenAI's shape for a chat template that renders them (None: it does not; they go
+    # into a system message instead).
+    template_tools: list[dict] | None = None
 
     def grammar(self) -> StructuredOutputsParams:
         if self.name is not None:
@@ -105,7 +115,8 @@ def _hoist(tool: str, schema, defs: dict[str, dict]):
     return out
 
 
-def tool_choice(req: ChatCompletionRequest, template_knows_tools: bool) -> ToolChoice | None:
+def tool_choice(req: ChatCompletionRequest, chat_template: str | None) -> ToolChoice | None:
+    """The request's tools against the model's chat template (None: no tools, or "none")."""
     if not req.tools:
         if req.tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice: needs tools", param="tool_choice")
@@ -124,16 +135,23 @@ def tool_choice(req: ChatCompletionRequest, template_knows_tools: bool) -> ToolC
     choice = req.tool_choice if req.tool_choice is not None else "auto"
     if choice == "none":
         return None
+    # As vLLM passes them to the template: OpenAI's objects, unset fields left out.
+    template_tools = ([t.model_dump(exclude_none=True) for t in req.tools]
+                      if template_renders_tools(chat_template) else None)
     if choice == "auto":
-        if template_knows_tools:
-            raise APIError(400, "tool_choice: 'auto' is not supported (no tool parser)", param="tool_choice")
+        if template_writes_hermes_calls(chat_template):
+            return ToolChoice(tools, None, req.parallel_tool_calls is not False, True, template_tools)
+        if template_tools is not None:
+            raise APIError(400, "tool_choice: 'auto' is not supported for this model: its chat template describes "
+                           "tools but not as <tool_call> blocks, the only calls this server reads; use 'required' "
+                           "or name a function", param="tool_choice")
         raise APIError(400, "tool_choice: 'auto' needs a chat template that knows tools and this model's does "
                        "not; use 'required' or name a function", param="tool_choice")
     if choice == "required":
-        return ToolChoice(tools, None, req.parallel_tool_calls is not False)
+        return ToolChoice(tools, None, req.parallel_tool_calls is not False, template_tools=template_tools)
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         if name not in tools:
             raise APIError(400, f"tool_choice: no tool named {name!r}", param="tool_choice")
-        return ToolChoice(tools, name)
+        return ToolChoice(tools, name, template_tools=template_tools)
     raise APIError(400, "tool_choice: must be 'none', 'auto', 'required' or a named function", param="tool_choice")
