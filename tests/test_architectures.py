@@ -180,6 +180,17 @@ def test_a_tensor_the_architecture_does_not_use_is_refused(tmp_path):
         load_model(ModelSource("hf", str(hf)))
 
 
+def test_a_truncated_gguf_is_refused_naming_the_file(tmp_path):
+    model = random_model(QWEN2, seed=1)
+    write_gguf(tmp_path / "whole.gguf", model, QWEN2)
+    data = (tmp_path / "whole.gguf").read_bytes()
+    for i, cut in enumerate((200, len(data) // 2, len(data) - 100)):
+        path = tmp_path / f"cut{i}.gguf"
+        path.write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=f"{path}: not a readable GGUF file"):
+            load_model(ModelSource("gguf", str(path)))
+
+
 # --- sliding windows ----------------------------------------------------------------------------------
 
 
@@ -354,3 +365,17 @@ def test_serving_greedy_is_batch_invariant_and_qwen_chat_stops_at_its_turn_end(a
         out = llm.chat([{"role": "user", "content": "Say hello in one word."}], SamplingParams(max_tokens=64),
                        use_tqdm=False)[0].outputs[0]
         assert out.finish_reason == "stop" and "<|im_end|>" not in out.text and out.text.strip(), out
+
+
+@pytest.mark.slow
+def test_qwen_1_5b_serves_on_the_fast_path():
+    """The 1.5B (28 layers, d=1536; Q4_K and Q6_K blocks): pulled, loaded on the fast path with the
+    decoder loop, writes code."""
+    from tokenloom.model import catalog
+
+    llm = LLM(model=str(catalog.pull("qwen2.5-coder-1.5b", progress=False, log=lambda _: None)),
+              quantization="auto", max_model_len=1024)
+    plan = llm.engine.runner.model.plan
+    assert plan.architecture == "qwen2" and "Q4_K" in plan.weight_sources and plan.weights.startswith("int4")
+    out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert "return" in out.outputs[0].text, out.outputs[0].text
