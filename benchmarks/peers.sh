@@ -54,8 +54,12 @@ start() {
         vllm-fp32) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT float32 >"$OUT/$1.log" 2>&1 & ;;
     esac
     PID=$!
+    local t0=$SECONDS
     for _ in $(seq 600); do
-        curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null && return 0
+        if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null; then
+            echo $((SECONDS - t0)) >"$OUT/$1-ready-s"
+            return 0
+        fi
         sleep 0.5
     done
     echo "$1 did not start" >&2; return 1
@@ -94,7 +98,8 @@ for s in servers:
     c1, mixed = (json.load(open(f"{out}/{s}-{cell}.json")) for cell in ("c1", "mixed"))
     rows[s] = {"c1_output_tok_s": c1["output_throughput"], "c1_tpot_p50_ms": c1["median_tpot_ms"],
                "c1_ttft_p50_ms": c1["median_ttft_ms"], "mixed_output_tok_s": mixed["output_throughput"],
-               "peak_rss_mb": int(open(f"{out}/{s}-peak-rss-kb").read()) / 1024}
+               "peak_rss_mb": int(open(f"{out}/{s}-peak-rss-kb").read()) / 1024,
+               "ready_s": int(open(f"{out}/{s}-ready-s").read())}
 for peer in ("llama", "vllm", "vllm-fp32"):
     base = rows.get(peer)
     if base:
