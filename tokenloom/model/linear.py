@@ -286,26 +286,26 @@ for r in range(M):
 """
 
 
-def _load_quant_gemm(name: str, cpu: set[str], cflags: tuple[str, ...], label: str, pack_int4, code_bytes: str
-                     ) -> QuantGemm | None:
-    lib = kernels.load(kernels.KernelSpec(name, frozenset(cpu), cflags, _quant_gemm_check(code_bytes)))
-    return QuantGemm(lib, label, pack_int4) if lib is not None else None
+SPEC_AVX512 = kernels.KernelSpec(
+    "quant_gemm", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), _quant_gemm_check(_CODE_BYTES_C))
+SPEC_AVX2 = kernels.KernelSpec("quant_gemm_avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
+                               _quant_gemm_check(_CODE_BYTES_AVX2))
 
 
 @functools.cache
 def quant_gemm_avx512() -> QuantGemm | None:
     """The AVX512-BF16 int4 and int8 kernels (csrc/quant_gemm.c) where they build and pass their check."""
-    return _load_quant_gemm("quant_gemm", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
-                            ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), "c-avx512-bf16",
-                            pack_c_layout, _CODE_BYTES_C)
+    lib = kernels.load(SPEC_AVX512)
+    return QuantGemm(lib, "c-avx512-bf16", pack_c_layout) if lib is not None else None
 
 
 @functools.cache
 def quant_gemm_avx2() -> QuantGemm | None:
     """The AVX2 + FMA int4 and int8 kernels (csrc/quant_gemm_avx2.c: activations rounded to int16 per group
     of 32) where they build and pass their check."""
-    return _load_quant_gemm("quant_gemm_avx2", {"avx2", "fma", "f16c"}, ("-mavx2", "-mfma", "-mf16c"), "c-avx2",
-                            pack_avx2_layout, _CODE_BYTES_AVX2)
+    lib = kernels.load(SPEC_AVX2)
+    return QuantGemm(lib, "c-avx2", pack_avx2_layout) if lib is not None else None
 
 
 def quant_gemm() -> QuantGemm | None:

@@ -11,19 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef int (*int4_gemm_fn)(const float *x, int64_t rows, int64_t k, const void *codes, const void *scales,
-                            const void *offsets, int64_t n, float *y);
-typedef int (*int8_gemm_fn)(const float *x, int64_t rows, int64_t k, const void *codes, const void *scales,
-                            int64_t n, float *y);
-typedef void (*rms_norm_fn)(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *out);
-typedef void (*rope_fn)(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim,
-                        const float *cos, const float *sin);
-typedef int (*write_kv_fn)(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t rows,
-                           int64_t width, const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache);
-typedef void (*silu_mul_fn)(const float *gate_up, int64_t rows, int64_t inter, float *out);
-typedef int (*attention_fn)(const float *q, const void *k_cache, const void *v_cache, const int64_t *tables,
-                            int64_t max_blocks, const int64_t *context_lens, int64_t rows, int64_t heads,
-                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out);
+#include "kernels.h"
 
 typedef struct {  /* a projection: int4 codes, scales and offsets, or int8 codes and scales; a bias or NULL */
     const void *codes, *scales, *offsets;
@@ -31,20 +19,20 @@ typedef struct {  /* a projection: int4 codes, scales and offsets, or int8 codes
     int64_t int8;  /* 0: int4; 1: int8, a scale per column; 2: int8, a scale per group of 32 and column */
 } Weight;
 
-typedef struct {  /* one decoder layer's weights and KV cache (model/decoder_loop.py fills these) */
+typedef struct DecoderLayer {  /* one decoder layer's weights and KV cache (model/decoder_loop.py fills these) */
     const float *input_norm, *post_attention_norm;
     Weight qkv, o, gate_up, down;
     void *k_cache, *v_cache;
 } Layer;
 
-typedef struct {  /* the kernels and the shapes, fixed at load */
-    int4_gemm_fn int4_gemm;
-    int8_gemm_fn int8_gemm, int8g_gemm;
-    rms_norm_fn rms_norm;
-    rope_fn rope;
-    write_kv_fn write_kv;
-    silu_mul_fn silu_mul;
-    attention_fn attention;
+typedef struct DecoderModel {  /* the kernels (kernels.h) and the shapes, fixed at load */
+    int4_gemm_fn *int4_gemm;
+    int8_gemm_fn *int8_gemm, *int8g_gemm;
+    rms_norm_fn *rms_norm;
+    rope_fn *rope;
+    write_kv_fn *write_kv;
+    silu_mul_fn *silu_mul;
+    attention_fn *attention;
     int64_t num_layers, hidden, intermediate, heads, kv_heads, head_dim, cache_slots;
     float eps, scale;
 } Model;

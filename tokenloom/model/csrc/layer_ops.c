@@ -9,6 +9,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels.h"
+
 #include "simd_avx2.h"
 
 /* out[r] = w * x[r] / sqrt(mean(x[r]^2) + eps). x and out may be the same buffer. */
@@ -89,8 +91,9 @@ static int check_slots(const int64_t *slots, int64_t rows, int64_t num_slots) {
 }
 
 int write_kv_f32(const float *src_k, int64_t k_stride, const float *src_v, int64_t v_stride, int64_t rows,
-                 int64_t width, const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache) {
+                 int64_t width, const int64_t *slots, int64_t num_slots, void *k_dest, void *v_dest) {
     if (check_slots(slots, rows, num_slots)) return 1;
+    float *k_cache = k_dest, *v_cache = v_dest;
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < width; i++) {
             k_cache[slots[r] * width + i] = src_k[r * k_stride + i];
@@ -101,8 +104,9 @@ int write_kv_f32(const float *src_k, int64_t k_stride, const float *src_v, int64
 
 /* As write_kv_f32 into a float16 cache, rounding to nearest even as torch's .to(float16) does. */
 int write_kv_f16(const float *src_k, int64_t k_stride, const float *src_v, int64_t v_stride, int64_t rows,
-                 int64_t width, const int64_t *slots, int64_t num_slots, uint16_t *k_cache, uint16_t *v_cache) {
+                 int64_t width, const int64_t *slots, int64_t num_slots, void *k_dest, void *v_dest) {
     if (check_slots(slots, rows, num_slots)) return 1;
+    uint16_t *k_cache = k_dest, *v_cache = v_dest;
     for (int64_t r = 0; r < rows; r++) {
         const float *k = src_k + r * k_stride, *v = src_v + r * v_stride;
         uint16_t *kd = k_cache + slots[r] * width, *vd = v_cache + slots[r] * width;

@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #include "paged_context.h"
 #include "simd_avx2.h"
 
@@ -234,10 +236,11 @@ static void gather_tile_##SUFFIX(const T *cache, const int64_t *offsets, int64_t
     }                                                                                                       \
 }                                                                                                           \
                                                                                                             \
-int paged_decode_attention_##SUFFIX(const float *q, const T *k, const T *v, const int64_t *tables,          \
-                                    int64_t max_blocks, const int64_t *context_lens, int64_t num_seqs,      \
-                                    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,              \
-                                    int64_t block_size, float scale, float *out) {                          \
+int paged_decode_attention_##SUFFIX(const float *q, const void *k_cache, const void *v_cache,              \
+                                    const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, \
+                                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,              \
+                                    int64_t head_dim, int64_t block_size, float scale, float *out) {        \
+    const T *k = k_cache, *v = v_cache;                                                                     \
     if (head_dim > MAX_HEAD_DIM || head_dim % 32) return -2;                                                \
     const int64_t group = num_heads / num_kv_heads;                                                         \
     const int64_t slot_stride = num_kv_heads * head_dim;                                                    \

@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
+
 #include "paged_context.h"
 
 #define HD 64        /* head_dim */
@@ -83,10 +85,12 @@ static void softmax_rows(float *scores, int64_t group, int64_t n, int64_t ctx) {
 }
 
 #define DEFINE_ATTENTION(SUFFIX, T, LOAD16)                                                                   \
-int paged_decode_attention_avx512_##SUFFIX(const float *q, const T *k, const T *v, const int64_t *tables,  \
-                                           int64_t max_blocks, const int64_t *context_lens, int64_t num_seqs, \
-                                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,       \
-                                           int64_t block_size, float scale, float *out) {                   \
+int paged_decode_attention_avx512_##SUFFIX(const float *q, const void *k_cache, const void *v_cache,       \
+                                           const int64_t *tables, int64_t max_blocks,                       \
+                                           const int64_t *context_lens, int64_t num_seqs, int64_t num_heads, \
+                                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,      \
+                                           float scale, float *out) {                                       \
+    const T *k = k_cache, *v = v_cache;                                                                     \
     const int64_t group = num_heads / num_kv_heads;                                                         \
     const int64_t slot_stride = num_kv_heads * head_dim;                                                    \
     if (head_dim != HD || group > MAX_GROUP) return -2;                                                     \
@@ -103,9 +107,10 @@ int paged_decode_attention_avx512_##SUFFIX(const float *q, const T *k, const T *
         float *scores = (float *)(offsets + n);                                                             \
         context_offsets(table, ctx, block_size, slot_stride, kvh * HD, offsets);                            \
         __m512 qv[MAX_GROUP][HD / 16];                                                                      \
-        for (int g = 0; g < MAX_GROUP; g++) if (g < group) /* unrolled: registers, not memory */           \
+        for (int g = 0; g < MAX_GROUP; g++) /* unrolled: registers, not memory; rows past the group: 0 */  \
             for (int i = 0; i < HD / 16; i++)                                                               \
-                qv[g][i] = _mm512_loadu_ps(q + (s * num_heads + kvh * group + g) * HD + 16 * i);           \
+                qv[g][i] = g < group ? _mm512_loadu_ps(q + (s * num_heads + kvh * group + g) * HD + 16 * i) \
+                                     : _mm512_setzero_ps();                                                 \
         int64_t t = 0;                                                                                      \
         for (; t + 4 <= ctx; t += 4) { /* four positions' rows in registers, their four sums at once */     \
             __m512 kr[4][HD / 16];                                                                          \
@@ -136,7 +141,7 @@ int paged_decode_attention_avx512_##SUFFIX(const float *q, const T *k, const T *
         }                                                                                                   \
         softmax_rows(scores, group, n, ctx);                                                                \
         __m512 acc[MAX_GROUP][HD / 16];                                                                     \
-        for (int g = 0; g < MAX_GROUP; g++) if (g < group) /* unrolled: registers, not memory */           \
+        for (int g = 0; g < MAX_GROUP; g++) /* every row (unused ones too): unrolled, registers, not memory */ \
             for (int i = 0; i < HD / 16; i++) acc[g][i] = _mm512_setzero_ps();                              \
         for (int64_t t = 0; t < ctx; t++) {                                                                 \
             if (t + PREFETCH_AHEAD < ctx) prefetch_row(v + offsets[t + PREFETCH_AHEAD], HD * sizeof(T));                   \

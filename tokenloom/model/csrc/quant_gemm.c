@@ -31,6 +31,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
+
 #define GROUP 32
 #define COLS 16      /* output columns per zmm */
 #define TILE_COLS 3  /* column blocks per tile: 48 columns */

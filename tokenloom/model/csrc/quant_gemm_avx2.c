@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define GROUP 32
 #define COLS 16      /* output columns per column block: two ymm */
 #define TILE_ROWS 4  /* int4: 4 rows x 2 accumulators + 4 code vectors + 2 broadcasts fit in 16 ymm */

@@ -1,0 +1,51 @@
+/* Every C kernel's interface, in one place: each kernel's source includes this header, so the compiler
+ * holds every definition to its declaration, and decoder_loop.c calls the kernels through pointers of
+ * these very types. Python's ctypes declarations (model/linear.py, layer_ops.py, paged_attention.py,
+ * decoder_loop.py) mirror them.
+ *
+ * Shapes: x [rows, k] float32 row-major; weights for n outputs; y [rows, n]. Return 0 on success; the
+ * gemms return 1 when a scratch buffer cannot be allocated, write_kv 1 for a slot outside the cache,
+ * the attention -1 (out of memory) or -2 (a shape it does not take). */
+#ifndef TOKENLOOM_KERNELS_H
+#define TOKENLOOM_KERNELS_H
+
+#include <stdint.h>
+
+/* quant_gemm.c (AVX512-BF16) and quant_gemm_avx2.c (AVX2 + FMA): the same three, each in its own layout. */
+typedef int int4_gemm_fn(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const uint16_t *scales,
+                         const uint16_t *offsets, int64_t n, float *y);
+typedef int int8_gemm_fn(const float *x, int64_t rows, int64_t k, const int8_t *codes, const float *scales,
+                         int64_t n, float *y);
+int4_gemm_fn int4_gemm;   /* Q4-style groups of 32: scale and offset per group and column (float16) */
+int8_gemm_fn int8_gemm;   /* int8, a float32 scale per column */
+int8_gemm_fn int8g_gemm;  /* int8, a float32 scale per group of 32 inputs and column */
+
+/* layer_ops.c */
+typedef void rms_norm_fn(const float *x, const float *w, int64_t rows, int64_t dim, float eps, float *out);
+typedef void rope_fn(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t head_dim, const float *cos,
+                     const float *sin);
+typedef int write_kv_fn(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t rows,
+                        int64_t width, const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache);
+typedef void silu_mul_fn(const float *gate_up, int64_t rows, int64_t inter, float *out);
+rms_norm_fn rms_norm_f32;
+rope_fn rope_f32;
+silu_mul_fn silu_mul_f32;
+write_kv_fn write_kv_f32;  /* the cache's element: float */
+write_kv_fn write_kv_f16;  /* the cache's element: IEEE half in uint16_t */
+
+/* paged_attention.c (AVX2; any head_dim multiple of 32 up to 256) and paged_attention_avx512.c
+ * (head_dim 64, up to 4 query heads per KV head); _f32 over a float cache, _f16 over a half one. */
+typedef int attention_fn(const float *q, const void *k_cache, const void *v_cache, const int64_t *tables,
+                         int64_t max_blocks, const int64_t *context_lens, int64_t rows, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out);
+attention_fn paged_decode_attention_f32, paged_decode_attention_f16;
+attention_fn paged_decode_attention_avx512_f32, paged_decode_attention_avx512_f16;
+
+/* decoder_loop.c: every layer of a step in one call over the kernels above (its structs are its own). */
+struct DecoderModel;
+struct DecoderLayer;
+int decoder_loop(const struct DecoderModel *m, const struct DecoderLayer *layers, float *x, int64_t rows,
+                 const float *cos, const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
+                 const int64_t *context_lens, int64_t block_size);
+
+#endif
