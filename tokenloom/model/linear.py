@@ -389,7 +389,8 @@ def quantize_int8_grouped(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     g = w.float().reshape(n, k // GROUP, GROUP)
     scale = (g.abs().amax(-1) / 127).clamp_min(1e-12)
-    return (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(n, k), scale
+    codes = (g / scale[..., None]).round_().clamp_(-127, 127)  # one float32 temporary, not three
+    return codes.to(torch.int8).reshape(n, k), scale
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -551,12 +552,15 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
     dtype = torch.bfloat16  # the dtype torch's int4/int8 ops are vectorised for
     # The C kernels only if they also gave the right answer in this process (detect()).
     kernel = quant_gemm() if detect().get("int4_c") else None
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or name == "lm_head":
-            continue
-        w = module.weight
+    # One projection at a time, holding no reference to the ones replaced: each float32 weight is freed as
+    # its quantized form is built (a list of the modules kept every float32 weight alive to the end).
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name != "lm_head"]
+    for name in names:
+        module = model.get_submodule(name)
+        w, b = module.weight, None
         if method == "int4":
-            b = blocks.get(name + ".weight")
+            b = blocks.pop(name + ".weight", None)
+            b = b() if callable(b) else b  # the loader hands the file's blocks over as builders
             if b is None and wider_as_int8:
                 new: nn.Module = Int8Linear(w, dtype, kernel, grouped=True)
             else:
@@ -568,6 +572,7 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
         new.bias = None if module.bias is None else module.bias.detach().float().contiguous()
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        del module, w, b, new
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     if lm_head == "int8":
         model.logits_proj = Int8Linear(head, dtype, kernel)

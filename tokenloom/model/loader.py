@@ -189,11 +189,13 @@ def _layer_norm_names(config: ModelConfig) -> list[str]:
     return names + (["self_attn.q_norm", "self_attn.k_norm"] if config.qk_norm else [])
 
 
-def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None
+def _read_gguf(path: str, blocks: dict | None = None
                ) -> tuple[ModelConfig, dict[str, torch.Tensor], Counter]:
     """(config, dequantized state, block formats of the projection weights). When `blocks` is a dict it
-    also receives the 4-bit blocks of every projection stored in a 4-bit format (linear.FOUR_BIT_BLOCKS),
-    under the same names as the state."""
+    also receives, for every projection stored in a 4-bit format (linear.FOUR_BIT_BLOCKS), a function
+    that builds its blocks, under the same names as the state."""
+    from .linear import FOUR_BIT_BLOCKS
+
     reader = read_gguf_metadata(path)
     arch = architectures.for_gguf(gguf_field(reader, "general.architecture"), path)
     config = arch.config_from_gguf(architectures.GGUFMetadata(reader, path, arch.name))
@@ -210,12 +212,8 @@ def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None
         except Exception as exc:
             raise ValueError(f"{path}: cannot dequantize {name} ({t.tensor_type.name}): {exc}") from exc
 
-    def get_blocks(name: str) -> torch.Tensor | None:
-        from .linear import FOUR_BIT_BLOCKS
-
+    def get_blocks(name: str) -> torch.Tensor:
         t = tensors[name]
-        if t.tensor_type.name not in FOUR_BIT_BLOCKS:
-            raise LookupError(name)
         return FOUR_BIT_BLOCKS[t.tensor_type.name](t.data, tuple(int(d) for d in reversed(t.shape)))
 
     def q_and_k(get, b: str, kind: str) -> list[torch.Tensor]:
@@ -224,12 +222,14 @@ def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None
             q, k = _unpermute_rope_rows(q, config.num_heads), _unpermute_rope_rows(k, config.num_kv_heads)
         return [q, k]
 
-    # Each shared projection and how to build it from the file's tensors (fused ones concatenated).
+    # Each shared projection: the file's tensors it is made of, and how (fused ones concatenated).
     projections = {
-        "self_attn.qkv_proj": lambda get, b: torch.cat([*q_and_k(get, b, "weight"), get(b + "attn_v.weight")]),
-        "self_attn.o_proj": lambda get, b: get(b + "attn_output.weight"),
-        "mlp.gate_up_proj": lambda get, b: torch.cat([get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")]),
-        "mlp.down_proj": lambda get, b: get(b + "ffn_down.weight"),
+        "self_attn.qkv_proj": (("attn_q", "attn_k", "attn_v"),
+                               lambda get, b: torch.cat([*q_and_k(get, b, "weight"), get(b + "attn_v.weight")])),
+        "self_attn.o_proj": (("attn_output",), lambda get, b: get(b + "attn_output.weight")),
+        "mlp.gate_up_proj": (("ffn_gate", "ffn_up"),
+                             lambda get, b: torch.cat([get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")])),
+        "mlp.down_proj": (("ffn_down",), lambda get, b: get(b + "ffn_down.weight")),
     }
 
     state = {"embed_tokens.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
@@ -240,13 +240,13 @@ def _read_gguf(path: str, blocks: dict[str, torch.Tensor] | None = None
     ours_to_gguf = {ours: g for g, ours in _GGUF_NORMS.items()}
     for i in range(config.num_layers):
         p, b = f"layers.{i}.", f"blk.{i}."
-        for name, build in projections.items():
+        for name, (parts, build) in projections.items():
             state[f"{p}{name}.weight"] = build(get, b)
-            if blocks is not None:
-                try:
-                    blocks[f"{p}{name}.weight"] = build(get_blocks, b)
-                except LookupError:  # a part is stored wider than 4 bits: linear.quantize_model decides
-                    pass
+            if blocks is not None and all(tensors[f"{b}{part}.weight"].tensor_type.name in FOUR_BIT_BLOCKS
+                                          for part in parts):
+                # Built when linear.quantize_model takes it, one projection at a time (as float32 blocks a
+                # 1.5B model's would hold 5 GB at once); a part stored wider: quantize_model decides.
+                blocks[f"{p}{name}.weight"] = functools.partial(build, get_blocks, b)
         if config.attention_bias:
             state[p + "self_attn.qkv_proj.bias"] = torch.cat([*q_and_k(get, b, "bias"), get(b + "attn_v.bias")])
         for name in _layer_norm_names(config):

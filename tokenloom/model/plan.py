@@ -41,14 +41,28 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> Forwa
     from .linear import Int4Linear, Int8Linear, RescoredInt8Head
 
     cfg = model.config
-    projection = model.layers[0].mlp.down_proj
-    if isinstance(projection, Int4Linear):
-        weights = f"int4 ({projection.kernel.name if projection.kernel is not None else 'torch'} kernel)"
-        long_prompts = "dense bf16 (oneDNN-packed)" if projection.dense is not None else "int4"
-    elif isinstance(projection, Int8Linear):
-        weights, long_prompts = "int8", "int8"
-    else:
-        weights = long_prompts = _dtype(projection.weight.dtype)
+    kinds: Counter = Counter()
+    long_kinds: set[str] = set()
+    kernel_names: set[str] = set()
+    for layer in model.layers:
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            if isinstance(proj, Int4Linear):
+                kinds["int4"] += 1
+                long_kinds.add("dense bf16 (oneDNN-packed)" if proj.dense is not None else "int4")
+            elif isinstance(proj, Int8Linear):
+                kinds["int8 grouped" if proj.grouped else "int8"] += 1
+                long_kinds.add("int8")
+            else:
+                kinds[_dtype(proj.weight.dtype)] += 1
+                long_kinds.add(_dtype(proj.weight.dtype))
+            if getattr(proj, "kernel", None) is not None:
+                kernel_names.add(proj.kernel.name)
+            elif isinstance(proj, (Int4Linear, Int8Linear)):
+                kernel_names.add("torch")
+    weights = ", ".join(f"{kind} x{n}" if len(kinds) > 1 else kind for kind, n in kinds.most_common())
+    if kernel_names:
+        weights += f" ({', '.join(sorted(kernel_names))} kernels)"
+    long_prompts = " / ".join(sorted(long_kinds))
     head = model.logits_proj
     if isinstance(head, RescoredInt8Head):
         lm_head = "int8, top 16 rescored in float32"
@@ -60,8 +74,6 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> Forwa
     if cfg.layer_types and SLIDING in cfg.layer_types:
         attention += f" (sliding layers: torch beyond {cfg.sliding_window} positions)"
     sources = ", ".join(f"{n} {kind}" for kind, n in source_types.most_common()) or "random weights"
-    if weights.startswith("int4") and set(source_types) - {"Q4_1"}:
-        sources += "; all but Q4_1 requantized to Q4_1"
     return ForwardPlan(
         architecture=cfg.architecture, weights=weights, weight_sources=sources,
         residual=_dtype(model.embed_tokens.weight.dtype), kv_cache=_dtype(model.kv_cache_dtype),
