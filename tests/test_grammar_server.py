@@ -40,8 +40,9 @@ HOSTILE = [
     (C, {**BASE, "guided_regex": nested_repeat_regex(900, 900)}, "max_grammar_"),
     (C, {**BASE, "guided_json": "[" * 100_000 + "]" * 100_000}, "max_grammar_depth"),
     (C, {**BASE, "guided_choice": [f"c{i}" for i in range(5000)]}, "max_grammar_rules"),
+    # 450 nested anyOf nest the body itself past the server's JSON depth bound: refused before parsing.
     (CH, {"messages": MSG, "max_tokens": 4, "tools": [_tool(nested_any_of(450))], "tool_choice": "required"},
-     "max_grammar_depth"),
+     "body: JSON nested"),
     (CH, {"messages": MSG, "max_tokens": 4, "tools": [_tool(ref_chain(200))], "tool_choice": "required"},
      "max_grammar_depth"),
     (C, {**BASE, "n": 64, "allowed_token_ids": list(range(49152)) * 6}, "allowed_token_ids"),
