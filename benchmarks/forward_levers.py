@@ -23,7 +23,7 @@ import time
 import torch
 
 from tokenloom.model import linear
-from tokenloom.model.decoder import ForwardBatch, DecoderModel, PrefillSpan
+from tokenloom.model.decoder import DecoderModel, ForwardBatch, PrefillSpan
 from tokenloom.model.loader import ModelSource, load_model
 
 BLOCK = 16

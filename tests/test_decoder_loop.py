@@ -6,15 +6,14 @@ as the Python path refuses it; and on the real model, greedy tokens through the 
 from __future__ import annotations
 
 import dataclasses
-
 from unittest import mock
 
 import pytest
 import torch
 
 from tokenloom.model import decoder_loop, kernels, linear
-from tokenloom.model.layer_ops import TORCH_OPS
 from tokenloom.model.decoder import ForwardBatch, ModelConfig, PrefillSpan
+from tokenloom.model.layer_ops import TORCH_OPS
 from tokenloom.model.loader import random_model, use_c_kernels
 
 needs_loop = pytest.mark.skipif(kernels.load(decoder_loop.SPEC) is None or linear.quant_gemm() is None,

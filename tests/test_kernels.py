@@ -27,7 +27,8 @@ def test_kernel_compiles_without_warnings(spec, tmp_path):
     cc = shutil.which("cc") or shutil.which("gcc")
     assert cc is not None, "no C compiler: the kernels cannot build"
     built = subprocess.run([cc, *kernels.BASE_CFLAGS, "-Werror", *spec.cflags, str(kernels.CSRC / f"{spec.name}.c"),
-                            "-o", str(tmp_path / "k.so"), "-lm"], capture_output=True, text=True, timeout=120)
+                            "-o", str(tmp_path / "k.so"), "-lm"], check=False, capture_output=True, text=True,
+                           timeout=120)
     assert built.returncode == 0, built.stderr[-2000:]
 
 

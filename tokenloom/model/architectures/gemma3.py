@@ -18,9 +18,9 @@ def _layer_types(num_layers: int) -> tuple[str, ...]:
 
 
 def _gemma_fields(hidden: int, num_layers: int, window: int, head_dim: int) -> dict:
-    return dict(qk_norm=True, hidden_act="gelu_tanh", sandwich_norms=True, embedding_scale=hidden**0.5,
-                sliding_window=window, layer_types=_layer_types(num_layers), rope_local_theta=LOCAL_ROPE_THETA,
-                query_pre_attn_scalar=float(head_dim))
+    return {"qk_norm": True, "hidden_act": "gelu_tanh", "sandwich_norms": True, "embedding_scale": hidden**0.5,
+                "sliding_window": window, "layer_types": _layer_types(num_layers), "rope_local_theta": LOCAL_ROPE_THETA,
+                "query_pre_attn_scalar": float(head_dim)}
 
 
 def _from_gguf(meta: GGUFMetadata) -> ModelConfig:
