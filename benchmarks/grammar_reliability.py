@@ -19,11 +19,11 @@ import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from grammar_shapes import gbnf_wide, lark_chain, ref_chain  # noqa: E402
+from grammar_shapes import gbnf_wide, lark_chain, ref_chain
 
-from tokenloom import EngineConfig, SamplingParams  # noqa: E402
-from tokenloom.engine.llm_engine import LLMEngine  # noqa: E402
-from tokenloom.structured_outputs import GrammarCompiler, StructuredOutputsParams  # noqa: E402
+from tokenloom import EngineConfig, SamplingParams
+from tokenloom.engine.llm_engine import LLMEngine
+from tokenloom.structured_outputs import GrammarCompiler, StructuredOutputsParams
 
 
 def rss_mb() -> float:
