@@ -7,6 +7,8 @@
 #   bash ../shared/tools/build_llamacpp.sh          # once (~10 min)
 #   bash ../shared/tools/vllm_cpu_peer.sh setup     # once, only for PEERS="... vllm"
 #   PEERS="llama tokenloom-int4 vllm" bash benchmarks/peers.sh
+# another model, every server on the same GGUF (vLLM on its conversion: vllm_cpu_peer.sh convert FILE NAME):
+#   MODEL=qwen2.5-coder-0.5b PEERS="llama tokenloom-int4 vllm" bash benchmarks/peers.sh
 # ISA=avx2 plays an AVX2-only machine on an AVX-512 one: tokenloom with torch, oneDNN and its own kernels
 # held to AVX2, against a llama-server built without AVX-512 (LLAMA_BIN; results in peers-avx2/):
 #   cmake -B build-avx2 -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
@@ -50,8 +52,8 @@ start() {
         llama) "$LLAMA_BIN" -m "$GGUF" -t 2 --parallel 32 -c 16384 --port $PORT --alias "$ALIAS" >"$OUT/$1.log" 2>&1 & ;;
         tokenloom-fp32) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --model "$GGUF" --served-model-name "$ALIAS" --port $PORT --quantization none >"$OUT/$1.log" 2>&1 & ;;
         tokenloom-int4) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --model "$GGUF" --served-model-name "$ALIAS" --port $PORT --quantization auto >"$OUT/$1.log" 2>&1 & ;;
-        vllm) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT >"$OUT/$1.log" 2>&1 & ;;
-        vllm-fp32) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT float32 >"$OUT/$1.log" 2>&1 & ;;
+        vllm) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT bfloat16 ${MODEL:-smollm2} >"$OUT/$1.log" 2>&1 & ;;
+        vllm-fp32) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT float32 ${MODEL:-smollm2} >"$OUT/$1.log" 2>&1 & ;;
     esac
     PID=$!
     local t0=$SECONDS

@@ -4,7 +4,6 @@ weights, the kernels are row-invariant, and on the real model each fast path sta
 
 from __future__ import annotations
 
-import os
 from unittest import mock
 
 import numpy as np
@@ -139,6 +138,19 @@ def test_int4_decode_rows_and_prefill_rows_take_their_own_kernels(kernel):
     assert not torch.equal(both(x, 0)[:7], mixed[:7]), "the two kernels differ; the split must be by row kind"
 
 
+@pytest.mark.parametrize("kernel", C_KERNELS)
+def test_grouped_int8_decode_rows_and_prefill_rows_take_their_own_kernels(kernel):
+    """As int4's: the first rows through the grouped int8 kernel with their own bits, long chunks through
+    the weight in bfloat16."""
+    w = torch.randn(96, 192) * 0.1
+    both = linear.Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel), grouped=True, dense_prefill=True)
+    int8_only = linear.Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel), grouped=True)
+    x = torch.randn(30, 192)
+    mixed = both(x, 7)
+    assert torch.equal(mixed[:7], int8_only(x[:7]))
+    assert torch.equal(mixed[7:], F.linear(x[7:].bfloat16(), w.bfloat16()).float())
+
+
 @pytest.mark.parametrize("kernel", [pytest.param(None, id="torch", marks=needs_int8), *INT4_KERNELS[1:]])
 def test_rescored_head_has_the_float32_argmax_and_is_row_invariant(kernel):
     gen = torch.Generator().manual_seed(4)
@@ -260,9 +272,11 @@ door, and the bread is usually sold out before noon.
 
 
 def natural_text() -> str:
-    readme = os.path.join(os.path.dirname(__file__), "..", "README.md")
-    with open(readme) as f:
-        return PROSE + "\n" + f.read()
+    """Natural English that does not live in this repository's docs: the prose above, then the Python
+    documentation's topics (shipped with every CPython)."""
+    from pydoc_data import topics
+
+    return PROSE + "\n" + "\n\n".join(topics.topics[k] for k in sorted(topics.topics))[:12000]
 
 
 @pytest.fixture(scope="module")

@@ -324,7 +324,37 @@ def onednn_packed(w: torch.Tensor) -> torch.Tensor:
         return w
 
 
-class Int4Linear(nn.Module):
+class SplitRowsLinear(nn.Module):
+    """A quantized projection: rows [0, decode_like_rows) (decodes and short prompt slices) through the
+    quantized kernel (`_quantized`), the rest (long prompt chunks) through `dense`, the weights in
+    bfloat16 packed for oneDNN, when it is kept (None: every row quantized); the bias added after."""
+
+    dense: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # float32 (set by quantize_model)
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _long(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dense.dtype)
+        if self.dense.is_mkldnn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.dense, None, "none", [], "")
+        return F.linear(x, self.dense)
+
+    def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
+        rows = x.shape[0]
+        d = rows if self.dense is None or decode_like_rows is None else decode_like_rows
+        if d >= rows:
+            out = self._quantized(x)
+        elif d == 0:
+            out = self._long(x)
+        else:
+            # Joined in float32: a decode row keeps the bits it has in a step without long chunks.
+            out = torch.cat([self._quantized(x[:d]).float(), self._long(x[d:]).float()])
+        return _with_bias(out if out.dtype == x.dtype else out.to(x.dtype), self.bias)
+
+
+class Int4Linear(SplitRowsLinear):
     def __init__(self, blocks: torch.Tensor, dtype: torch.dtype, dense_prefill: bool = False,
                  kernel: QuantGemm | None = None):
         """`kernel`: the C kernels (quant_gemm()), or None for torch's `_weight_int4pack_mm_for_cpu`.
@@ -344,33 +374,12 @@ class Int4Linear(nn.Module):
             self.register_buffer("scales_zeros", sz)
             self.compute_dtype = dtype
         self.dense = onednn_packed(dequantize_blocks(blocks).to(dtype)) if dense_prefill else None
-        self.bias: torch.Tensor | None = None  # float32, added after the matmul (set by quantize_model)
 
-    def _int4(self, x: torch.Tensor) -> torch.Tensor:
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
         if self.kernel is not None:
             return self.kernel.int4(x, self.codes, self.scales, self.offsets)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
-
-    def _long(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.dense.dtype)
-        if self.dense.is_mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.dense, None, "none", [], "")
-        return F.linear(x, self.dense)
-
-    def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
-        """Rows [0, decode_like_rows) through the int4 kernel, the rest through `dense` when it is set
-        (None: every row int4)."""
-        rows = x.shape[0]
-        d = rows if self.dense is None or decode_like_rows is None else decode_like_rows
-        if d >= rows:
-            out = self._int4(x)
-        elif d == 0:
-            out = self._long(x)
-        else:
-            # Joined in float32: a decode row keeps the bits it has in a step without long chunks.
-            out = torch.cat([self._int4(x[:d]).float(), self._long(x[d:]).float()])
-        return _with_bias(out if out.dtype == x.dtype else out.to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         kernel = self.kernel.name if self.kernel is not None else "torch"
@@ -400,12 +409,12 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(SplitRowsLinear):
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, kernel: QuantGemm | None = None,
-                 grouped: bool = False):
+                 grouped: bool = False, dense_prefill: bool = False):
         """`kernel`: the C kernels (quant_gemm()), or None for torch's `_weight_int8pack_mm` (per-column
         scales only). `grouped`: a scale per group of 32 inputs (the projections), else per column (the
-        LM head, rescored anyway)."""
+        LM head, rescored anyway). `dense_prefill`: also keep `weight` in `dtype` for long prefill chunks."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernel = kernel if self.out_features % 16 == 0 and self.in_features % 32 == 0 else None
@@ -419,16 +428,13 @@ class Int8Linear(nn.Module):
         else:
             self.register_buffer("qweight", q)
             self.register_buffer("scales", scale.to(dtype))
-        self.bias: torch.Tensor | None = None  # float32, added after the matmul (set by quantize_model)
+        self.dense = onednn_packed(weight.to(dtype)) if dense_prefill else None
 
-    def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
-            out = self.kernel.int8(x.float(), self.codes, self.scales)
-            return _with_bias(out if x.dtype == torch.float32 else out.to(x.dtype), self.bias)
+            return self.kernel.int8(x.float(), self.codes, self.scales)
         dt = self.scales.dtype
-        if x.dtype == dt:
-            return _with_bias(torch._weight_int8pack_mm(x, self.qweight, self.scales), self.bias)
-        return _with_bias(torch._weight_int8pack_mm(x.to(dt), self.qweight, self.scales).to(x.dtype), self.bias)
+        return torch._weight_int8pack_mm(x if x.dtype == dt else x.to(dt), self.qweight, self.scales)
 
 
 class RescoredInt8Head(nn.Module):
@@ -562,7 +568,7 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
             b = blocks.pop(name + ".weight", None)
             b = b() if callable(b) else b  # the loader hands the file's blocks over as builders
             if b is None and wider_as_int8:
-                new: nn.Module = Int8Linear(w, dtype, kernel, grouped=True)
+                new: nn.Module = Int8Linear(w, dtype, kernel, grouped=True, dense_prefill=dense_prefill)
             else:
                 new = Int4Linear(q4_1_from_dense(w) if b is None else b, dtype, dense_prefill, kernel)
         elif method == "int8":

@@ -46,12 +46,10 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> Forwa
     kernel_names: set[str] = set()
     for layer in model.layers:
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if isinstance(proj, Int4Linear):
-                kinds["int4"] += 1
-                long_kinds.add("dense bf16 (oneDNN-packed)" if proj.dense is not None else "int4")
-            elif isinstance(proj, Int8Linear):
-                kinds["int8 grouped" if proj.grouped else "int8"] += 1
-                long_kinds.add("int8")
+            if isinstance(proj, (Int4Linear, Int8Linear)):
+                kind = "int4" if isinstance(proj, Int4Linear) else "int8 grouped" if proj.grouped else "int8"
+                kinds[kind] += 1
+                long_kinds.add("dense bf16 (oneDNN-packed)" if proj.dense is not None else kind)
             else:
                 kinds[_dtype(proj.weight.dtype)] += 1
                 long_kinds.add(_dtype(proj.weight.dtype))
