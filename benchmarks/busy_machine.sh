@@ -43,8 +43,10 @@ for server in llama tokenloom; do
         .venv/bin/tokenloom bench serve --base-url "http://127.0.0.1:$PORT" --no-progress --no-align-prompts \
             --dataset random --input-len 64 --output-len 64 --num-prompts 4 --max-concurrency 1 --seed 1 \
             --out "$OUT/$server-busy$busy.json" | grep -i "tpot" | head -3
-        for p in "${pids[@]}"; do kill "$p"; done
-        wait "${pids[@]}" 2>/dev/null || true
+        if ((${#pids[@]})); then  # (a bare `wait` would wait for the server too)
+            kill "${pids[@]}"
+            wait "${pids[@]}" 2>/dev/null || true
+        fi
     done
     kill "$PID"; wait "$PID" 2>/dev/null || true
     sleep 2
