@@ -182,35 +182,6 @@ INLINE void tile8(const uint16_t *xb, int64_t K, const int MR, const int NB, con
     }
 }
 
-/* y[M, N] = (x[M, K] rounded to bfloat16) @ (scale[n] * q[n][k])^T. K % 32 == 0, N % 16 == 0. */
-int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, int64_t N, float *y) {
-    const int64_t G = K / GROUP, blocks = N / COLS;
-    uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * M * K + 63) / 64 * 64);
-    if (!xb) return 1;
-    to_bf16(x, M, G, xb, NULL);  /* per-column scales: no group sums needed */
-    const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
-#pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t nb0 = t * TILE_COLS;
-        const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
-        for (int64_t m = 0; m < M; m += INT8_TILE_ROWS) {
-            const int mr = (int)(M - m < INT8_TILE_ROWS ? M - m : INT8_TILE_ROWS);
-            const uint16_t *xm = xb + m * K;
-            float *ym = y + m * N;
-#define TILE8(MR, NB) tile8(xm, K, MR, NB, codes, scale, nb0, ym, N)
-#define ROWS8(MR) case MR * 4 + 3: TILE8(MR, 3); break; case MR * 4 + 2: TILE8(MR, 2); break; \
-                  case MR * 4 + 1: TILE8(MR, 1); break;
-            switch (mr * 4 + nb) {
-                ROWS8(8) ROWS8(7) ROWS8(6) ROWS8(5) ROWS8(4) ROWS8(3) ROWS8(2) ROWS8(1)
-            }
-#undef ROWS8
-#undef TILE8
-        }
-    }
-    free(xb);
-    return 0;
-}
-
 /* --- int8 with a scale per group of 32 inputs ------------------------------------------------------- */
 
 /* As tile8, but each group's dot products meet the group's column scales before joining the running
@@ -241,12 +212,13 @@ INLINE void tile8g(const uint16_t *xb, int64_t K, int64_t G, const int MR, const
     }
 }
 
-/* y[M, N] = (x rounded to bfloat16) @ (scale[n][k / 32] * q[n][k])^T. K % 32 == 0, N % 16 == 0. */
-int int8g_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *gscale, int64_t N, float *y) {
+/* Both int8 kernels' driver: per-column `scale`, or (non-NULL) per-group `gscale`. */
+static int int8_any(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
+                    const float *gscale, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
     uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * M * K + 63) / 64 * 64);
     if (!xb) return 1;
-    to_bf16(x, M, G, xb, NULL);
+    to_bf16(x, M, G, xb, NULL);  /* the weights' scales only: no activation group sums needed */
     const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
 #pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
     for (int64_t t = 0; t < tiles; t++) {
@@ -256,16 +228,27 @@ int int8g_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const 
             const int mr = (int)(M - m < INT8_TILE_ROWS ? M - m : INT8_TILE_ROWS);
             const uint16_t *xm = xb + m * K;
             float *ym = y + m * N;
-#define TILE8G(MR, NB) tile8g(xm, K, G, MR, NB, codes, gscale, nb0, ym, N)
-#define ROWS8G(MR) case MR * 4 + 3: TILE8G(MR, 3); break; case MR * 4 + 2: TILE8G(MR, 2); break; \
-                   case MR * 4 + 1: TILE8G(MR, 1); break;
+#define TILE8(MR, NB) (gscale ? tile8g(xm, K, G, MR, NB, codes, gscale, nb0, ym, N) \
+                              : tile8(xm, K, MR, NB, codes, scale, nb0, ym, N))
+#define ROWS8(MR) case MR * 4 + 3: TILE8(MR, 3); break; case MR * 4 + 2: TILE8(MR, 2); break; \
+                  case MR * 4 + 1: TILE8(MR, 1); break;
             switch (mr * 4 + nb) {
-                ROWS8G(8) ROWS8G(7) ROWS8G(6) ROWS8G(5) ROWS8G(4) ROWS8G(3) ROWS8G(2) ROWS8G(1)
+                ROWS8(8) ROWS8(7) ROWS8(6) ROWS8(5) ROWS8(4) ROWS8(3) ROWS8(2) ROWS8(1)
             }
-#undef ROWS8G
-#undef TILE8G
+#undef ROWS8
+#undef TILE8
         }
     }
     free(xb);
     return 0;
+}
+
+/* y[M, N] = (x[M, K] rounded to bfloat16) @ (scale[n] * q[n][k])^T. K % 32 == 0, N % 16 == 0. */
+int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, int64_t N, float *y) {
+    return int8_any(x, M, K, codes, scale, NULL, N, y);
+}
+
+/* y[M, N] = (x rounded to bfloat16) @ (scale[n][k / 32] * q[n][k])^T. K % 32 == 0, N % 16 == 0. */
+int int8g_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *gscale, int64_t N, float *y) {
+    return int8_any(x, M, K, codes, NULL, gscale, N, y);
 }
