@@ -74,14 +74,14 @@ def load_model(
     source: ModelSource, dtype: str = "float32", device: str = "cpu", quantization: str | None = None,
     kv_cache_dtype: str = "auto",
 ) -> DecoderModel:
-    """`quantization`: None/"none" (dense, `dtype`), "int4"/"q4" (weight-only 4-bit from the GGUF's Q4_1
-    blocks), "int8", or "auto"; see model/linear.py. `dtype` stays the residual stream's (float32: the C
+    """`quantization`: None/"none" (dense, `dtype`), "int4"/"q4" (weight-only: the GGUF's 4-bit blocks as
+    stored, its wider formats as int8 with a scale per group of 32), "int8", or "auto"; see model/linear.py. `dtype` stays the residual stream's (float32: the C
     kernels take it as is, torch's quantized ops with bfloat16 casts around them; bfloat16: all in bf16).
     `kv_cache_dtype` "auto": float16 on a quantized path, else `dtype` (sets `model.kv_cache_dtype`)."""
     from . import linear
 
     method, dtype = linear.choose(quantization, dtype) if quantization not in (None, "none") else ("none", dtype)
-    blocks: dict[str, torch.Tensor] | None = {} if method == "int4" else None
+    blocks: dict | None = {} if method == "int4" else None  # weight name -> a builder of its 4-bit blocks
     if source.kind == "gguf":
         config, state, source_types = _read_gguf(source.path, blocks)
     elif source.kind == "hf":
@@ -90,7 +90,7 @@ def load_model(
         raise ValueError(f"unknown model source kind {source.kind!r}")
     model = _assemble(config, state, dtype, device)
     del state
-    if method == "int4":  # decode rows int4, the head int8 rescored (model/linear.py); long prefill chunks
+    if method == "int4":  # decode rows int4/int8, the head int8 rescored (model/linear.py); long prefill chunks
         # through dense bf16 weights where the CPU has bf16 dot products (elsewhere oneDNN emulates bf16
         # and int4 is 3x faster at 128 rows: measured with torch held to AVX2)
         cap = linear.detect()
