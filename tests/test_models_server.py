@@ -14,7 +14,9 @@ from conftest_server import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+# Bounded, so that 64 tokens always hold a whole object (an unbounded integer let Gemma write digits past it).
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"], "additionalProperties": False}
 
 
@@ -35,8 +37,9 @@ def test_the_sdk_and_structured_output_run_unchanged(served):
     done = client.completions.create(model=name, prompt="def fibonacci(n):", max_tokens=24, temperature=0)
     assert done.choices[0].text.strip() and done.usage.completion_tokens == 24
     person = client.completions.create(
-        model=name, prompt="A person, as JSON:", max_tokens=48, temperature=0,
+        model=name, prompt="A person, as JSON:", max_tokens=64, temperature=0,
         extra_body={"structured_outputs": {"json": SCHEMA}})
+    assert person.choices[0].finish_reason == "stop", person.choices[0]
     jsonschema.validate(json.loads(person.choices[0].text), SCHEMA)
     stream = client.completions.create(model=name, prompt="The capital of France is", max_tokens=12, temperature=0,
                                        stream=True)
@@ -55,6 +58,6 @@ def test_chat_follows_the_models_template(served):
     assert choice.finish_reason == "stop" and choice.message.content.strip(), choice
     assert "<|im_end|>" not in choice.message.content and "<|im_start|>" not in choice.message.content
     shaped = client.chat.completions.create(
-        model=name, messages=[{"role": "user", "content": "Invent a person."}], max_tokens=64, temperature=0,
+        model=name, messages=[{"role": "user", "content": "Invent a person."}], max_tokens=96, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
     jsonschema.validate(json.loads(shaped.choices[0].message.content), SCHEMA)

@@ -321,6 +321,8 @@ class GrammarState:
         took = time.thread_time() - start
         if self.matcher.is_error():
             self._fail(f"the grammar failed: {first_line(self.matcher.get_error())}")
+        if not bool(row.any()):  # e.g. a character whose UTF-8 bytes no token has (SmolLM2 lacks 0xF1)
+            self._fail("no token of this model's vocabulary can continue the grammar")
         if took > self.max_mask_seconds:
             self._fail(f"computing the grammar's token mask took {took * 1000:.0f} ms, over max_mask_ms_per_step "
                        f"({self.max_mask_seconds * 1000:g})")
@@ -336,8 +338,12 @@ class GrammarState:
         return consumed
 
     def forced_tokens(self) -> list[int]:
-        """Tokens the grammar admits as the only continuation (jump-forward); [] when there is a choice."""
-        return self.matcher.compute_ff_tokens()
+        """Tokens the grammar admits as the only continuation (jump-forward); [] when there is a choice.
+        llguidance tokenizes the forced bytes itself, and where they end inside a multi-byte character
+        its tokens can be ones the grammar then refuses (found by fuzzing non-ASCII choices: a 500): only
+        the prefix the matcher validates is forced, the rest is sampled as usual."""
+        tokens = self.matcher.compute_ff_tokens()
+        return tokens[: self.matcher.validate_tokens(tokens)] if tokens else tokens
 
     @property
     def finished(self) -> bool:

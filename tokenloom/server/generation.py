@@ -92,7 +92,7 @@ class GenerationView(abc.ABC):
 
     def response(self, outputs: dict[int, RequestOutput], num_prompts: int) -> dict:
         if failed := [out.error for out in outputs.values() if out.error is not None]:
-            raise APIError(500, failed[0], "server_error", code="internal_error")
+            raise _failed(failed[0])
         if len(outputs) < num_prompts or not all(out.finished for out in outputs.values()):
             raise _aborted()
         choices = [self._choice(ChoiceDelta.whole(self.n, p, out, c), False)
@@ -114,8 +114,8 @@ class GenerationView(abc.ABC):
         finished: set[int] = set()
         try:
             async for p, out in group.outputs():
-                if out.error is not None:  # an internal error failed this request (alone)
-                    raise APIError(500, out.error, "server_error", code="internal_error")
+                if out.error is not None:  # an error failed this request (alone)
+                    raise _failed(out.error)
                 if out.finished:
                     finished.add(p)
                 for d in tracker.deltas(p, out):
@@ -135,3 +135,12 @@ class GenerationView(abc.ABC):
 def _aborted() -> APIError:
     return APIError(503, "the request was aborted before it finished (the server is shutting down)",
                     "server_error", code="aborted")
+
+
+def _failed(error: str) -> APIError:
+    """A request that failed alone: its grammar (structured_outputs.GrammarError: too complex for the
+    lexer, or needing bytes no token of this model has) is the request's doing, a 400; anything else
+    is the server's, a 500."""
+    if error.startswith("structured_outputs:"):
+        return APIError(400, error, "invalid_request_error", param="structured_outputs", code="grammar_failed")
+    return APIError(500, error, "server_error", code="internal_error")
