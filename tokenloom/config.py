@@ -10,6 +10,8 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
+from .engine.speculation import SpeculativeConfig
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 QUANTIZATIONS = ("none", "auto", "int4", "q4", "q4_1", "int8", "q8")
@@ -53,6 +55,15 @@ class EngineConfig:
     batching: Literal["continuous", "dynamic", "static"] = "continuous"
     max_wait_ms: float = 50.0  # dynamic batching: how long the first waiting request may wait for company
 
+    # Speculative decoding: vLLM's JSON (or a dict), e.g. {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 2}; None = off (engine/speculation.py).
+    speculative_config: str | dict | None = None
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed `speculative_config` (a `SpeculativeConfig`), or None."""
+        return SpeculativeConfig.parse(self.speculative_config)
+
     def validate(self) -> EngineConfig:
         def fail(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
@@ -83,6 +94,7 @@ class EngineConfig:
             fail("max_wait_ms", "must be >= 0")
         if not (self.stall_free_factor == 0 or 1 <= self.stall_free_factor < float("inf")):
             fail("stall_free_factor", "must be 0 (off) or a finite factor >= 1")
+        self.speculative  # noqa: B018 -- parsing it raises a ValueError naming the key
         if (
             not self.enable_chunked_prefill
             and self.max_model_len is not None
@@ -101,6 +113,8 @@ class EngineConfig:
 
 
 _FLAG_HELP = {
+    "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                          "(vLLM's keys; adaptive by default: see README); default: off",
     "model": "a GGUF file, an HF directory or a catalog name (`tokenloom models`); "
              "default: the bundled SmolLM2-135M-Instruct",
 }
@@ -117,7 +131,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
             continue
-        kind = type(default) if default is not None else (str if f.name in ("model", "quantization") else int)
+        kind = type(default) if default is not None else (
+            str if f.name in ("model", "quantization", "speculative_config") else int)
         choices = get_args(hints[f.name]) if get_origin(hints[f.name]) is Literal else None
         if f.name == "quantization":
             choices = QUANTIZATIONS

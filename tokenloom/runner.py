@@ -77,7 +77,7 @@ class ModelRunner(Runner):
         per_token = self.model.decode_attention.takes_prefill_rows
         prefills: list[PrefillSpan] = []
         logits_rows: list[int] = []
-        sample_rows: dict[int, int] = {}  # scheduled index -> logits row
+        sample_rows: dict[int, int] = {}  # scheduled index -> first logits row (one more per draft)
         prompt_rows: dict[int, tuple[int, int, int]] = {}  # scheduled index -> (logits row, position, count)
         # Decode rows first (with any static-batch padding right after them), then short prefill chunks,
         # then long ones: the model sends the first groups and the last to different kernels.
@@ -90,7 +90,7 @@ class ModelRunner(Runner):
                 self._pad(out.num_padding, tokens, positions, slots, decode_idx, decode_tables, decode_ctx)
             start, ctx = seq.num_computed_tokens, seq.num_computed_tokens + n
             q0 = len(tokens)
-            tokens.extend(seq.token_ids[start:ctx])
+            tokens.extend(seq.step_token_ids(start, ctx))
             table = np.asarray(seq.block_table, dtype=np.int64)
             pos = np.arange(start, ctx)
             positions.append(pos)
@@ -114,9 +114,9 @@ class ModelRunner(Runner):
                 if last > first:
                     prompt_rows[k] = (len(logits_rows), first, last - first)
                     logits_rows.extend(range(q0 + first - start, q0 + last - start))
-            if samples(seq, n):
+            if samples(seq, n):  # the last known token's row, then each draft's
                 sample_rows[k] = len(logits_rows)
-                logits_rows.append(q0 + n - 1)
+                logits_rows.extend(range(q0 + n - 1 - len(seq.spec_token_ids), q0 + n))
         if not chunks and out.num_padding and decode_idx:
             self._pad(out.num_padding, tokens, positions, slots, decode_idx, decode_tables, decode_ctx)
 
@@ -154,17 +154,23 @@ class ModelRunner(Runner):
         results = [StepResult(seq, n, None) for seq, n in out.scheduled]
         if sample_rows:
             sampled = [results[k].seq for k in sample_rows]
-            rows = list(sample_rows.values())
+            rows = [r for k, first in sample_rows.items() for r in range(first, first + 1 + len(results[k].seq.spec_token_ids))]
             tokens, logprobs = self.sampler(
                 logits if rows == list(range(len(logits))) else logits[rows],  # every row samples: no copy
                 [s.params for s in sampled],
                 [s.prompt_token_ids for s in sampled],
                 [s.output_token_ids for s in sampled],
                 [s.generator for s in sampled],
-                [out.constraints.get(k) for k in sample_rows],
+                [out.constraints.get(k) or [None] * (1 + len(s.spec_token_ids)) for k, s in zip(sample_rows, sampled, strict=True)],
+                [s.spec_token_ids for s in sampled],
             )
-            for k, token, lp in zip(sample_rows, tokens, logprobs, strict=True):
-                results[k].token_id, results[k].logprobs = token, lp
+            for k, emitted, lps in zip(sample_rows, tokens, logprobs, strict=True):
+                res = results[k]
+                if isinstance(emitted, BaseException):  # the sampler failed on this sequence alone
+                    res.token_id = emitted
+                    continue
+                res.accepted, res.token_id = emitted[:-1], emitted[-1]
+                res.accepted_logprobs, res.logprobs = lps[:-1], lps[-1]
         for k, (row, position, count) in prompt_rows.items():
             seq = results[k].seq
             lp = logits[row : row + count].log_softmax(dim=-1)

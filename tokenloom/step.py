@@ -4,6 +4,9 @@ A request with `n > 1` becomes n sequences with the same prompt; they share the 
 blocks through the prefix cache. Invariant: `num_computed_tokens <= num_tokens`; the KV of the first
 `num_computed_tokens` tokens lives in the blocks of `block_table` (or in `host_blocks` when swapped).
 Whenever a step brings `num_computed_tokens` up to `num_tokens`, the sequence samples its next token.
+Speculative drafts (`spec_token_ids`, set for one step) are scored after a decoding sequence's last
+token in the same row; they are not in `token_ids` until accepted, so nothing (the prefix cache's
+keys, stop checks) ever sees a draft that was not.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class Sequence:
         self.host_blocks: list[int] = []  # host-pool blocks while swapped out
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache (first admission)
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []  # drafts to verify in this step (engine/speculation.py)
         self.times = SequenceTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
         # Outputs
         self.output_text = ""
@@ -70,6 +74,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def step_token_ids(self, start: int, end: int) -> list[int]:
+        """The tokens at positions [start, end) of this step's row: known tokens, then the drafts."""
+        known = self.token_ids[start:end]
+        return known + self.spec_token_ids[: end - start - len(known)] if end > self.num_tokens else known
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -99,8 +108,9 @@ class Sequence:
 
 
 def samples(seq: Sequence, n: int) -> bool:
-    """Does a row of `n` tokens sample? Yes when it brings the computed tokens up to the known ones."""
-    return seq.num_computed_tokens + n == seq.num_tokens
+    """Does a row of `n` tokens sample? Yes when it brings the computed tokens up to the known ones
+    (and through this step's drafts, which it then verifies)."""
+    return seq.num_computed_tokens + n == seq.num_tokens + len(seq.spec_token_ids)
 
 
 def is_decode(n: int) -> bool:
@@ -131,6 +141,7 @@ class StepShape:
     rows: list[tuple[int, int]]
     num_sampled: int
     num_swap_blocks: int
+    num_draft_rows: int = 0  # rows that decode and carry speculative drafts
 
 
 @dataclass
@@ -142,7 +153,8 @@ class StepPlan:
     # Static/dynamic batching: slots of the batch whose request already finished. A static server still
     # computes them (padding); the runner does so by repeating a live decode row.
     num_padding: int = 0
-    constraints: dict[int, RowConstraint] = field(default_factory=dict)  # scheduled index -> constraint
+    # scheduled index -> what its sampled rows may produce: one per row (the last token, then each draft)
+    constraints: dict[int, list[RowConstraint | None]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -157,7 +169,8 @@ class StepPlan:
         """Read before the step advances the sequences (cached from the first read)."""
         rows = [(n, s.num_computed_tokens + n) for s, n in self.scheduled]
         sampled = sum(samples(s, n) for s, n in self.scheduled)
-        return StepShape(rows, sampled, len(self.swap_in) + len(self.swap_out))
+        drafted = sum(1 for s, _ in self.scheduled if s.spec_token_ids)
+        return StepShape(rows, sampled, len(self.swap_in) + len(self.swap_out), drafted)
 
 
 @dataclass
@@ -168,6 +181,8 @@ class StepResult:
     num_tokens: int
     token_id: int | None  # None: a prefill chunk that did not reach the end of the known tokens
     logprobs: TokenLogprobs | None = None
+    accepted: list[int] = field(default_factory=list)  # drafts accepted, in order, before `token_id`
+    accepted_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs] | None = None  # for prompt tokens [start+1, start+n]
 
 

@@ -345,6 +345,28 @@ class GrammarState:
         tokens = self.matcher.compute_ff_tokens()
         return tokens[: self.matcher.validate_tokens(tokens)] if tokens else tokens
 
+    def lookahead(self, drafts: list[int]) -> list[torch.Tensor]:
+        """The masks after each prefix of speculative `drafts` (d0; d0 d1; ...), each consumed, masked,
+        then all rolled back: what a step verifying them needs past its first row. Stops at the first
+        draft the grammar refuses; a mask that fails leaves the state failed (the request then fails at
+        its first row, as without drafts)."""
+        masks: list[torch.Tensor] = []
+        consumed = 0
+        try:
+            for token in drafts:
+                if self.failed is not None or not self.matcher.consume_token(token):
+                    break
+                consumed += 1
+                row = torch.zeros(bitmask_words(self.vocab_size), dtype=torch.int32)
+                self.fill_bitmask(row)
+                masks.append(row)
+        except GrammarError:
+            pass
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+        return masks
+
     @property
     def finished(self) -> bool:
         return self.matcher.is_stopped()
@@ -356,6 +378,16 @@ class GrammarState:
     def _fail(self, why: str) -> None:
         self.failed = f"structured_outputs: {why}"
         raise GrammarError(self.failed)
+
+
+class FixedMask:
+    """A mask computed ahead (`GrammarState.lookahead`), handed to the sampler as a `TokenMask`."""
+
+    def __init__(self, words: torch.Tensor):
+        self.words = words
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        row.copy_(self.words)
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..model.tokenizer import TokenizerWrapper
 from ..sampling_params import SamplingParams
 from ..step import RowConstraint, Sequence
-from ..structured_outputs import GrammarCompiler, GrammarState
+from ..structured_outputs import FixedMask, GrammarCompiler, GrammarState
 from ..token_sets import TokenBias, TokenSet
 
 
@@ -28,6 +28,7 @@ class RequestConstraints:
         self.bad_words = BadWords(_bad_word_ids(params.bad_words or [], tokenizer))
         self.bad_word_states = [0] * params.n  # each sequence's place in the bad-word automaton
         self.grammars: list[GrammarState] = []
+        self.lookahead: list[list[FixedMask]] = [[] for _ in range(params.n)]  # per sequence, after its drafts
         if params.structured_outputs is not None:
             self.grammars = [grammars.matcher(params.structured_outputs) for _ in range(params.n)]
 
@@ -39,10 +40,25 @@ class RequestConstraints:
             return None
         return cls(params, tokenizer, grammars, vocab_size)
 
-    def row(self, seq: Sequence, banned: tuple[int, ...]) -> RowConstraint:
-        banned += self.bad_words.banned[self.bad_word_states[seq.index]]
-        grammar = self.grammars[seq.index] if self.grammars else None
-        return RowConstraint(banned, self.logit_bias, self.allowed, grammar)
+    def rows(self, seq: Sequence, banned: list[tuple[int, ...]]) -> list[RowConstraint]:
+        """The constraint of each row the sequence samples: after its last token, then after each of its
+        drafts (`banned[i]`: the engine's bans at row i)."""
+        drafts, state = seq.spec_token_ids, self.bad_word_states[seq.index]
+        grammars = [self.grammars[seq.index], *self.lookahead[seq.index][: len(drafts)]] if self.grammars else [None]
+        out = []
+        for i in range(len(drafts) + 1):
+            out.append(RowConstraint(banned[i] + self.bad_words.banned[state], self.logit_bias, self.allowed,
+                                     grammars[i] if i < len(grammars) else None))
+            if i < len(drafts) and len(self.bad_words.children) > 1:
+                state = self.bad_words.advance(state, drafts[i])
+        return out
+
+    def fit_drafts(self, seq: Sequence) -> None:
+        """Cut the sequence's drafts to those its grammar admits and compute the masks after them."""
+        if self.grammars and seq.spec_token_ids:
+            masks = self.grammars[seq.index].lookahead(seq.spec_token_ids)
+            del seq.spec_token_ids[len(masks):]
+            self.lookahead[seq.index] = [FixedMask(m) for m in masks]
 
     def accept(self, seq: Sequence, token: int) -> bool:
         """Advance the sequence's bad-word state and grammar; False when the grammar is complete.

@@ -97,6 +97,11 @@ class FreeBlockQueue:
         last.next, block.prev, block.next, self.tail.prev = block, last, self.tail, block
         self.size += 1
 
+    def appendleft(self, block: KVBlock) -> None:
+        first = self.head.next
+        self.head.next, block.prev, block.next, first.prev = block, self.head, first, block
+        self.size += 1
+
     def remove(self, block: KVBlock) -> None:
         block.prev.next, block.next.prev = block.next, block.prev
         block.prev = block.next = None
@@ -214,6 +219,18 @@ class KVCacheManager:
                 self.free_queue.append(block)
         seq.block_table = []
         self.free_host(seq)
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` tokens' (those only rejected speculative drafts
+        were written to). They hold nothing worth keeping, so they go to the front of the free queue:
+        the next allocation takes them back before it evicts a cached prefix."""
+        keep = self.blocks_needed(num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            assert block.key is None and block.ref_cnt == 1, f"block {block_id} holds more than drafts"
+            block.ref_cnt = 0
+            self.free_queue.appendleft(block)
+        del seq.block_table[keep:]
 
     def reset_prefix_cache(self) -> None:
         for key, block in list(self.cached.items()):

@@ -45,6 +45,7 @@ from ..structured_outputs import GrammarCompiler, GrammarError
 from .constraints import RequestConstraints
 from .kv_cache import KVCacheManager, kv_cache_size
 from .scheduler import Scheduler
+from .speculation import SpeculationPolicy
 from .stall_free import StallFreeBudget
 
 logger = logging.getLogger("tokenloom.engine")
@@ -81,6 +82,8 @@ class StepStats:
     shape: StepShape  # per-row (tokens, context) of the step: what calibration fits against
     forward_time: float = 0.0  # inside the model forward (the rest of `duration` is engine overhead)
     num_padding: int = 0  # static/dynamic batching: finished members' slots computed as padding
+    num_draft_tokens: int = 0  # speculative drafts scored in the step (counted in num_batched_tokens)
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass
@@ -165,6 +168,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.stall_free)
         self.runner: Runner = runner or ModelRunner(model, num_blocks, config.block_size, num_host_blocks, config.seed,
                                                     kv_dtype)
+        self.speculation = SpeculationPolicy(config.speculative) if config.speculative is not None else None
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -278,13 +282,16 @@ class LLMEngine:
         try:
             if faults.ACTIVE:
                 faults.maybe_raise_step("scheduler", self.num_steps)
+            drafted = self._propose_drafts()  # never raises: a failure costs this step its drafts, said in the log
             plan = self.scheduler.schedule(start)
         except Exception as exc:
             raise EngineFatalError(f"the scheduler failed: {exc!r}") from exc
         for k, (seq, n) in enumerate(plan.scheduled):
-            if steps.samples(seq, n) and (row := self._row_constraint(seq)) is not None:
-                plan.constraints[k] = row
+            if steps.samples(seq, n) and (rows := self._row_constraints(seq)) is not None:
+                plan.constraints[k] = rows
         plan.shape  # noqa: B018 -- cache the shape before the sequences advance
+        num_drafts = sum(len(seq.spec_token_ids) for seq, _ in plan.scheduled)
+        accepted_before = self.speculation.stats.num_accepted_tokens if self.speculation is not None else 0
         changed: dict[str, RequestState] = {}
         try:
             if faults.ACTIVE and not plan.is_empty:
@@ -309,6 +316,8 @@ class LLMEngine:
             except Exception as exc:  # noqa: BLE001 - this request's fault alone
                 self._fail_request(state, exc)
                 changed[state.request_id] = state
+        for seq in drafted:  # those the scheduler did not run this step
+            seq.spec_token_ids = []
         outputs = [self._output_or_fail(state) for state in changed.values()]
         for out in outputs:
             if out.finished:
@@ -317,8 +326,29 @@ class LLMEngine:
                     faults.untrack(state.prompt_token_ids)
         if any(out.error is not None for out in outputs):
             self._check_after_failure()
-        self._record_step(plan, start, self.clock(), outputs)
+        accepted = self.speculation.stats.num_accepted_tokens - accepted_before if self.speculation is not None else 0
+        self._record_step(plan, start, self.clock(), outputs, num_drafts, accepted)
         return outputs
+
+    def _propose_drafts(self) -> list[Sequence]:
+        """Speculation: drafts for the running sequences that decode (engine/speculation.py); returns them."""
+        if self.speculation is None:
+            return []
+        seqs = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
+        # The bonus token always comes: drafts may take what max_tokens and the context length leave but one.
+        limits = [min(self.max_tokens(s.num_prompt_tokens, s.params) - s.num_output_tokens,
+                      self.config.max_model_len - s.num_tokens) - 1 for s in seqs]
+        try:
+            self.speculation.propose(seqs, limits)
+            for seq in seqs:
+                constraints = self.requests[seq.request_id].constraints
+                if constraints is not None:
+                    constraints.fit_drafts(seq)
+        except Exception:  # drafts are an optimisation: the step goes on without them
+            logger.exception("step %d: proposing speculative drafts failed; this step has none", self.num_steps)
+            for seq in seqs:
+                seq.spec_token_ids = []
+        return seqs
 
     # -- failures --------------------------------------------------------------------------------
 
@@ -383,14 +413,24 @@ class LLMEngine:
         seq, token = res.seq, res.token_id
         if isinstance(token, BaseException):  # the sampler failed on this row alone
             raise token
-        seq.num_computed_tokens += res.num_tokens
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        rejected = len(drafts) - len(res.accepted)
+        seq.num_computed_tokens += res.num_tokens - rejected  # a rejected draft's KV is overwritten later
         if res.prompt_logprobs is not None:
             if not seq.prompt_logprobs:
                 seq.prompt_logprobs.append(None)  # the first prompt token has no logprob
             seq.prompt_logprobs.extend(res.prompt_logprobs)
         if token is None:
             return False
+        if drafts:
+            self.speculation.observe(seq, len(drafts), len(res.accepted))
+        for accepted, logprobs in zip(res.accepted, res.accepted_logprobs, strict=True):
+            self._append(seq, accepted, logprobs, now)
+            if seq.finished:  # a stop inside the accepted drafts: what follows it is dropped
+                return True
         self._append(seq, token, res.logprobs, now)
+        if rejected and not seq.finished:
+            self.kv.trim(seq, seq.num_tokens)
         constraints = self.requests[seq.request_id].constraints
         if constraints is not None and not seq.finished:
             for forced in constraints.forced_tokens(seq):  # jump-forward: no forward for forced tokens
@@ -426,13 +466,16 @@ class LLMEngine:
         """The `min_tokens` gate: before it, no stop token may be sampled and no stop condition ends it."""
         return seq.num_output_tokens >= seq.params.min_tokens
 
-    def _row_constraint(self, seq: Sequence) -> RowConstraint | None:
+    def _row_constraints(self, seq: Sequence) -> list[RowConstraint | None] | None:
+        """What each row the sequence samples may produce (one row, plus one per speculative draft)."""
         p = seq.params
-        banned = () if self._may_stop(seq) else tuple(p.stop_token_ids) + (() if p.ignore_eos else self.tokenizer.eos_token_ids)
+        stops = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.tokenizer.eos_token_ids)
+        # Row i samples output token num_output_tokens + i: under min_tokens the stop tokens are banned.
+        banned = [() if seq.num_output_tokens + i >= p.min_tokens else stops for i in range(len(seq.spec_token_ids) + 1)]
         constraints = self.requests[seq.request_id].constraints
         if constraints is not None:
-            return constraints.row(seq, banned)
-        return RowConstraint(banned) if banned else None
+            return constraints.rows(seq, banned)
+        return [RowConstraint(b) if b else None for b in banned] if any(banned) else None
 
     def _check_stop(self, seq: Sequence, token: int, delta_len: int) -> SequenceStatus | None:
         p = seq.params
@@ -467,6 +510,8 @@ class LLMEngine:
         seq.status = status
         seq.times.finished = self.clock()
         self.scheduler.remove(seq)
+        if self.speculation is not None:
+            self.speculation.forget(seq)
 
     def _visible_text(self, seq: Sequence) -> str:
         """While running, hold back the tail that could be the start of a stop string."""
@@ -504,21 +549,27 @@ class LLMEngine:
             error=state.error,
         )
 
-    def _record_step(self, plan: StepPlan, start: float, end: float, outputs: list[RequestOutput]) -> None:
-        decode = sum(1 for n, _ in plan.shape.rows if steps.is_decode(n))
+    def _record_step(self, plan: StepPlan, start: float, end: float, outputs: list[RequestOutput],
+                     num_drafts: int = 0, num_accepted: int = 0) -> None:
+        # A row with drafts decodes one token and scores the drafts (rows are (tokens, context) pairs).
+        decode = sum(1 for n, _ in plan.shape.rows if steps.is_decode(n)) + plan.shape.num_draft_rows
         stats = StepStats(
             start=start,
             duration=end - start,
             num_seqs=len(plan.scheduled),
             num_batched_tokens=plan.num_batched_tokens,
-            num_prefill_tokens=plan.num_batched_tokens - decode,
+            num_prefill_tokens=plan.num_batched_tokens - decode - num_drafts,
             num_decode_tokens=decode,
             num_preempted=len(plan.preempted),
             seq_ids=[s.seq_id for s, _ in plan.scheduled],
             shape=plan.shape,
             forward_time=getattr(self.runner, "last_forward_time", 0.0),
             num_padding=plan.num_padding,
+            num_draft_tokens=num_drafts,
+            num_accepted_tokens=num_accepted,
         )
+        if self.speculation is not None and stats.num_prefill_tokens == 0:
+            self.speculation.observe_step(stats.num_batched_tokens, stats.duration)
         self.last_step = stats
         for listener in self.step_listeners:
             listener(stats, outputs)

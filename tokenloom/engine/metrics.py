@@ -74,6 +74,13 @@ class EngineMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_TOKEN_BUCKETS)
         self.batch_size = histogram("iteration_num_seqs", "Sequences per engine step (batch size).", BATCH_SIZE_BUCKETS)
+        # Speculative decoding (vLLM's names); present only when the engine speculates.
+        self.spec_drafts = counter("spec_decode_num_drafts", "Rows that carried speculative drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative draft tokens scored.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
+        self._spec_per_pos = Counter("tokenloom:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens by position in the draft (0 = the first).",
+                                     ["model_name", "position"], registry=self.registry)
 
         # Per request: choice index -> (tokens seen, time of its last token).
         self._tracked: dict[str, dict[int, tuple[int, float]]] = {}
@@ -165,6 +172,15 @@ class EngineMetrics:
                                (self.preemptions, st.num_preemptions)):
             counter.inc(max(total - self._counted.get(counter, 0), 0))
             self._counted[counter] = total
+        spec = getattr(engine, "speculation", None)
+        if spec is not None:
+            st = spec.stats
+            totals = [(self.spec_drafts, st.num_drafts), (self.spec_draft_tokens, st.num_draft_tokens),
+                      (self.spec_accepted_tokens, st.num_accepted_tokens)]
+            totals += [(self._spec_per_pos.labels(self.model_name, str(i)), n) for i, n in enumerate(st.accepted_per_pos)]
+            for counter, total in totals:
+                counter.inc(max(total - self._counted.get(counter, 0), 0))
+                self._counted[counter] = total
 
     def _maybe_log_status(self, engine) -> None:
         now = time.monotonic()
@@ -174,11 +190,13 @@ class EngineMetrics:
         prompt, gen = self._log_prompt, self._log_gen
         self._last_log, self._log_prompt, self._log_gen = now, 0, 0
         st = engine.stats()
+        spec = getattr(engine, "speculation", None)
         logger.info(
             "engine: running %d, waiting %d, swapped %d, KV usage %.1f%%, prompt %.1f tok/s, "
-            "generation %.1f tok/s, prefix hit rate %.1f%%",
+            "generation %.1f tok/s, prefix hit rate %.1f%%%s",
             st.num_running, st.num_waiting, st.num_swapped, 100 * st.kv_usage, prompt / elapsed, gen / elapsed,
             100 * st.prefix_hit_rate,
+            f", draft acceptance {100 * spec.stats.acceptance_rate:.1f}%" if spec is not None else "",
         )
 
     # -- reading (event loop) --------------------------------------------------------------------

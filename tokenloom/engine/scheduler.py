@@ -17,6 +17,10 @@ prompt longer than one step's budget is sliced by an allowance steered by measur
 step takes about that factor times the same step without prefill: decodes never wait behind a long
 prompt's whole chunks.
 
+Speculative drafts (set on decoding sequences by the engine before it schedules) are extra tokens of
+their sequence's row, inside the same budget; they are dropped, never the cause of a preemption, when
+the budget or the KV cache has no room for them.
+
 The batching mode only decides who may be admitted: `continuous` admits at every step; `static`
 forms a batch of up to `max_num_seqs` only when nothing runs, and admits no one else until the
 whole batch has finished, computing the slots of finished members as padding the way a padded static
@@ -84,7 +88,12 @@ class Scheduler:
             if n == 0:  # a prefill chunk with no room left under the stall-free cap: next step
                 i += 1
                 continue
+            n += self._fit_drafts(seq, n, budget, len(self.running) - i - 1)
             while not self.kv.allocate_slots(seq, n):
+                if seq.spec_token_ids:  # drafts never preempt anybody: the sequence goes without them
+                    n -= len(seq.spec_token_ids)
+                    seq.spec_token_ids = []
+                    continue
                 victim = self.running.pop()  # the worst by policy; `seq` itself when it is the last
                 self._preempt(victim, out)
                 if victim is seq:
@@ -116,6 +125,20 @@ class Scheduler:
         if self.stall_free is not None and remaining > 1 and seq.num_tokens > self.config.max_num_batched_tokens:
             n = self.stall_free.chunk_limit(self._decoding, self._planned_prefill, n)
         return n
+
+    def _fit_drafts(self, seq: Sequence, n: int, budget: int, num_after: int) -> int:
+        """How many of the sequence's speculative drafts ride in its row: they follow only a row that
+        computes every known token, within the budget, and only in blocks left over once each of the
+        `num_after` running sequences still to plan could take one more; the others are dropped."""
+        if seq.spec_token_ids:
+            room = budget - n if seq.num_computed_tokens + n == seq.num_tokens else 0
+            del seq.spec_token_ids[max(room, 0):]
+            kv, end = self.kv, seq.num_computed_tokens + n  # the row's end without drafts
+            have = max(kv.blocks_needed(end), len(seq.block_table))  # blocks it has or takes anyway
+            spare = kv.num_free_blocks - num_after
+            while seq.spec_token_ids and kv.blocks_needed(end + len(seq.spec_token_ids)) - have > spare:
+                seq.spec_token_ids.pop()
+        return len(seq.spec_token_ids)
 
     def _plan(self, out: StepPlan, seq: Sequence, n: int) -> None:
         out.scheduled.append((seq, n))
@@ -171,6 +194,7 @@ class Scheduler:
         return n
 
     def _preempt(self, victim: Sequence, out: StepPlan) -> None:
+        victim.spec_token_ids = []
         self.num_preemptions += 1
         victim.num_preemptions += 1
         out.preempted.append(victim)

@@ -29,6 +29,8 @@ class StepRecord:
     num_prefill_tokens: int
     request_ids: list[str]  # requests doing useful work in this step
     finished_ids: list[str] = field(default_factory=list)
+    num_draft_tokens: int = 0  # speculative drafts scored (inside num_batched_tokens)
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -78,6 +80,8 @@ class Recorder:
                 num_prefill_tokens=stats.num_prefill_tokens,
                 request_ids=useful,
                 finished_ids=finished,
+                num_draft_tokens=stats.num_draft_tokens,
+                num_accepted_tokens=stats.num_accepted_tokens,
             )
         )
 

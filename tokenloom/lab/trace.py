@@ -48,6 +48,8 @@ def trace_events(results: list[LabResult]) -> list[dict]:
                         "num_seqs": s.num_seqs,
                         "num_batched_tokens": s.num_batched_tokens,
                         "prefill_tokens": s.num_prefill_tokens,
+                        "draft_tokens": s.num_draft_tokens,
+                        "accepted_tokens": s.num_accepted_tokens,
                         "forward_ms": round(s.forward_time * 1e3, 3),
                     },
                 }

@@ -5,9 +5,10 @@ on output), then the row's constraint from the plan (logit bias, allowed ids, ba
 tokens under `min_tokens`, a grammar's bitmask) act on the logits; greedy rows take the argmax; the other rows divide by temperature, keep top-k / top-p / min-p, and draw with the exponential race
 (argmax of p / Exp(1)) from the row's own generator, so a seeded request draws the same numbers
 whatever else is in the batch. Logprobs are those of the raw model output, before any processing.
+A sequence with speculative drafts has a row per draft more; `Sampler.__call__` says how they are verified.
 
-Fault isolation: if the batch raises, each row is sampled alone; a row that still raises gets its
-exception in place of a token (and no logprobs), so the engine fails that request and no other.
+Fault isolation: if the batch raises, each sequence is sampled alone; one that still raises gets its
+exception in place of its tokens (and no logprobs), so the engine fails that request and no other.
 """
 
 from __future__ import annotations
@@ -113,69 +114,99 @@ class Sampler:
 
     def __call__(
         self,
-        logits: torch.Tensor,  # [S, V] float32, one row per sampling sequence
+        logits: torch.Tensor,  # [rows, V] float32: per sampling sequence, 1 + len(its drafts) consecutive rows
         params: list[SamplingParams],
         prompt_ids: list[Seq[int]],
         output_ids: list[Seq[int]],
         generators: list[np.random.Generator | None],  # seeded choices (choice_generator)
-        constraints: list[RowConstraint | None],
-    ) -> tuple[list[int | Exception], list[TokenLogprobs | None]]:
-        args = (logits, params, prompt_ids, output_ids, generators, constraints)
+        constraints: list[list[RowConstraint | None]],  # per sequence, one per row (position)
+        drafts: list[list[int]] | None = None,  # speculative tokens the rows after the first verify
+    ) -> tuple[list[list[int] | Exception], list[list[TokenLogprobs | None]]]:
+        """Per sequence: the tokens it emits (the accepted drafts, then one sampled token) and their
+        logprobs. A sequence's row i is the model's output after its drafts [0, i); the token sampled
+        there is drawn exactly as without speculation (same processing, and for a seeded request the
+        same next numbers of its stream), and the walk goes on to row i+1 only while that token equals
+        draft i. So a draft is accepted with probability p(draft) and otherwise the token comes from p
+        without it: rejection sampling against a proposal that is one token for sure (Leviathan et al.
+        2023 with q one-hot), and a seeded request writes the same tokens with or without drafts."""
+        drafts = drafts if drafts is not None else [[] for _ in params]
+        spans = np.cumsum([0] + [len(d) + 1 for d in drafts])
+        args = (params, prompt_ids, output_ids, generators, constraints, drafts)
         try:
-            return self._sample(*args)
-        except Exception:  # noqa: BLE001 - find the row(s) at fault, sample the others alone
-            chosen: list[int | Exception] = []
-            logprobs: list[TokenLogprobs | None] = []
-            for r in range(len(params)):
+            return self._sample(logits, spans, *args)
+        except Exception:  # noqa: BLE001 - find the sequence(s) at fault, sample the others alone
+            chosen: list[list[int] | Exception] = []
+            logprobs: list[list[TokenLogprobs | None]] = []
+            for s in range(len(params)):
                 try:
-                    tok, lp = self._sample(*(a[r : r + 1] for a in args))
+                    tok, lp = self._sample(logits[spans[s] : spans[s + 1]], spans[s : s + 2] - spans[s],
+                                           *(a[s : s + 1] for a in args))
                     chosen.append(tok[0])
                     logprobs.append(lp[0])
-                except Exception as exc:  # noqa: BLE001 - handed to the engine in place of the token
+                except Exception as exc:  # noqa: BLE001 - handed to the engine in place of the tokens
                     chosen.append(exc)
-                    logprobs.append(None)
+                    logprobs.append([])
             return chosen, logprobs
 
-    def _sample(self, logits, params, prompt_ids, output_ids, generators, constraints):
+    def _sample(self, logits, spans, params, prompt_ids, output_ids, generators, constraints, drafts):
         if faults.ACTIVE:
             for ids in prompt_ids:
                 faults.maybe_raise_for_prompt("sampler", ids)
+        seq_of = np.repeat(np.arange(len(params)), np.diff(spans))  # row -> sequence
+        pos_of = np.arange(len(seq_of)) - spans[seq_of]  # row -> its position after the sequence's tokens
+        row_params = [params[s] for s in seq_of]
+        row_constraints = [constraints[s][i] for s, i in zip(seq_of, pos_of, strict=True)]
         raw = logits
-        penalised = [r for r, p in enumerate(params)
+        penalised = [r for r, p in enumerate(row_params)
                      if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
-        if penalised or any(constraints):  # edited in place below; `raw` keeps the model's for logprobs
+        if penalised or any(row_constraints):  # edited in place below; `raw` keeps the model's for logprobs
             logits = logits.clone()
             for r in penalised:
-                apply_penalties(logits[r], params[r], prompt_ids[r], output_ids[r])
-            apply_constraints(logits, constraints, raw)
+                s, i = seq_of[r], pos_of[r]
+                history = output_ids[s] if i == 0 else [*output_ids[s], *drafts[s][:i]]
+                apply_penalties(logits[r], row_params[r], prompt_ids[s], history)
+            apply_constraints(logits, row_constraints, raw)
 
-        tokens = logits.argmax(dim=-1)
-        random_rows = [r for r, p in enumerate(params) if not p.greedy]
+        greedy_tokens = logits.argmax(dim=-1).tolist()
+        random_rows = [r for r, p in enumerate(row_params) if not p.greedy]
+        probs_of: dict[int, torch.Tensor] = {}
         if random_rows:
             rows = torch.tensor(random_rows)
-            sub = logits[rows] / torch.tensor([params[r].temperature for r in random_rows]).unsqueeze(1)
-            if any(params[r].top_k > 0 or params[r].top_p < 1 or params[r].min_p > 0 for r in random_rows):
+            sub = logits[rows] / torch.tensor([row_params[r].temperature for r in random_rows]).unsqueeze(1)
+            if any(row_params[r].top_k > 0 or row_params[r].top_p < 1 or row_params[r].min_p > 0 for r in random_rows):
                 sub = filter_top_k_top_p_min_p(
                     sub,
-                    torch.tensor([params[r].top_k for r in random_rows]),
-                    torch.tensor([params[r].top_p for r in random_rows], dtype=sub.dtype),
-                    torch.tensor([params[r].min_p for r in random_rows], dtype=sub.dtype),
+                    torch.tensor([row_params[r].top_k for r in random_rows]),
+                    torch.tensor([row_params[r].top_p for r in random_rows], dtype=sub.dtype),
+                    torch.tensor([row_params[r].min_p for r in random_rows], dtype=sub.dtype),
                 )
-            probs = sub.softmax(dim=-1)
-            noise = torch.empty_like(probs)
-            for j, r in enumerate(random_rows):
-                if generators[r] is None:
-                    noise[j].exponential_(generator=self.default_generator)
-                else:  # a seeded choice: its own 128-bit stream (see choice_generator)
-                    noise[j] = torch.from_numpy(generators[r].standard_exponential(noise.shape[1], dtype=np.float32))
-            noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # an Exp(1) draw of 0 would divide by zero
-            tokens[rows] = (probs / noise).argmax(dim=-1)
+            probs_of = dict(zip(random_rows, sub.softmax(dim=-1), strict=True))
 
-        chosen = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(params)
-        wanted = [r for r, p in enumerate(params) if p.logprobs is not None]
+        chosen: list[list[int]] = []
+        for s, p in enumerate(params):
+            emitted: list[int] = []
+            for r in range(spans[s], spans[s + 1]):
+                token = greedy_tokens[r] if p.greedy else self._draw(probs_of[r], generators[s])
+                emitted.append(token)
+                i = r - spans[s]
+                if i == len(drafts[s]) or token != drafts[s][i]:
+                    break
+            chosen.append(emitted)
+
+        logprobs: list[list[TokenLogprobs | None]] = [[None] * len(e) for e in chosen]
+        wanted = [(s, i) for s, p in enumerate(params) if p.logprobs is not None for i in range(len(chosen[s]))]
         if wanted:
-            lp = raw[wanted].log_softmax(dim=-1)
-            for j, r in enumerate(wanted):
-                logprobs[r] = top_logprobs(lp[j], chosen[r], params[r].logprobs)
+            lp = raw[[spans[s] + i for s, i in wanted]].log_softmax(dim=-1)
+            for j, (s, i) in enumerate(wanted):
+                logprobs[s][i] = top_logprobs(lp[j], chosen[s][i], params[s].logprobs)
         return chosen, logprobs
+
+    def _draw(self, probs: torch.Tensor, generator: np.random.Generator | None) -> int:
+        """The exponential race (argmax of p / Exp(1)): a draw from `probs` with one vector of noise, from
+        the request's own stream when seeded, so a seeded choice draws the same whatever else is in the batch."""
+        if generator is None:
+            noise = torch.empty_like(probs).exponential_(generator=self.default_generator)
+        else:  # a seeded choice: its own 128-bit stream (see choice_generator)
+            noise = torch.from_numpy(generator.standard_exponential(probs.shape[0], dtype=np.float32))
+        noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # an Exp(1) draw of 0 would divide by zero
+        return int((probs / noise).argmax())

@@ -1,0 +1,141 @@
+"""Speculative decoding on SmolLM2 behind `tokenloom serve`: output tok/s with and without it.
+
+Servers take turns (one up at a time), each serving the bundled model as shipped (`--quantization auto`),
+measured by `tokenloom bench serve` (greedy, streaming) in three cells:
+- grounded: c=1, chat, benchmarks/data/grounded.jsonl (20 prompts of 300-1,000 tokens whose answers copy
+  spans of the input: repeat, fix typos, rename in code, edit a list), up to 256 tokens, ends at EOS;
+- free: c=1, chat, benchmarks/data/freewrite.jsonl (12 short prompts, stories and explanations), 256 tokens;
+- mixed: 64 requests, 32 concurrent, outputs alternating 16 / 256 (the peers' throughput cell).
+Greedy output is the same token for token with and without speculation, so each cell does the same work
+in every setting. Acceptance per draft position is read from /metrics
+(`tokenloom:spec_decode_num_accepted_tokens_per_pos`) after each cell.
+
+    .venv/bin/python benchmarks/speculative.py [--out benchmarks/results/speculative.json] [--settings off,ngram]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tokenloom.model.kernels import cpu_flags
+
+PORT = 8133
+ROOT = Path(__file__).resolve().parent
+SETTINGS = {
+    "off": [],
+    "ngram": ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4})],
+    "ngram-always": ["--speculative-config",
+                     json.dumps({"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})],
+}
+CELLS = {
+    "grounded": ["--endpoint", "chat", "--dataset", str(ROOT / "data/grounded.jsonl"), "--num-prompts", "20",
+                 "--max-concurrency", "1", "--no-ignore-eos"],
+    "free": ["--endpoint", "chat", "--dataset", str(ROOT / "data/freewrite.jsonl"), "--num-prompts", "12",
+             "--max-concurrency", "1"],
+    "mixed": ["--dataset", "mixed", "--num-prompts", "64", "--max-concurrency", "32", "--input-len", "128"],
+}
+
+
+def start_server(extra: list[str], log: Path) -> subprocess.Popen:
+    cmd = [os.path.join(os.path.dirname(sys.executable), "tokenloom"), "serve", "--port", str(PORT),
+           "--disable-log-requests", "--metrics-open", *extra]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    for _ in range(1200):
+        try:
+            if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError(f"server {cmd} did not start (log: {log})")
+
+
+def spec_counters() -> dict:
+    text = httpx.get(f"http://127.0.0.1:{PORT}/metrics", timeout=10).text
+    out = {"draft_tokens": 0.0, "accepted_tokens": 0.0, "per_pos": {}}
+    for line in text.splitlines():
+        if line.startswith("tokenloom:spec_decode_num_draft_tokens_total"):
+            out["draft_tokens"] = float(line.split()[-1])
+        elif line.startswith("tokenloom:spec_decode_num_accepted_tokens_total"):
+            out["accepted_tokens"] = float(line.split()[-1])
+        elif m := re.match(r'tokenloom:spec_decode_num_accepted_tokens_per_pos_total\{.*position="(\d+)"\} (\S+)', line):
+            out["per_pos"][int(m.group(1))] = float(m.group(2))
+    return out
+
+
+def bench(cell: str, out: Path) -> dict:
+    cmd = [os.path.join(os.path.dirname(sys.executable), "tokenloom"), "bench", "serve", "--base-url",
+           f"http://127.0.0.1:{PORT}", "--no-progress", "--no-align-prompts", "--seed", "0", "--out", str(out),
+           *CELLS[cell]]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "results/speculative.json"))
+    ap.add_argument("--settings", default=",".join(SETTINGS))
+    args = ap.parse_args()
+    out = Path(args.out)
+    raw = out.with_suffix("")
+    raw.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict] = {}
+    for name in args.settings.split(","):
+        print(f"== {name}", flush=True)
+        proc = start_server(SETTINGS[name], raw / f"{name}.log")
+        try:
+            subprocess.run([os.path.join(os.path.dirname(sys.executable), "tokenloom"), "bench", "serve",
+                            "--base-url", f"http://127.0.0.1:{PORT}", "--no-progress", "--num-prompts", "2",
+                            "--output-len", "8"], check=True, stdout=subprocess.DEVNULL)  # warm-up
+            before = spec_counters()
+            rows[name] = {}
+            for cell in CELLS:
+                res = bench(cell, raw / f"{name}-{cell}.json")
+                after = spec_counters()
+                drafted = after["draft_tokens"] - before["draft_tokens"]
+                accepted = after["accepted_tokens"] - before["accepted_tokens"]
+                per_pos = {p: after["per_pos"][p] - before["per_pos"].get(p, 0.0) for p in after["per_pos"]}
+                rows[name][cell] = {
+                    "output_tok_s": res["output_throughput"], "median_tpot_ms": res["median_tpot_ms"],
+                    "median_ttft_ms": res["median_ttft_ms"], "completed": res["completed"],
+                    "total_output_tokens": res["total_output_tokens"],
+                    "draft_tokens": drafted, "accepted_tokens": accepted,
+                    "acceptance_rate": accepted / drafted if drafted else None,
+                    "accepted_per_pos": [per_pos[p] for p in sorted(per_pos)],
+                }
+                before = after
+                print(f"  {cell}: {res['output_throughput']:.1f} tok/s, drafts {drafted:.0f}, accepted {accepted:.0f}",
+                      flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+            time.sleep(2)
+    if "off" in rows:
+        for name, cells in rows.items():
+            for cell, r in cells.items():
+                r["vs_off"] = r["output_tok_s"] / rows["off"][cell]["output_tok_s"]
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
+    summary = {"command": "python benchmarks/speculative.py " + (f"--settings {args.settings}" if args.settings
+                                                                   != ",".join(SETTINGS) else ""),
+               "cpu_model": cpu, "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))),
+               "machine": platform.machine(), "settings": {k: SETTINGS[k] for k in rows}, "results": rows}
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Speculative decoding: which draft tokens each decoding sequence brings to a step.
+
+Each step, before the scheduler runs, every running sequence that decodes asks the proposer for up to
+`num_speculative_tokens` drafts; the policy keeps the ones worth their cost; the scheduler fits them
+into the token budget as extra tokens of the sequence's row; the forward scores them with everyone
+else's rows; the sampler verifies them (model/sampler.py: exact, a seeded request writes the same
+tokens either way); the engine appends what was accepted and releases blocks only drafts used.
+
+- `NgramProposer` is prompt lookup (vLLM's `ngram` method): find the longest n-gram (n from
+  `prompt_lookup_max` down to `prompt_lookup_min`) ending the sequence that occurred before in its
+  prompt or output, most recent occurrence first, and propose the tokens that followed it.
+- `SpeculationPolicy` is what makes speculation never a loss. A draft at depth i of a sequence is
+  accepted with probability about a^i, `a` the sequence's measured acceptance rate; a step of R rows
+  costs about c0 + c1 R, fitted to the measured times of decode steps. Rows are added in order of
+  their expected tokens while a row adds more expected tokens than the step's average per unit of
+  time: at batch 1 (c1 << c0) a fair match is worth proposing; at 32 busy streams (a row costs about
+  the step's average token) only drafts that are almost sure to be accepted are.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from ..step import Sequence
+
+MAX_SPECULATIVE_TOKENS = 16  # a row longer than this is no longer cheap to score beside a decode
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` keys (tokenloom adds `adaptive`)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None  # a draft model (method "draft_model")
+    adaptive: bool = True  # False: always propose every draft found (vLLM's behaviour), for measurements
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the command line's JSON text, the offline `LLM`'s dict, or None (off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config: not JSON ({exc.msg})") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config: must be a JSON object")  # noqa: TRY004 - a config error, by name
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        value = dict(value)
+        if "model" in value and "method" not in value:
+            value["method"] = "draft_model"
+        return cls(**value).validate()
+
+    def validate(self) -> SpeculativeConfig:
+        def fail(key: str, why: str) -> None:
+            raise ValueError(f"speculative_config.{key}: {why} (got {getattr(self, key)!r})")
+
+        if self.method not in ("ngram", "draft_model"):
+            fail("method", "must be 'ngram' or 'draft_model'")
+        for key, lo, hi in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
+                            ("prompt_lookup_max", 1, 64), ("prompt_lookup_min", 1, 64)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                fail(key, f"must be an integer in [{lo}, {hi}]")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            fail("prompt_lookup_min", f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        if not isinstance(self.adaptive, bool):
+            fail("adaptive", "must be true or false")
+        if self.method == "draft_model":
+            # Not built yet: refused by name rather than run without a draft.
+            fail("method", "a draft model is not supported yet; use {\"method\": \"ngram\"}")
+        return self
+
+
+class NgramProposer:
+    """Prompt lookup over a sequence's last `window` tokens (its prompt and output)."""
+
+    def __init__(self, config: SpeculativeConfig, window: int = 4096):
+        self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
+        self.window = window
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to `k` tokens that followed the longest earlier match of the sequence's last n tokens."""
+        tokens = np.asarray(token_ids[-self.window :], dtype=np.int64)
+        last = len(tokens) - 1
+        ends = np.flatnonzero(tokens[:last] == tokens[last])  # earlier places the last token occurred
+        if k <= 0 or ends.size == 0:
+            return []
+        length = np.ones(ends.size, dtype=np.int64)  # how many tokens up to each place match the tail
+        for j in range(1, min(self.n_max, last)):
+            alive = (length == j) & (ends >= j)
+            if not alive.any():
+                break
+            length[alive] += tokens[ends[alive] - j] == tokens[last - j]
+        best = length.max()
+        if best < self.n_min:
+            return []
+        end = int(ends[np.flatnonzero(length == best)[-1]])  # the most recent of the longest matches
+        # What followed the match; where that runs into the tail, the tail repeats with the match's period.
+        follow = tokens[end + 1 :].tolist()
+        period = last - end
+        return [follow[i] if i < len(follow) else follow[i % period] for i in range(k)]
+
+
+class StepCost:
+    """A step's time as c0 + c1 * rows, fitted by exponentially weighted least squares to decode
+    steps, and pulled toward `prior_ratio` = c1 / c0 while the rows seen vary too little to tell."""
+
+    def __init__(self, prior_ratio: float = 0.05, decay: float = 0.98, ridge: float = 0.25):
+        self.prior_ratio, self.decay, self.ridge = prior_ratio, decay, ridge
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        d = self.decay
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + rows, d * self.y + seconds
+        self.xx, self.xy = d * self.xx + rows * rows, d * self.xy + rows * seconds
+
+    def coefficients(self) -> tuple[float, float]:
+        """(c0, c1) in seconds; (1, prior_ratio) before any step was seen (only their ratio matters)."""
+        if self.w == 0:
+            return 1.0, self.prior_ratio
+        mx, my = self.x / self.w, self.y / self.w
+        var, cov = self.xx / self.w - mx * mx, self.xy / self.w - mx * my
+        prior_c1 = self.prior_ratio * my / (1 + self.prior_ratio * mx)
+        c1 = max((cov + self.ridge * prior_c1) / (max(var, 0.0) + self.ridge), 0.0)
+        c0 = max(my - c1 * mx, 0.1 * my)  # a step never costs nothing
+        return c0, c1
+
+
+@dataclass
+class Acceptance:
+    """A sequence's per-draft acceptance rate: accepted / (accepted + rejections), decayed, from a prior."""
+
+    accepted: float = 1.0
+    trials: float = 2.0  # the prior: 1 in 2
+
+    def observe(self, proposed: int, accepted: int, decay: float = 0.9) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.trials = decay * self.trials + accepted + (accepted < proposed)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.trials
+
+
+@dataclass
+class SpecDecodeStats:
+    """Totals since start, with vLLM's meaning (read by the metrics, the lab and the trace)."""
+
+    num_drafts: int = 0  # rows that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts at depth i accepted
+    drafted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts at depth i proposed
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        while len(self.drafted_per_pos) < proposed:
+            self.drafted_per_pos.append(0)
+            self.accepted_per_pos.append(0)
+        for i in range(proposed):
+            self.drafted_per_pos[i] += 1
+            self.accepted_per_pos[i] += i < accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class SpeculationPolicy:
+    """Proposes drafts for the step's decoding sequences and keeps those worth their rows."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.proposer = NgramProposer(config)
+        self.cost = StepCost()
+        self.acceptance: dict[str, Acceptance] = {}
+        self.stats = SpecDecodeStats()
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
+        """Set each sequence's `spec_token_ids` for this step; `limits[i]`: the most drafts sequence i may
+        take (what its `max_tokens`, the context length and its grammar leave)."""
+        k = self.config.num_speculative_tokens
+        drafts = [self.proposer.propose(s.token_ids, min(k, lim)) for s, lim in zip(seqs, limits, strict=True)]
+        keep = [len(d) for d in drafts] if not self.config.adaptive else self._worth(seqs, drafts)
+        for seq, d, n in zip(seqs, drafts, keep, strict=True):
+            seq.spec_token_ids = d[:n]
+
+    def _worth(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[int]:
+        """Greedy by expected tokens: add the most likely accepted draft row while it adds more tokens per
+        second than the step makes on average (E/t grows with a row of value v iff v > c1 * E / t)."""
+        c0, c1 = self.cost.coefficients()
+        expected, seconds = float(len(seqs)), c0 + c1 * len(seqs)
+        rates = [self.acceptance.setdefault(s.seq_id, Acceptance()).rate for s in seqs]
+        heap = [(-rates[i], i, 1) for i, d in enumerate(drafts) if d]
+        heapq.heapify(heap)
+        keep = [0] * len(seqs)
+        while heap:
+            neg_value, i, depth = heapq.heappop(heap)
+            value = -neg_value
+            if value * seconds <= c1 * expected:
+                break
+            keep[i] = depth
+            expected, seconds = expected + value, seconds + c1
+            if depth < len(drafts[i]):
+                heapq.heappush(heap, (-value * rates[i], i, depth + 1))
+        return keep
+
+    def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        self.acceptance.setdefault(seq.seq_id, Acceptance()).observe(proposed, accepted)
+        self.stats.record(proposed, accepted)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step that only decoded (with or without drafts): a point of the cost fit."""
+        if rows > 0 and math.isfinite(seconds) and seconds > 0:
+            self.cost.observe(rows, seconds)
+
+    def forget(self, seq: Sequence) -> None:
+        self.acceptance.pop(seq.seq_id, None)
