@@ -81,8 +81,10 @@ class ModelRunner(Runner):
         prompt_rows: dict[int, tuple[int, int, int]] = {}  # scheduled index -> (logits row, position, count)
         # Decode rows first (with any static-batch padding right after them), then short prefill chunks,
         # then long ones: the model sends the first groups and the last to different kernels.
-        decodes = [k for k, (_, n) in enumerate(out.scheduled) if is_decode(n)]
-        chunks = sorted((k for k, (_, n) in enumerate(out.scheduled) if not is_decode(n)),
+        # A row with speculative drafts is a decode with more queries: it goes with the decodes, each of
+        # its queries through the paged decode attention (the same arithmetic as without drafts).
+        decodes = [k for k, (s, n) in enumerate(out.scheduled) if is_decode(n) or s.spec_token_ids]
+        chunks = sorted((k for k, (s, n) in enumerate(out.scheduled) if not (is_decode(n) or s.spec_token_ids)),
                         key=lambda k: out.scheduled[k][1] >= SHORT_CHUNK)
         for k in decodes + chunks:
             seq, n = out.scheduled[k]
@@ -95,7 +97,7 @@ class ModelRunner(Runner):
             pos = np.arange(start, ctx)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            if is_decode(n) or per_token:
+            if is_decode(n) or per_token or seq.spec_token_ids:
                 decode_idx.extend(range(q0, q0 + n))
                 decode_tables.extend([table] * n)
                 decode_ctx.extend(range(start + 1, ctx + 1))

@@ -346,22 +346,28 @@ class GrammarState:
         return tokens[: self.matcher.validate_tokens(tokens)] if tokens else tokens
 
     def lookahead(self, drafts: list[int]) -> list[torch.Tensor]:
-        """The masks after each prefix of speculative `drafts` (d0; d0 d1; ...), each consumed, masked,
-        then all rolled back: what a step verifying them needs past its first row. Stops at the first
-        draft the grammar refuses; a mask that fails leaves the state failed (the request then fails at
-        its first row, as without drafts)."""
+        """The masks after each prefix of speculative `drafts` (d0; d0 d1; ...): what a step verifying
+        them needs past its first row. Only the drafts the matcher validates are consumed (a refused
+        token would leave it in its error state for good), each mask is checked as `fill_bitmask` checks
+        one, and everything is rolled back: a draft whose mask would fail is dropped with the ones after
+        it, and the request's own state is untouched (its first row fails, or not, as without drafts)."""
+        if self.failed is not None or not drafts:
+            return []
+        valid = drafts[: self.matcher.validate_tokens(drafts)]
         masks: list[torch.Tensor] = []
         consumed = 0
         try:
-            for token in drafts:
-                if self.failed is not None or not self.matcher.consume_token(token):
+            for token in valid:
+                if not self.matcher.consume_token(token):
                     break
                 consumed += 1
                 row = torch.zeros(bitmask_words(self.vocab_size), dtype=torch.int32)
-                self.fill_bitmask(row)
+                start = time.thread_time()
+                self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+                if (self.matcher.is_error() or not bool(row.any())
+                        or time.thread_time() - start > self.max_mask_seconds):
+                    break
                 masks.append(row)
-        except GrammarError:
-            pass
         finally:
             if consumed:
                 self.matcher.rollback(consumed)

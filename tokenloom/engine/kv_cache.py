@@ -225,9 +225,10 @@ class KVCacheManager:
         were written to). They hold nothing worth keeping, so they go to the front of the free queue:
         the next allocation takes them back before it evicts a cached prefix."""
         keep = self.blocks_needed(num_tokens)
-        for block_id in reversed(seq.block_table[keep:]):
-            block = self.blocks[block_id]
-            assert block.key is None and block.ref_cnt == 1, f"block {block_id} holds more than drafts"
+        released = [self.blocks[b] for b in reversed(seq.block_table[keep:])]
+        for block in released:  # checked before anything changes
+            assert block.key is None and block.ref_cnt == 1, f"block {block.block_id} holds more than drafts"
+        for block in released:
             block.ref_cnt = 0
             self.free_queue.appendleft(block)
         del seq.block_table[keep:]

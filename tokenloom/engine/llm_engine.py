@@ -427,6 +427,7 @@ class LLMEngine:
         for accepted, logprobs in zip(res.accepted, res.accepted_logprobs, strict=True):
             self._append(seq, accepted, logprobs, now)
             if seq.finished:  # a stop inside the accepted drafts: what follows it is dropped
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
                 return True
         self._append(seq, token, res.logprobs, now)
         if rejected and not seq.finished:

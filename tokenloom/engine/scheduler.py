@@ -18,8 +18,8 @@ step takes about that factor times the same step without prefill: decodes never 
 prompt's whole chunks.
 
 Speculative drafts (set on decoding sequences by the engine before it schedules) are extra tokens of
-their sequence's row, inside the same budget; they are dropped, never the cause of a preemption, when
-the budget or the KV cache has no room for them.
+their sequence's row, inside the same budget, fitted last from what the step leaves over
+(`_fit_drafts`): they never preempt, delay or shut out anybody, and are dropped where there is no room.
 
 The batching mode only decides who may be admitted: `continuous` admits at every step; `static`
 forms a batch of up to `max_num_seqs` only when nothing runs, and admits no one else until the
@@ -88,12 +88,7 @@ class Scheduler:
             if n == 0:  # a prefill chunk with no room left under the stall-free cap: next step
                 i += 1
                 continue
-            n += self._fit_drafts(seq, n, budget, len(self.running) - i - 1)
             while not self.kv.allocate_slots(seq, n):
-                if seq.spec_token_ids:  # drafts never preempt anybody: the sequence goes without them
-                    n -= len(seq.spec_token_ids)
-                    seq.spec_token_ids = []
-                    continue
                 victim = self.running.pop()  # the worst by policy; `seq` itself when it is the last
                 self._preempt(victim, out)
                 if victim is seq:
@@ -104,7 +99,8 @@ class Scheduler:
                 i += 1
 
         if not out.preempted:
-            self._admit(out, budget, now)
+            budget = self._admit(out, budget, now)
+        self._fit_drafts(out, budget)
         if self.stall_free is not None:
             decode_rows = [(1, s.num_computed_tokens + 1) for s, n in out.scheduled
                            if s.num_tokens - s.num_computed_tokens == 1]
@@ -126,28 +122,30 @@ class Scheduler:
             n = self.stall_free.chunk_limit(self._decoding, self._planned_prefill, n)
         return n
 
-    def _fit_drafts(self, seq: Sequence, n: int, budget: int, num_after: int) -> int:
-        """How many of the sequence's speculative drafts ride in its row: they follow only a row that
-        computes every known token, within the budget, and only in blocks left over once each of the
-        `num_after` running sequences still to plan could take one more; the others are dropped."""
-        if seq.spec_token_ids:
-            room = budget - n if seq.num_computed_tokens + n == seq.num_tokens else 0
-            del seq.spec_token_ids[max(room, 0):]
-            kv, end = self.kv, seq.num_computed_tokens + n  # the row's end without drafts
-            have = max(kv.blocks_needed(end), len(seq.block_table))  # blocks it has or takes anyway
-            spare = kv.num_free_blocks - num_after
-            while seq.spec_token_ids and kv.blocks_needed(end + len(seq.spec_token_ids)) - have > spare:
+    def _fit_drafts(self, out: StepPlan, budget: int) -> None:
+        """Speculative drafts ride on what the step leaves over: after every running row and admission
+        has its tokens and blocks, each decoding row in plan order takes its drafts while the budget and
+        free blocks last (so drafts never preempt, delay or shut out anybody); the rest are dropped."""
+        for k, (seq, n) in enumerate(out.scheduled):
+            if not seq.spec_token_ids:
+                continue
+            # Drafts follow only a row that reaches the last known token.
+            room = max(budget, 0) if seq.num_computed_tokens + n == seq.num_tokens else 0
+            del seq.spec_token_ids[room:]
+            while seq.spec_token_ids and not self.kv.allocate_slots(seq, n + len(seq.spec_token_ids)):
                 seq.spec_token_ids.pop()
-        return len(seq.spec_token_ids)
+            out.scheduled[k] = (seq, n + len(seq.spec_token_ids))
+            budget -= len(seq.spec_token_ids)
 
     def _plan(self, out: StepPlan, seq: Sequence, n: int) -> None:
         out.scheduled.append((seq, n))
         if seq.num_tokens - seq.num_computed_tokens > 1:
             self._planned_prefill += n
 
-    def _admit(self, out: StepPlan, budget: int, now: float) -> None:
+    def _admit(self, out: StepPlan, budget: int, now: float) -> int:
+        """Admit waiting sequences in policy order; returns the budget left."""
         if not self._batch_open(now):
-            return
+            return budget
         self.waiting.sort(key=lambda s: self.policy(s, now))
         idx = 0
         while idx < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -163,6 +161,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._plan(out, seq, n)
             budget -= n
+        return budget
 
     def _admit_one(self, seq: Sequence, budget: int, out: StepPlan, now: float) -> int:
         """Allocate for a waiting sequence; returns the tokens it computes this step (0 = not admitted)."""

@@ -28,7 +28,9 @@ import numpy as np
 
 from ..step import Sequence
 
-MAX_SPECULATIVE_TOKENS = 16  # a row longer than this is no longer cheap to score beside a decode
+# A row of 1 + k tokens must stay below runner.SHORT_CHUNK (16), so its tokens take the decode rows'
+# kernels (int4) and not the long-prompt ones (dense bf16): the same arithmetic as without drafts.
+MAX_SPECULATIVE_TOKENS = 14
 
 
 @dataclass
@@ -195,10 +197,22 @@ class SpeculationPolicy:
         """Set each sequence's `spec_token_ids` for this step; `limits[i]`: the most drafts sequence i may
         take (what its `max_tokens`, the context length and its grammar leave)."""
         k = self.config.num_speculative_tokens
+        if self.config.adaptive and not self._any_worth(seqs):
+            for seq in seqs:
+                seq.spec_token_ids = []
+            return
         drafts = [self.proposer.propose(s.token_ids, min(k, lim)) for s, lim in zip(seqs, limits, strict=True)]
         keep = [len(d) for d in drafts] if not self.config.adaptive else self._worth(seqs, drafts)
         for seq, d, n in zip(seqs, drafts, keep, strict=True):
             seq.spec_token_ids = d[:n]
+
+    def _any_worth(self, seqs: list[Sequence]) -> bool:
+        """Could the best first draft pay for its row? If not (many busy streams with modest acceptance),
+        the step skips looking for drafts at all."""
+        c0, c1 = self.cost.coefficients()
+        best = max((self.acceptance[s.seq_id].rate if s.seq_id in self.acceptance else Acceptance().rate
+                    for s in seqs), default=0.0)
+        return best * (c0 + c1 * len(seqs)) > c1 * len(seqs)
 
     def _worth(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[int]:
         """Greedy by expected tokens: add the most likely accepted draft row while it adds more tokens per
