@@ -20,6 +20,7 @@ Fault isolation (no request can take the engine down):
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -180,6 +181,11 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_steps = 0
         self.fault_stats = FaultStats()
+        # What exists now (weights, tokenizer tables, compiled kernels' handles) lives as long as the engine:
+        # out of the garbage collector's reach, a collection scans only what steps allocate. Scanning it
+        # all made some steps 2-3x slower (a full collection inside the forward: 7 ms of a 5 ms step).
+        gc.collect()
+        gc.freeze()
         logger.info(
             "engine ready: %d KV blocks of %d tokens (%.0f MiB, %s), max_model_len %d, dtype %s",
             num_blocks, config.block_size, num_blocks * block_bytes / 2**20,
