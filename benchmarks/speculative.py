@@ -10,18 +10,27 @@ Greedy output is the same token for token with and without speculation, so each 
 in every setting. Acceptance per draft position is read from /metrics
 (`tokenloom:spec_decode_num_accepted_tokens_per_pos`) after each cell.
 
+Peers on the same GGUF and cores, in the same cells: llama.cpp's `llama-server` without and with its
+n-gram speculation (`--spec-type ngram-simple` / `ngram-map-k`; `bash ../shared/tools/build_llamacpp.sh`)
+and vLLM-CPU without and with its `ngram` method (`bash ../shared/tools/vllm_cpu_peer.sh setup`).
+
     .venv/bin/python benchmarks/speculative.py [--out benchmarks/results/speculative.json] [--settings off,ngram]
+    .venv/bin/python benchmarks/speculative.py --out benchmarks/results/speculative-peers.json \
+        --settings off,ngram,llama-off,llama-ngram-simple,llama-ngram-map-k,vllm-off,vllm-ngram
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,11 +40,20 @@ from tokenloom.model.kernels import cpu_flags
 
 PORT = 8133
 ROOT = Path(__file__).resolve().parent
+NGRAM_JSON = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                         "prompt_lookup_min": 2}, separators=(",", ":"))
+LLAMA = ["-t", "2", "--parallel", "32", "-c", "65536", "--alias", "SmolLM2-135M-Instruct", "--jinja"]
+# name -> (server, extra arguments)
 SETTINGS = {
-    "off": [],
-    "ngram": ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4})],
-    "ngram-always": ["--speculative-config",
-                     json.dumps({"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})],
+    "off": ("tokenloom", []),
+    "ngram": ("tokenloom", ["--speculative-config", NGRAM_JSON]),
+    "ngram-always": ("tokenloom", ["--speculative-config",
+                                   json.dumps({"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})]),
+    "llama-off": ("llama", LLAMA),
+    "llama-ngram-simple": ("llama", [*LLAMA, "--spec-type", "ngram-simple"]),
+    "llama-ngram-map-k": ("llama", [*LLAMA, "--spec-type", "ngram-map-k"]),
+    "vllm-off": ("vllm", []),
+    "vllm-ngram": ("vllm", ["--speculative-config", NGRAM_JSON]),
 }
 CELLS = {
     "grounded": ["--endpoint", "chat", "--dataset", str(ROOT / "data/grounded.jsonl"), "--num-prompts", "20",
@@ -46,33 +64,64 @@ CELLS = {
 }
 
 
-def start_server(extra: list[str], log: Path) -> subprocess.Popen:
-    cmd = [os.path.join(os.path.dirname(sys.executable), "tokenloom"), "serve", "--port", str(PORT),
-           "--disable-log-requests", "--metrics-open", *extra]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    for _ in range(1200):
+def server_command(server: str, extra: list[str]) -> tuple[list[str], dict]:
+    if server == "tokenloom":
+        return [os.path.join(os.path.dirname(sys.executable), "tokenloom"), "serve", "--port", str(PORT),
+                "--disable-log-requests", "--metrics-open", *extra], {}
+    if server == "llama":
+        from tokenloom.model.load import model_path
+
+        binary = os.environ.get("LLAMA_BIN", os.path.join(tempfile.gettempdir(), "llamacpp/build/bin/llama-server"))
+        return [binary, "-m", str(model_path(None)), "--port", str(PORT), *extra], {}
+    # vLLM-CPU through the shared script (bfloat16, its fastest setting here); extra args via VLLM_PEER_ARGS.
+    return (["bash", str(ROOT.parent.parent / "shared/tools/vllm_cpu_peer.sh"), "serve", str(PORT), "bfloat16"],
+            {"VLLM_PEER_ARGS": " ".join(extra)})
+
+
+def start_server(server: str, extra: list[str], log: Path) -> subprocess.Popen:
+    cmd, env = server_command(server, extra)
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **env},
+                            start_new_session=True)
+    for _ in range(2400):
         try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=1).status_code == 200:
+            if (httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=1).status_code == 200
+                    and httpx.get(f"http://127.0.0.1:{PORT}/v1/models", timeout=1).status_code == 200):
                 return proc
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
             break
         time.sleep(0.25)
-    proc.kill()
+    stop(proc)
     raise RuntimeError(f"server {cmd} did not start (log: {log})")
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """The server and its children (vLLM's engine runs in one)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def spec_counters() -> dict:
-    text = httpx.get(f"http://127.0.0.1:{PORT}/metrics", timeout=10).text
+    """Speculation counters from /metrics (tokenloom's and vLLM's names; llama-server has none)."""
     out = {"draft_tokens": 0.0, "accepted_tokens": 0.0, "per_pos": {}}
+    try:
+        text = httpx.get(f"http://127.0.0.1:{PORT}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return out
     for line in text.splitlines():
-        if line.startswith("tokenloom:spec_decode_num_draft_tokens_total"):
-            out["draft_tokens"] = float(line.split()[-1])
-        elif line.startswith("tokenloom:spec_decode_num_accepted_tokens_total"):
-            out["accepted_tokens"] = float(line.split()[-1])
-        elif m := re.match(r'tokenloom:spec_decode_num_accepted_tokens_per_pos_total\{.*position="(\d+)"\} (\S+)', line):
-            out["per_pos"][int(m.group(1))] = float(m.group(2))
+        if re.match(r"(tokenloom|vllm):spec_decode_num_draft_tokens_total", line):
+            out["draft_tokens"] += float(line.split()[-1])
+        elif re.match(r"(tokenloom|vllm):spec_decode_num_accepted_tokens_total", line):
+            out["accepted_tokens"] += float(line.split()[-1])
+        elif m := re.match(r'(tokenloom|vllm):spec_decode_num_accepted_tokens_per_pos_total\{.*position="(\d+)".*\} (\S+)',
+                           line):
+            out["per_pos"][int(m.group(2))] = out["per_pos"].get(int(m.group(2)), 0.0) + float(m.group(3))
     return out
 
 
@@ -95,7 +144,7 @@ def main() -> None:
     rows: dict[str, dict] = {}
     for name in args.settings.split(","):
         print(f"== {name}", flush=True)
-        proc = start_server(SETTINGS[name], raw / f"{name}.log")
+        proc = start_server(*SETTINGS[name], raw / f"{name}.log")
         try:
             subprocess.run([os.path.join(os.path.dirname(sys.executable), "tokenloom"), "bench", "serve",
                             "--base-url", f"http://127.0.0.1:{PORT}", "--no-progress", "--num-prompts", "2",
@@ -120,19 +169,21 @@ def main() -> None:
                 print(f"  {cell}: {res['output_throughput']:.1f} tok/s, drafts {drafted:.0f}, accepted {accepted:.0f}",
                       flush=True)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            stop(proc)
             time.sleep(2)
-    if "off" in rows:
-        for name, cells in rows.items():
-            for cell, r in cells.items():
-                r["vs_off"] = r["output_tok_s"] / rows["off"][cell]["output_tok_s"]
+    for name, cells in rows.items():  # each setting against its own server without speculation
+        base = rows.get({"tokenloom": "off", "llama": "llama-off", "vllm": "vllm-off"}[SETTINGS[name][0]])
+        for cell, r in cells.items():
+            if base is not None:
+                r["vs_own_off"] = r["output_tok_s"] / base[cell]["output_tok_s"]
+            if name != "ngram" and "ngram" in rows:
+                r["ngram_vs_this"] = rows["ngram"][cell]["output_tok_s"] / r["output_tok_s"]
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
     summary = {"command": "python benchmarks/speculative.py " + (f"--settings {args.settings}" if args.settings
                                                                    != ",".join(SETTINGS) else ""),
                "cpu_model": cpu, "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))),
-               "machine": platform.machine(), "settings": {k: SETTINGS[k] for k in rows}, "results": rows}
+               "machine": platform.machine(), "settings": {k: list(SETTINGS[k]) for k in rows}, "results": rows}
     out.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(rows, indent=2))
 

@@ -38,8 +38,8 @@ def admitted(kv: KVCacheManager, tokens, salt=None, name="s") -> tuple[Sequence,
 
 def test_block_key_is_sha256_of_parent_and_tokens():
     first = block_key(None, [1, 2, 3, 4])
-    salt = b""
-    expected = hashlib.sha256(b"first\0" + len(salt).to_bytes(8, "little") + array("I", [1, 2, 3, 4]).tobytes())
+    empty = (0).to_bytes(8, "little")  # no salt, no LoRA adapter: each an empty length-prefixed string
+    expected = hashlib.sha256(b"first\0" + empty + empty + array("I", [1, 2, 3, 4]).tobytes())
     assert first == expected.digest() and len(first) == 32
     second = block_key(first, [5, 6, 7, 8])
     assert second == hashlib.sha256(b"next\0" + first + array("I", [5, 6, 7, 8]).tobytes()).digest()
@@ -53,6 +53,9 @@ def test_block_keys_chain_and_depend_on_salt():
     assert block_key(block_key(None, [1, 2]), [3, 4]) != block_key(block_key(None, [9, 9]), [3, 4])
     # The salt is length-prefixed: no salt + tokens spelling can mimic another salt.
     assert block_key(None, [0], "a") != block_key(None, [0], "a\0")
+    assert block_key(None, [0], None, "sql") != block_key(None, [0])  # an adapter's KV is its own
+    assert block_key(None, [0], "x", "y") != block_key(None, [0], "xy")
+    assert block_key(None, [0], None, "a") != block_key(None, [0], "a")
 
 
 @pytest.mark.parametrize(("salt_a", "salt_b", "shared"), [

@@ -59,6 +59,13 @@ class EngineConfig:
     # "prompt_lookup_max": 4, "prompt_lookup_min": 2}; None = off (engine/speculation.py).
     speculative_config: str | dict | None = None
 
+    # LoRA adapters (vLLM's names): requests may run under adapters (model/lora.py) when enabled;
+    # at most max_loras distinct ones in a step, max_cpu_loras kept loaded (None = max(max_loras, 8)).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """The parsed `speculative_config` (a `SpeculativeConfig`), or None."""
@@ -86,6 +93,11 @@ class EngineConfig:
             fail("num_kv_blocks", "must be at least 2")
         if self.max_model_len is not None and self.max_model_len <= 0:
             fail("max_model_len", "must be positive")
+        for name in ("max_loras", "max_lora_rank"):
+            if isinstance(getattr(self, name), bool) or int(getattr(self, name)) <= 0:
+                fail(name, "must be positive")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            fail("max_cpu_loras", f"must be >= max_loras ({self.max_loras})")
         if self.swap_space < 0:
             fail("swap_space", "must be >= 0")
         if self.preemption_mode == "swap" and self.swap_space == 0:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from .config import EngineConfig
 from .engine.llm_engine import LLMEngine
+from .model.lora import LoRARequest
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -48,8 +49,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. `lora_request`: one adapter
+        for every prompt, or one (or None: the base model) per prompt; needs `LLM(enable_lora=True)`."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -59,11 +62,14 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         added = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params, strict=True):
-                self.engine.add_request(rid, prompt, p)
+            for rid, prompt, p, lora in zip(ids, prompts, params, loras, strict=True):
+                self.engine.add_request(rid, prompt, p, lora_request=lora)
                 added.append(rid)
         except Exception:
             for rid in added:

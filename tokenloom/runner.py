@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .model.decoder import DecoderModel, ForwardBatch, PrefillSpan
+from .model.lora import LoRABatch
 from .model.sampler import Sampler, top_logprobs
 from .step import Runner, StepPlan, StepResult, is_decode, samples
 
@@ -79,6 +80,7 @@ class ModelRunner(Runner):
         logits_rows: list[int] = []
         sample_rows: dict[int, int] = {}  # scheduled index -> first logits row (one more per draft)
         prompt_rows: dict[int, tuple[int, int, int]] = {}  # scheduled index -> (logits row, position, count)
+        row_lora: list = []  # per flat row: its LoRA adapter or None (padding rows: the row they repeat)
         # Decode rows first (with any static-batch padding right after them), then short prefill chunks,
         # then long ones: the model sends the first groups and the last to different kernels.
         # A row with speculative drafts is a decode with more queries: it goes with the decodes, each of
@@ -90,9 +92,11 @@ class ModelRunner(Runner):
             seq, n = out.scheduled[k]
             if k == (chunks or [None])[0] and out.num_padding and decode_idx:
                 self._pad(out.num_padding, tokens, positions, slots, decode_idx, decode_tables, decode_ctx)
+                row_lora.extend([row_lora[0]] * out.num_padding)
             start, ctx = seq.num_computed_tokens, seq.num_computed_tokens + n
             q0 = len(tokens)
             tokens.extend(seq.step_token_ids(start, ctx))
+            row_lora.extend([seq.lora] * n)
             table = np.asarray(seq.block_table, dtype=np.int64)
             pos = np.arange(start, ctx)
             positions.append(pos)
@@ -121,6 +125,7 @@ class ModelRunner(Runner):
                 logits_rows.extend(range(q0 + n - 1 - len(seq.spec_token_ids), q0 + n))
         if not chunks and out.num_padding and decode_idx:
             self._pad(out.num_padding, tokens, positions, slots, decode_idx, decode_tables, decode_ctx)
+            row_lora.extend([row_lora[0]] * out.num_padding)
 
         dev = self.device
         max_blocks = max((len(t) for t in decode_tables), default=0)
@@ -137,8 +142,19 @@ class ModelRunner(Runner):
             block_size=bs,
             prefills=prefills,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            lora=self._lora_batch(row_lora),
         )
         return torch.tensor(tokens, dtype=torch.long, device=dev), batch, sample_rows, prompt_rows
+
+    def _lora_batch(self, row_lora: list) -> LoRABatch | None:
+        """The rows of each adapter in the step (padding rows take their row's, so they write the same K/V)."""
+        rows: dict[int, tuple] = {}
+        for r, adapter in enumerate(row_lora):
+            if adapter is not None:
+                rows.setdefault(id(adapter), (adapter, []))[1].append(r)
+        if not rows:
+            return None
+        return LoRABatch([(a, torch.tensor(r, dtype=torch.long, device=self.device)) for a, r in rows.values()])
 
     @staticmethod
     def _pad(pad, tokens, positions, slots, decode_idx, decode_tables, decode_ctx) -> None:

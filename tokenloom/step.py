@@ -15,12 +15,15 @@ import enum
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from .outputs import TokenLogprobs
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .model.lora import LoRAWeights
 
 
 class SequenceStatus(enum.IntEnum):
@@ -64,6 +67,7 @@ class Sequence:
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache (first admission)
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []  # drafts to verify in this step (engine/speculation.py)
+        self.lora: LoRAWeights | None = None  # the LoRA adapter it runs under (pinned while it runs)
         self.times = SequenceTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
         # Outputs
         self.output_text = ""

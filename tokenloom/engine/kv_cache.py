@@ -42,14 +42,17 @@ if TYPE_CHECKING:
 BlockKey = bytes  # SHA-256 digest of the block's prefix: see block_key
 
 
-def block_key(parent: BlockKey | None, token_ids, salt: str | None = None) -> BlockKey:
+def block_key(parent: BlockKey | None, token_ids, salt: str | None = None, adapter: str | None = None) -> BlockKey:
     """The prefix-cache key of a full block: SHA-256 over a tag, the parent's key (or, for the first
-    block, the salt, length-prefixed so no salt is a prefix of another's encoding) and the token ids as
+    block, the salt and the LoRA adapter's name, each length-prefixed so no value is a prefix of another's
+    encoding: KV computed under one adapter is never another's or the base model's) and the token ids as
     fixed-width unsigned 32-bit integers (a block always holds block_size of them)."""
     h = hashlib.sha256()
     if parent is None:
-        salt_bytes = (salt or "").encode("utf-8", "surrogatepass")
-        h.update(b"first\0" + len(salt_bytes).to_bytes(8, "little") + salt_bytes)
+        h.update(b"first\0")
+        for value in (salt or "", adapter or ""):
+            encoded = value.encode("utf-8", "surrogatepass")
+            h.update(len(encoded).to_bytes(8, "little") + encoded)
     else:
         h.update(b"next\0" + parent)
     h.update(array("I", token_ids).tobytes())
@@ -153,10 +156,10 @@ class KVCacheManager:
 
     def _keys_up_to(self, seq: Sequence, num_full_blocks: int) -> list[BlockKey]:
         bs, keys = self.block_size, seq.block_keys
-        salt = seq.params.cache_salt
+        salt, adapter = seq.params.cache_salt, seq.lora.name if seq.lora is not None else None
         while len(keys) < num_full_blocks:
             i = len(keys)
-            keys.append(block_key(keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs], salt))
+            keys.append(block_key(keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs], salt, adapter))
         return keys[:num_full_blocks]
 
     def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:

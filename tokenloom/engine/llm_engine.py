@@ -35,6 +35,7 @@ from ..config import EngineConfig
 from ..model.config import ModelConfig
 from ..model.load import load, set_num_threads
 from ..model.loader import torch_dtype
+from ..model.lora import LoRARequest
 from ..model.sampler import choice_generator
 from ..model.tokenizer import IncrementalDetokenizer, TokenizerWrapper
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -45,6 +46,7 @@ from ..step import RowConstraint, Runner, Sequence, SequenceStatus, StepPlan, St
 from ..structured_outputs import GrammarCompiler, GrammarError
 from .constraints import RequestConstraints
 from .kv_cache import KVCacheManager, kv_cache_size
+from .lora_manager import AdapterManager
 from .scheduler import Scheduler
 from .speculation import SpeculationPolicy
 from .stall_free import StallFreeBudget
@@ -114,6 +116,7 @@ class RequestState:
     constraints: RequestConstraints | None = None
     error: str | None = None  # set when an internal error failed this request
     fault_text: str = ""  # the prompt text per-request fault rules match (only while faults are active)
+    lora_name: str | None = None  # the LoRA adapter it pinned (released when the request goes)
 
     @property
     def finished(self) -> bool:
@@ -170,6 +173,10 @@ class LLMEngine:
         self.runner: Runner = runner or ModelRunner(model, num_blocks, config.block_size, num_host_blocks, config.seed,
                                                     kv_dtype)
         self.speculation = SpeculationPolicy(config.speculative) if config.speculative is not None else None
+        self.adapters = None
+        if config.enable_lora:
+            self.adapters = AdapterManager(model_config, config.max_cpu_loras or max(config.max_loras, 8),
+                                           config.max_lora_rank, torch_dtype(config.dtype))
         self.requests: dict[str, RequestState] = {}
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -200,8 +207,11 @@ class LLMEngine:
         prompt: str | list[int] | dict,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         params = params or SamplingParams()
+        if lora_request is not None and self.adapters is None:
+            raise ValueError("lora_request: LoRA adapters are not enabled (enable_lora=True / --enable-lora)")
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
@@ -210,13 +220,16 @@ class LLMEngine:
         # The grammar compiler (~0.1 s to build) only for a request that has a grammar.
         grammars = self.grammars if params.structured_outputs is not None else None
         constraints = RequestConstraints.of(params, self.tokenizer, grammars, self.model_config.vocab_size)
+        lora = self.adapters.acquire(lora_request) if lora_request is not None else None  # the last check
         seqs = []
         for i in range(params.n):
             gen = None if params.seed is None else choice_generator(params.seed, i)
             seq = Sequence(request_id, i, ids, params, self.clock() if arrival_time is None else arrival_time, gen)
+            seq.lora = lora
             seqs.append(seq)
         detok = [IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) for _ in seqs]
-        state = self.requests[request_id] = RequestState(request_id, text, ids, seqs, detok, constraints)
+        state = self.requests[request_id] = RequestState(request_id, text, ids, seqs, detok, constraints,
+                                                         lora_name=lora_request.lora_name if lora else None)
         if faults.ACTIVE:
             state.fault_text = text if text is not None else self.tokenizer.decode(ids)
             faults.track(ids, request_id, state.fault_text)
@@ -268,8 +281,8 @@ class LLMEngine:
         for seq in state.seqs if state is not None else ():
             if not seq.finished:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-        if state is not None and faults.ACTIVE:
-            faults.untrack(state.prompt_token_ids)
+        if state is not None:
+            self._forget(state)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -327,14 +340,19 @@ class LLMEngine:
         outputs = [self._output_or_fail(state) for state in changed.values()]
         for out in outputs:
             if out.finished:
-                state = self.requests.pop(out.request_id)
-                if faults.ACTIVE:
-                    faults.untrack(state.prompt_token_ids)
+                self._forget(self.requests.pop(out.request_id))
         if any(out.error is not None for out in outputs):
             self._check_after_failure()
         accepted = self.speculation.stats.num_accepted_tokens - accepted_before if self.speculation is not None else 0
         self._record_step(plan, start, self.clock(), outputs, num_drafts, accepted)
         return outputs
+
+    def _forget(self, state: RequestState) -> None:
+        """A request has gone (finished or aborted): unpin its adapter, stop tracking its faults."""
+        if state.lora_name is not None:
+            self.adapters.release(state.lora_name)
+        if faults.ACTIVE:
+            faults.untrack(state.prompt_token_ids)
 
     def _propose_drafts(self) -> list[Sequence]:
         """Speculation: drafts for the running sequences that decode (engine/speculation.py); returns them."""

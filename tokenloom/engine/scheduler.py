@@ -47,6 +47,7 @@ class Scheduler:
         # This step, for the stall-free cap: does anybody decode, and the prompt tokens planned so far.
         self._decoding = False
         self._planned_prefill = 0
+        self._adapters: set[str] = set()  # LoRA adapters in this step (at most max_loras)
         self.policy = get_policy(config.scheduling_policy, config.priority_aging_s)
         self.waiting: list[Sequence] = []  # WAITING and SWAPPED sequences
         self.running: list[Sequence] = []
@@ -79,13 +80,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: self.policy(s, now))
         self._planned_prefill = 0
+        self._adapters = set()
         self._decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
-            if n == 0:  # a prefill chunk with no room left under the stall-free cap: next step
+            n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget) if self._adapter_fits(seq) else 0
+            if n == 0:  # no room under the stall-free cap, or its LoRA adapter past max_loras: next step
                 i += 1
                 continue
             while not self.kv.allocate_slots(seq, n):
@@ -137,8 +139,15 @@ class Scheduler:
             out.scheduled[k] = (seq, n + len(seq.spec_token_ids))
             budget -= len(seq.spec_token_ids)
 
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """May the sequence run in this step: no adapter, or one already in it, or room for one more."""
+        return (seq.lora is None or seq.lora.name in self._adapters
+                or len(self._adapters) < self.config.max_loras)
+
     def _plan(self, out: StepPlan, seq: Sequence, n: int) -> None:
         out.scheduled.append((seq, n))
+        if seq.lora is not None:
+            self._adapters.add(seq.lora.name)
         if seq.num_tokens - seq.num_computed_tokens > 1:
             self._planned_prefill += n
 
@@ -150,7 +159,7 @@ class Scheduler:
         idx = 0
         while idx < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[idx]
-            if self.batch is not None and seq.seq_id not in self.batch:
+            if (self.batch is not None and seq.seq_id not in self.batch) or not self._adapter_fits(seq):
                 idx += 1
                 continue
             n = self._admit_one(seq, budget, out, now)

@@ -28,6 +28,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layer_ops import TORCH_OPS, TorchLayerOps
+from .lora import LoRABatch
 from .paged_attention import TorchDecodeAttention
 
 
@@ -56,6 +57,7 @@ class ForwardBatch:
     block_size: int
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor  # [S] flat indices whose hidden state goes through the LM head
+    lora: LoRABatch | None = None  # rows under LoRA adapters, added to each projection's output
 
 
 class Linear(nn.Linear):
@@ -111,6 +113,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.layer = layer
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.dim_per_head
@@ -143,6 +146,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens, d = x.shape[0], batch.num_decodes
         qkv = self.qkv_proj(x, batch.decode_like_rows)
+        if batch.lora is not None:
+            batch.lora.add(self.layer, "qkv", x, qkv)
         if self.q_norm is None:  # RoPE on Q and K in one go: they sit side by side in the projection's output
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         else:
@@ -175,22 +180,32 @@ class Attention(nn.Module):
             os_ = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
             out[span.query_start : span.query_start + span.query_len] = os_[0].transpose(0, 1)
-        return self.o_proj(out.reshape(num_tokens, self.q_size), batch.decode_like_rows)
+        out = out.reshape(num_tokens, self.q_size)
+        y = self.o_proj(out, batch.decode_like_rows)
+        if batch.lora is not None:
+            batch.lora.add(self.layer, "o", out, y)
+        return y
 
 
 class MLP(nn.Module):
     ops: TorchLayerOps = TORCH_OPS  # set per model at load (DecoderModel.layer_ops)
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.layer = layer
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
-    def forward(self, x: torch.Tensor, decode_like_rows: int) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, decode_like_rows)
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, batch.decode_like_rows)
+        if batch.lora is not None:
+            batch.lora.add(self.layer, "gate_up", x, gate_up)
         act = self.ops.gelu_tanh_mul(gate_up) if self.gelu else self.ops.silu_mul(gate_up)
-        return self.down_proj(act, decode_like_rows)
+        y = self.down_proj(act, batch.decode_like_rows)
+        if batch.lora is not None:
+            batch.lora.add(self.layer, "down", act, y)
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -202,7 +217,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the MLP's input norm
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer)
         sandwich = cfg.sandwich_norms
         self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
         self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
@@ -210,7 +225,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x, batch, rope, decode, k_cache, v_cache):
         h = self.self_attn(self.input_layernorm(x), batch, rope, decode, k_cache, v_cache)
         x = x + (h if self.attn_output_norm is None else self.attn_output_norm(h))
-        h = self.mlp(self.post_attention_layernorm(x), batch.decode_like_rows)
+        h = self.mlp(self.post_attention_layernorm(x), batch)
         return x + (h if self.mlp_output_norm is None else self.mlp_output_norm(h))
 
 

@@ -94,6 +94,7 @@ class DecoderLoop:
         """Every row a single query through the int4 kernels, on the kernels the loop was built from."""
         rows = x.shape[0]
         return (rows > 0 and not batch.prefills and batch.num_decodes == rows and batch.decode_like_rows >= rows
+                and batch.lora is None  # adapters' products between the kernels: the layers in Python
                 and x.dtype == torch.float32 and model.layer_ops is self.ops
                 and model.decode_attention is self.attention)
 
