@@ -365,3 +365,12 @@ def test_disconnects_abort_and_free_kv(server):
     # 9 x (400 or 1000) tokens were asked for; far fewer were generated before the aborts.
     assert metric(after, "tokenloom:generation_tokens_total") - metric(
         before, "tokenloom:generation_tokens_total") < 9 * 200
+
+
+def test_lora_routes_refused_unless_enabled(server, http):
+    """Without --enable-lora the adapter routes answer 400 naming it; without the key, 401 first."""
+    for route, body in (("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"}),
+                        ("/v1/unload_lora_adapter", {"lora_name": "a"})):
+        r = http.post(route, json=body)
+        assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+        assert httpx.post(f"{server.url}{route}", json=body).status_code == 401

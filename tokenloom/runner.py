@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .model.decoder import DecoderModel, ForwardBatch, PrefillSpan
-from .model.lora import LoRABatch
+from .model.lora import LoRABatch, LoRAStacks
 from .model.sampler import Sampler, top_logprobs
 from .step import Runner, StepPlan, StepResult, is_decode, samples
 
@@ -42,6 +42,7 @@ class ModelRunner(Runner):
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         self.host_cache = cache(num_host_blocks, "cpu") if num_host_blocks else None
         self.sampler = Sampler(seed)
+        self.lora_stacks = LoRAStacks()  # adapters' weights stacked per set that shares steps
         self.last_forward_time = 0.0
 
     # -- swap ------------------------------------------------------------------------------------
@@ -154,7 +155,8 @@ class ModelRunner(Runner):
                 rows.setdefault(id(adapter), (adapter, []))[1].append(r)
         if not rows:
             return None
-        return LoRABatch([(a, torch.tensor(r, dtype=torch.long, device=self.device)) for a, r in rows.values()])
+        groups = sorted(rows.values(), key=lambda g: g[0].name)  # one order per set: its stacks are reused
+        return LoRABatch(groups, self.lora_stacks, self.device)
 
     @staticmethod
     def _pad(pad, tokens, positions, slots, decode_idx, decode_tables, decode_ctx) -> None:

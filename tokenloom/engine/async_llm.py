@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..model.load import default_num_threads, set_num_threads
+from ..model.lora import LoRARequest
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
@@ -91,6 +92,7 @@ class _Add:
     arrival_time: float
     stream: RequestStream
     future: asyncio.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -174,7 +176,8 @@ class AsyncLLM:
     # -- the event-loop API ----------------------------------------------------------------------
 
     async def add(
-        self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt, params: SamplingParams, arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it (raises ValueError,
         QueueFullError, EngineDeadError or EngineStoppingError otherwise)."""
@@ -184,7 +187,7 @@ class AsyncLLM:
         stream = RequestStream(request_id)
         fut = self._loop.create_future()
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._send(_Add(request_id, prompt, params, arrival, stream, fut))
+        self._send(_Add(request_id, prompt, params, arrival, stream, fut, lora_request))
         if self.error is not None and not fut.done():
             # The thread died after the check above; `_die` sets `error` before draining, so
             # either it drains this add or we see the error here. Never wait forever.
@@ -285,7 +288,7 @@ class AsyncLLM:
                     f"the queue is full ({waiting} requests waiting, max_queue_len "
                     f"{self.max_queue_len}); retry later"
                 )
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time)
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.lora_request)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the engine stays up
             self._post(self._resolve, cmd, exc)
             return

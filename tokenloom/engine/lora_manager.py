@@ -30,7 +30,8 @@ class AdapterManager:
         self.num_loads = 0
         self._lock = threading.Lock()  # the server loads adapters off the engine thread
 
-    def register(self, request: LoRARequest) -> None:
+    def register(self, request: LoRARequest) -> bool:
+        """Whether the name is new (False: registered before, as the same adapter)."""
         with self._lock:
             known = self.registered.get(request.lora_name)
             if known is not None and known != request:
@@ -41,6 +42,7 @@ class AdapterManager:
                     if other.lora_int_id == request.lora_int_id:
                         raise ValueError(f"lora_int_id: {request.lora_int_id} is already {other.lora_name!r}")
             self.registered[request.lora_name] = request
+            return known is None
 
     def unregister(self, name: str) -> None:
         with self._lock:
@@ -51,15 +53,28 @@ class AdapterManager:
             del self.registered[name]
             self.loaded.pop(name, None)
 
+    def load(self, request: LoRARequest) -> LoRAWeights:
+        """Register and load an adapter without pinning it (the server does this off the engine thread,
+        so the request's `acquire` finds it loaded and the engine never waits on a file)."""
+        weights = self.acquire(request)
+        self.release(request.lora_name)
+        return weights
+
     def acquire(self, request: LoRARequest) -> LoRAWeights:
         """The adapter's weights, loaded if needed, pinned until `release`."""
-        self.register(request)
+        new = self.register(request)
         with self._lock:
             weights = self.loaded.get(request.lora_name)
         fresh = weights is None
         if fresh:  # loaded outside the lock: reading files must not hold up the engine's lookups
-            weights = load_adapter(request.lora_path, request.lora_name, self.model_config, self.max_lora_rank,
-                                   self.dtype)
+            try:
+                weights = load_adapter(request.lora_path, request.lora_name, self.model_config, self.max_lora_rank,
+                                       self.dtype)
+            except Exception:
+                if new:  # an adapter that does not load is not registered either
+                    with self._lock:
+                        self.registered.pop(request.lora_name, None)
+                raise
         with self._lock:
             stored = self.loaded.setdefault(request.lora_name, weights)
             self.num_loads += fresh and stored is weights

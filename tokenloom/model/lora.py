@@ -6,8 +6,9 @@ and `adapter_model.safetensors` (or .bin) with, per adapted projection, `...<pro
 s = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA). Hugging Face's checkpoints name q/k/v and
 gate/up separately, tokenloom fuses them (`qkv_proj`, `gate_up_proj`): an adapter's pieces of one fused
 projection are stacked into one A [in, r_total] and one block-diagonal B [r_total, out] with the scale
-folded in, so a group of rows costs two small products per projection: (x A) B, the shrink and the
-expand of Punica's SGMV, done per adapter over its rows (`LoRABatch.add`).
+folded in. A step's rows under adapters go through each projection's adapters as two batched products,
+(x A) B, the shrink and the expand of Punica's SGMV (`LoRABatch`, over weights `LoRAStacks` stacks once
+per set of adapters).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def projection_parts(cfg: ModelConfig) -> dict[str, tuple[int, list[int]]]:
             "gate_up": (cfg.hidden_size, [cfg.intermediate_size] * 2), "down": (cfg.intermediate_size, [cfg.hidden_size])}
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a step's set of adapters keys its stacked weights
 class LoRAWeights:
     """One loaded adapter: per layer, per fused projection, (A [in, r_total], B [r_total, out] * scale)."""
 
@@ -147,16 +148,68 @@ def merge_into(model: torch.nn.Module, weights: LoRAWeights) -> None:
             w.data += (a.double() @ b.double()).T.to(w.dtype)
 
 
-@dataclass
-class LoRABatch:
-    """One step's rows under adapters: (adapter, indices of its rows in the flat batch) per adapter."""
+class LoRAStacks:
+    """Per set of adapters that share steps, their weights stacked per projection (A [n, in, r_max],
+    B [n, r_max, out], zero-padded where an adapter's rank is smaller or it does not adapt that
+    projection: zeros add nothing), so a projection's adapters run as two batched products whatever
+    their number. Built lazily, kept for the last `max_sets` sets (a set is stable while its requests run)."""
 
-    groups: list[tuple[LoRAWeights, torch.Tensor]]
+    def __init__(self, max_sets: int = 2):
+        self.max_sets = max_sets
+        self._sets: dict[tuple, dict] = {}
+
+    def get(self, adapters: tuple[LoRAWeights, ...], layer: int, proj: str):
+        cache = self._sets.pop(adapters, None)
+        if cache is None:
+            cache = {}
+            while len(self._sets) >= self.max_sets:
+                del self._sets[next(iter(self._sets))]
+        self._sets[adapters] = cache  # most recently used last
+        key = (layer, proj)
+        if key not in cache:
+            pieces = [a.layers[layer].get(proj) for a in adapters]
+            present = [p for p in pieces if p is not None]
+            if not present:
+                cache[key] = None
+            else:
+                n_in, n_out = present[0][0].shape[0], present[0][1].shape[1]
+                r_max, dtype = max(p[0].shape[1] for p in present), present[0][0].dtype
+                a_all = torch.zeros(len(adapters), n_in, r_max, dtype=dtype)
+                b_all = torch.zeros(len(adapters), r_max, n_out, dtype=dtype)
+                for i, p in enumerate(pieces):
+                    if p is not None:
+                        a_all[i, :, : p[0].shape[1]] = p[0]
+                        b_all[i, : p[1].shape[0]] = p[1]
+                cache[key] = (a_all, b_all)
+        return cache[key]
+
+
+class LoRABatch:
+    """One step's rows under adapters, laid out once for every projection: the rows of adapter i are
+    gathered into slot i of a [adapters, G, features] block (G: the largest group; short groups padded
+    with a repeat of a row whose result is dropped), multiplied by the stacked A then B in two batched
+    products, and added back to their rows (Punica's SGMV shrink and expand, as torch bmm)."""
+
+    def __init__(self, groups: list[tuple[LoRAWeights, list[int]]], stacks: LoRAStacks, device=None):
+        self.adapters = tuple(a for a, _ in groups)
+        self.stacks = stacks
+        width = max(len(rows) for _, rows in groups)
+        gather, keep, rows = [], [], []
+        for i, (_, group) in enumerate(groups):
+            gather += group + [group[0]] * (width - len(group))
+            keep += range(i * width, i * width + len(group))
+            rows += group
+        self.width = width
+        self.gather = torch.tensor(gather, dtype=torch.long, device=device)
+        self.keep = torch.tensor(keep, dtype=torch.long, device=device)
+        self.rows = torch.tensor(rows, dtype=torch.long, device=device)
 
     def add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y[rows] += (x[rows] A) B for each adapter's rows, in place (y is the projection's output)."""
-        for adapter, rows in self.groups:
-            ab = adapter.layers[layer].get(proj)
-            if ab is not None:
-                a, b = ab
-                y.index_add_(0, rows, ((x[rows].to(a.dtype) @ a) @ b).to(y.dtype))
+        """y[rows] += (x[rows] A) B with each row's own adapter, in place (y: the projection's output)."""
+        stacked = self.stacks.get(self.adapters, layer, proj)
+        if stacked is None:
+            return
+        a, b = stacked
+        xs = x.index_select(0, self.gather).to(a.dtype).view(len(self.adapters), self.width, -1)
+        delta = torch.bmm(torch.bmm(xs, a), b).view(-1, b.shape[-1])
+        y.index_add_(0, self.rows, delta.index_select(0, self.keep).to(y.dtype))

@@ -17,9 +17,11 @@ from fastapi.responses import Response
 
 from .. import __version__
 from ..engine.async_llm import AsyncLLM
+from ..model.lora import LoRARequest
 from .chat import create_chat_completion, render_prompt_ids
 from .completions import create_completion
 from .errors import APIError, install_error_handlers
+from .lora_routes import add_lora_routes
 from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from .protocol import (
     ChatCompletionRequest,
@@ -60,6 +62,8 @@ def build_app(
     metrics_open: bool = False,
     client_priority: ClientPriorityRange | None = None,
     trust_chat_messages: bool = False,
+    lora_modules: list[LoRARequest] | None = None,
+    allow_runtime_lora_updating: bool = False,
 ) -> FastAPI:
     """`metrics_token`/`metrics_open`: who reads /metrics (tenancy.MetricsAccess); `client_priority`:
     the `priority` values a client may send; `trust_chat_messages`: chat message content may
@@ -68,6 +72,7 @@ def build_app(
     state = ServerState(async_llm, names or ["tokenloom"], model_path, metrics,
                         client_priority=client_priority or ClientPriorityRange(),
                         trust_chat_messages=trust_chat_messages)
+    state.loras = {r.lora_name: r for r in lora_modules or ()}
     metrics_access = MetricsAccess(api_key, metrics_token, metrics_open)
 
     deadline: list[float] = []  # set once shutdown begins
@@ -114,6 +119,9 @@ def build_app(
              "root": model_path or name, "max_model_len": async_llm.config.max_model_len}
             for name in state.served_model_names
         ]
+        data += [{"id": name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
+                  "root": lora.lora_path, "parent": state.model_name,
+                  "max_model_len": async_llm.config.max_model_len} for name, lora in state.loras.items()]
         return {"object": "list", "data": data}
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
@@ -161,6 +169,8 @@ def build_app(
 
         text = metrics.render()
         return Response(text if view == "full" else public_metrics(text), media_type=CONTENT_TYPE)
+
+    add_lora_routes(app, state, allow_runtime_lora_updating)
 
     # Starlette runs the middleware added last first: auth (headers only) before anything reads a
     # body, then the size limits, then the app.

@@ -55,6 +55,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use as `model`; /v1/models lists them (default: a catalog name as "
                         "given, else the file's name without .gguf and its quantization suffix)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) served by name, as `name=path` or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ...}'; needs --enable-lora; a request picks one by its `model`")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they make the server read "
+                        "a directory a client names; default: $VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
     p.add_argument("--max-queue-len", type=int, default=DEFAULT_MAX_QUEUE_LEN,
                    help="reject new requests with 503 + Retry-After while this many sequences wait "
                         f"(default: {DEFAULT_MAX_QUEUE_LEN})")
@@ -122,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..model import catalog
     from ..model.load import model_path, set_num_threads
     from .app import build_app
+    from .lora_routes import parse_lora_modules
     from .tenancy import ClientPriorityRange
 
     if args.model_tag is not None:
@@ -130,6 +138,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if lora_modules and not config.enable_lora:
+        raise ValueError("--lora-modules: adapters need --enable-lora")
     # Everything that can fail in a second fails before the model loads: the source, then the port.
     to_pull = catalog.missing_pull(config.model)
     sockets = _bind(args.host, args.port)
@@ -143,6 +154,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config.num_threads = None
     set_num_threads(1)
     engine = LLMEngine(config)
+    for lora in lora_modules:  # a bad adapter stops the start, named, rather than failing its first request
+        engine.adapters.load(lora)
     names = args.served_model_name or [_default_served_name(config.model, path)]
     metrics = EngineMetrics(names[0], log_interval_s=args.log_interval, log_requests=not args.disable_log_requests)
     async_llm = AsyncLLM(engine, max_queue_len=args.max_queue_len, metrics=metrics, num_threads=num_threads,
@@ -153,6 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_token=args.metrics_token, metrics_open=args.metrics_open,
         client_priority=ClientPriorityRange(args.min_client_priority, args.max_client_priority),
         trust_chat_messages=args.trust_chat_messages,
+        lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     logging.getLogger("tokenloom.server").info(
         "serving %s on http://%s:%d (torch threads %d, auth %s)",

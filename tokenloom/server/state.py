@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ..engine.async_llm import AsyncLLM
+from ..model.lora import LoRARequest
 from .chat_text import ChatEncoder
 from .errors import APIError
 from .tenancy import ClientPriorityRange
@@ -34,6 +35,7 @@ class ServerState:
     shutting_down: bool = False
     client_priority: ClientPriorityRange = field(default_factory=ClientPriorityRange)
     trust_chat_messages: bool = False  # content may spell control tokens, any role (operator's choice)
+    loras: dict[str, LoRARequest] = field(default_factory=dict)  # adapters served by name (--lora-modules)
     _executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(_EXECUTOR_THREADS, thread_name_prefix="tokenloom-text"))
 
@@ -101,12 +103,25 @@ class ServerState:
         return await self.run_off_loop(_decode_releasing_gil, self.tokenizer.tokenizer, ids)
 
     def check_model(self, name: str | None) -> str:
-        if name is None or name in self.served_model_names:
+        if name is None or name in self.served_model_names or name in self.loras:
             return self.model_name if name is None else name
         raise APIError(
-            404, f"The model `{name}` does not exist. Served: {', '.join(self.served_model_names)}",
+            404, f"The model `{name}` does not exist. Served: {', '.join([*self.served_model_names, *self.loras])}",
             "invalid_request_error", "model", "model_not_found",
         )
+
+    @property
+    def adapters(self):
+        """The engine's AdapterManager, or None without --enable-lora."""
+        return self.async_llm.engine.adapters
+
+    async def lora_for(self, model: str) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base), loaded off the event loop and the
+        engine thread, so neither waits on its files."""
+        lora = self.loras.get(model)
+        if lora is not None:
+            await self.run_off_loop(self.adapters.load, lora)
+        return lora
 
 
 def _encode_releasing_gil(tokenizer, text: str) -> list[int]:

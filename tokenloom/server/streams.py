@@ -41,12 +41,13 @@ class RequestGroup:
         self.base_id = base_id
         self.streams: list[RequestStream] = []
 
-    async def add_all(self, prompts: list, params, arrival_time: float) -> None:
-        """Add every prompt; if one is rejected, abort the ones already added and re-raise."""
+    async def add_all(self, prompts: list, params, arrival_time: float, lora_request=None) -> None:
+        """Add every prompt (under `lora_request`'s adapter, if any); if one is rejected, abort the
+        ones already added and re-raise."""
         try:
             for i, prompt in enumerate(prompts):
                 rid = self.base_id if len(prompts) == 1 else f"{self.base_id}-{i}"
-                self.streams.append(await self.async_llm.add(rid, prompt, params, arrival_time))
+                self.streams.append(await self.async_llm.add(rid, prompt, params, arrival_time, lora_request))
         except BaseException:
             self.abort_unfinished()
             raise

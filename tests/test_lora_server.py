@@ -1,0 +1,143 @@
+"""LoRA adapters behind a real `tokenloom serve` on SmolLM2 (vLLM's interface): --lora-modules, the
+adapters in /v1/models, `model` choosing one, run-time load/unload and their errors (slow)."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import peft
+import pytest
+import torch
+import transformers
+from conftest_server import ServerProcess
+
+from tokenloom import LLM, LoRARequest, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The three primary colors are"
+
+
+def make_smollm2_adapter(path, seed: int, targets: list[str], rank: int = 8) -> None:
+    """A seeded random PEFT adapter (rank 8 by default) with SmolLM2-135M's shapes, made by peft itself."""
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        base = transformers.LlamaForCausalLM(cfg)
+    base = base.to_empty(device="cpu")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                                      init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * (0.05 if "lora_A" in name else 0.5))
+    model.save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("smollm2-adapters")
+    out = {}
+    for i, (name, targets) in enumerate([("alpha", ["q_proj", "v_proj", "down_proj"]),
+                                         ("beta", ["o_proj", "gate_proj", "up_proj", "k_proj"]),
+                                         ("gamma", ["q_proj", "k_proj", "v_proj", "o_proj"])]):
+        make_smollm2_adapter(root / name, seed=i, targets=targets)
+        out[name] = str(root / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(adapters):
+    srv = ServerProcess(["--enable-lora", "--max-loras", "2", "--lora-modules", f"alpha={adapters['alpha']}",
+                         f'{{"name": "beta", "path": "{adapters["beta"]}"}}', "--allow-runtime-lora-updating"])
+    yield srv
+    srv.stop()
+
+
+def complete(client: httpx.Client, model: str, max_tokens: int = 24) -> httpx.Response:
+    return client.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens,
+                                                "temperature": 0})
+
+
+def test_models_lists_adapters_with_their_parent(server):
+    with server.client() as c:
+        data = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+    base = next(name for name, m in data.items() if "parent" not in m)
+    assert data["alpha"]["parent"] == base and data["beta"]["parent"] == base
+
+
+def test_a_request_through_an_adapter_matches_the_offline_engine(server, adapters):
+    """float32: the server's greedy tokens under an adapter are the offline LLM's with the same adapter
+    (and not the base model's)."""
+    with server.client() as c:
+        served = {m: complete(c, m).json()["choices"][0]["text"] for m in ("alpha", "beta")}
+        base = complete(c, c.get("/v1/models").json()["data"][0]["id"]).json()["choices"][0]["text"]
+    llm = LLM(enable_lora=True, max_model_len=2048)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    for i, name in enumerate(("alpha", "beta"), start=1):
+        offline = llm.generate([PROMPT], params, use_tqdm=False,
+                               lora_request=LoRARequest(name, i, adapters[name]))[0].outputs[0].text
+        assert served[name] == offline, name
+        assert served[name] != base
+
+
+def test_unknown_adapter_is_404(server):
+    with server.client() as c:
+        r = complete(c, "no-such-adapter")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_load_and_unload_at_run_time(server, adapters, tmp_path):
+    with server.client() as c:
+        r = c.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": adapters["gamma"]})
+        assert r.status_code == 200, r.text
+        assert "gamma" in {m["id"] for m in c.get("/v1/models").json()["data"]}
+        assert complete(c, "gamma").status_code == 200
+        again = c.post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": adapters["gamma"]})
+        assert again.status_code == 400 and "already" in again.json()["error"]["message"]
+        missing = c.post("/v1/load_lora_adapter", json={"lora_name": "delta", "lora_path": str(tmp_path / "none")})
+        assert missing.status_code == 400 and "not a PEFT adapter" in missing.json()["error"]["message"]
+        assert c.post("/v1/load_lora_adapter", json={"lora_name": "", "lora_path": "x"}).status_code == 400
+        assert c.post("/v1/load_lora_adapter", json={"lora_name": "x"}).status_code == 400
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 200
+        assert complete(c, "gamma").status_code == 404
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "gamma"}).status_code == 404
+
+
+def test_unloading_an_adapter_in_use_is_refused_and_its_request_finishes(server, adapters):
+    with server.client() as c:
+        assert c.post("/v1/load_lora_adapter", json={"lora_name": "busy", "lora_path": adapters["gamma"]}
+                      ).status_code == 200
+        streaming, result = threading.Event(), {}
+
+        def long_request():
+            body = {"model": "busy", "prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+                    "stream": True}
+            with server.client() as c2, c2.stream("POST", "/v1/completions", json=body) as r:
+                result["status"] = r.status_code
+                result["chunks"] = 0
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        result["chunks"] += 1
+                        streaming.set()
+            streaming.set()
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        assert streaming.wait(120)
+        refused = c.post("/v1/unload_lora_adapter", json={"lora_name": "busy"})
+        t.join()
+        assert refused.status_code == 400 and "in flight" in refused.json()["error"]["message"], refused.text
+        assert result["status"] == 200 and result["chunks"] >= 290  # it went on to the end
+        assert c.post("/v1/unload_lora_adapter", json={"lora_name": "busy"}).status_code == 200
+
+
+def test_adapters_need_enable_lora():
+    from tokenloom.server.lora_routes import parse_lora_modules
+
+    assert [r.lora_name for r in parse_lora_modules(["a=/x", '{"name": "b", "path": "/y"}'])] == ["a", "b"]
+    for bad in (["nopath"], ['{"name": "a"}'], ["a=/x", "a=/y"]):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_modules(bad)
