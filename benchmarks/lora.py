@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from server_process import start_server, stop
 
 from tokenloom.bench.client import LoadConfig, make_http_client, send_request
 from tokenloom.bench.datasets import load_samples
@@ -51,21 +51,9 @@ def make_adapters(root: Path, n: int) -> list[Path]:
     return paths
 
 
-def start_server(args: list[str], log: Path) -> subprocess.Popen:
-    cmd = [os.path.join(os.path.dirname(sys.executable), "tokenloom"), "serve", "--port", str(PORT),
-           "--disable-log-requests", "--served-model-name", BASE, *args]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    for _ in range(2400):
-        try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError(f"server {cmd} did not start (log {log})")
+def tokenloom_serve(args: list[str]) -> list[str]:
+    return [os.path.join(os.path.dirname(sys.executable), "tokenloom"), "serve", "--port", str(PORT),
+            "--disable-log-requests", "--served-model-name", BASE, *args]
 
 
 def rss_mb(pid: int) -> float:
@@ -136,7 +124,7 @@ def main() -> None:
                 "8 adapters": (["--max-loras", "8", "--lora-modules", *modules, "--allow-runtime-lora-updating",
                                 "--max-cpu-loras", "64"], [f"a{i}" for i in range(8)])}
     for name, (extra, models) in settings.items():
-        proc = start_server(common + extra, work / f"{name.replace(' ', '-')}.log")
+        proc = start_server(tokenloom_serve(common + extra), PORT, work / f"{name.replace(' ', '-')}.log")
         try:
             asyncio.run(load([models[0]], num_prompts=2))  # warm-up
             res = asyncio.run(load(models))
@@ -152,9 +140,7 @@ def main() -> None:
             out["results"][name] = res
             print(name, json.dumps(res), flush=True)
         finally:
-            proc.terminate()
-            proc.wait(60)
-            time.sleep(2)
+            stop(proc)
     base = out["results"]["base"]["output_tok_s"]
     for res in out["results"].values():
         res["vs_base"] = res["output_tok_s"] / base

@@ -22,19 +22,17 @@ and vLLM-CPU without and with its `ngram` method (`bash ../shared/tools/vllm_cpu
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
+from server_process import start_server, stop
 
 from tokenloom.model.kernels import cpu_flags
 
@@ -78,39 +76,6 @@ def server_command(server: str, extra: list[str]) -> tuple[list[str], dict]:
             {"VLLM_PEER_ARGS": " ".join(extra)})
 
 
-def start_server(server: str, extra: list[str], log: Path) -> subprocess.Popen:
-    cmd, env = server_command(server, extra)
-    # Not a new session: the kernel's autogroups would then split the cores between the server and the
-    # load generator (a measured 2x less tokenloom throughput at 32 streams).
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **env})
-    for _ in range(2400):
-        try:
-            if (httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=1).status_code == 200
-                    and httpx.get(f"http://127.0.0.1:{PORT}/v1/models", timeout=1).status_code == 200):
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(0.25)
-    stop(proc)
-    raise RuntimeError(f"server {cmd} did not start (log: {log})")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """The server and its children (vLLM's engine runs in one)."""
-    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True, check=False).stdout.split()
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(pid), signal.SIGKILL)
-
-
 def spec_counters() -> dict:
     """Speculation counters from /metrics (tokenloom's and vLLM's names; llama-server has none)."""
     out = {"draft_tokens": 0.0, "accepted_tokens": 0.0, "per_pos": {}}
@@ -148,7 +113,8 @@ def main() -> None:
     rows: dict[str, dict] = {}
     for name in args.settings.split(","):
         print(f"== {name}", flush=True)
-        proc = start_server(*SETTINGS[name], raw / f"{name}.log")
+        cmd, env = server_command(*SETTINGS[name])
+        proc = start_server(cmd, PORT, raw / f"{name}.log", env)
         try:
             subprocess.run([os.path.join(os.path.dirname(sys.executable), "tokenloom"), "bench", "serve",
                             "--base-url", f"http://127.0.0.1:{PORT}", "--no-progress", "--num-prompts", "2",
@@ -174,7 +140,6 @@ def main() -> None:
                       flush=True)
         finally:
             stop(proc)
-            time.sleep(2)
     for name, cells in rows.items():  # each setting against its own server without speculation
         base = rows.get({"tokenloom": "off", "llama": "llama-off", "vllm": "vllm-off"}[SETTINGS[name][0]])
         for cell, r in cells.items():
