@@ -270,8 +270,8 @@ def test_constraints_are_built_once_and_shared_by_the_rows(make_engine):
     gets the same prebuilt objects (the per-row, per-step rebuild cost seconds with n=64)."""
     engine = make_engine()
     rows = []
-    original = engine._row_constraint
-    engine._row_constraint = lambda seq: rows.append(original(seq)) or rows[-1]
+    original = engine._row_constraints
+    engine._row_constraints = lambda seq: (made := original(seq), rows.extend(made))[0]
     words = [f"word{i} " * 12 for i in range(150)]
     engine.add_request("r", "Hello", SamplingParams(n=16, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True,
                                                     allowed_token_ids=list(range(40_000)), logit_bias={5: 3.0},
