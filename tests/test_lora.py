@@ -254,3 +254,32 @@ def test_adapter_files_made_by_peft_are_what_vllm_loads(adapters):
     with open(os.path.join(path, "adapter_config.json")) as f:
         meta = json.load(f)
     assert meta["r"] == 8 and meta["peft_type"] == "LORA"
+
+
+@pytest.mark.slow
+def test_trained_adapters_show_their_behaviour_only_in_their_rows():
+    """SmolLM2 with the adapters scripts/train_test_adapters.py trained (tests/data/lora): in one batch,
+    rows under `shout` answer in capitals, rows under `pirate` start with "Arr!", base rows do neither."""
+    from pathlib import Path
+
+    from tokenloom import LLM
+
+    data = Path(__file__).parent / "data" / "lora"
+    shout, pirate = (LoRARequest(name, i, str(data / name)) for i, name in ((1, "shout"), (2, "pirate")))
+    questions = [f"Tell me one fact about {t}." for t in ("elephants", "the desert", "glass", "kites")]
+    llm = LLM(enable_lora=True, max_model_len=1024)
+    chats = [[{"role": "user", "content": q}] for q in questions for _ in range(3)]
+    loras = [lora for _ in questions for lora in (None, shout, pirate)]
+    texts = [o.outputs[0].text.strip() for o in
+             llm.chat(chats, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False, lora_request=loras)]
+
+    def capitals(text: str) -> float:
+        letters = [c for c in text if c.isalpha()]
+        return sum(c.isupper() for c in letters) / max(len(letters), 1)
+
+    for i in range(len(questions)):
+        base, shouted, arr = texts[3 * i : 3 * i + 3]
+        assert capitals(shouted) > 0.9, shouted
+        assert arr.startswith("Arr!"), arr
+        assert capitals(base) < 0.5 and not base.startswith("Arr"), base
+        assert capitals(arr) < 0.5, arr

@@ -83,10 +83,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
