@@ -1,10 +1,11 @@
 """LLMEngine: requests in, `RequestOutput`s out, one `step()` at a time.
 
-step() = schedule → per-row constraints → (swap copies) → forward → sample → `_advance` each
-sequence (the one place a step moves a sequence on: computed tokens, new token, detokenize, every stop
-decision in `_check_stop`) → return outputs of the requests that changed. Every way a sequence ends
-(stop, length, abort) goes through `_finish`, which calls the scheduler's one release path, so no KV
-block can leak.
+step() = (speculative drafts, engine/speculation.py) → schedule → per-row constraints → (swap copies)
+→ forward → sample (verifying drafts) → `_advance` each sequence (the one place a step moves a sequence
+on: computed tokens, accepted drafts and the new token, detokenize, every stop decision in
+`_check_stop`) → return outputs of the requests that changed. Every way a sequence ends (stop, length,
+abort) goes through `_finish`, which calls the scheduler's one release path, so no KV block can leak.
+A request may run under a LoRA adapter (`lora_request`), pinned in `self.adapters` until it goes.
 
 Fault isolation (no request can take the engine down):
 - An exception while handling one request (its sampler row, detokenization, logprobs, output
