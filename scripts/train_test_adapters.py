@@ -21,6 +21,7 @@ from pathlib import Path
 import peft
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.model.load import model_path
@@ -71,6 +72,8 @@ def main() -> None:
             if step % 20 == 0:
                 print(f"{name} step {step}: loss {loss.item():.3f}", flush=True)
         model.save_pretrained(str(OUT / name))
+        weights = OUT / name / "adapter_model.safetensors"  # kept in bfloat16: half the bytes in the repo
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(weights)).items()}, str(weights))
         base = model.unload()  # the base without this adapter's layers, for the next one
         print(f"saved {OUT / name}")
 
