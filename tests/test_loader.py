@@ -178,3 +178,49 @@ def test_threads_are_sized_from_the_cgroup_quota(tmp_path, monkeypatch):
     for quota, cores in [(None, 4), (0.5, 1), (1.5, 2), (16.0, 4)]:
         monkeypatch.setattr(load, "_cgroup_cpu_quota", lambda q=quota: q)
         assert load.usable_cores() == cores
+
+
+# K-quants: bytes per 256 weights, and where their float16 super-block scales sit.
+K_QUANT_SCALES = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_stored_rows_read_exactly_what_the_whole_tensor_dequantizes_to(qtype):
+    """The embedding and the head's exact rows read from the file: bit-identical to the dense tensor."""
+    from tokenloom.model.gguf_tensors import StoredRows, dequantize
+
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((40, 256)).astype(np.float32)
+    if qtype in K_QUANT_SCALES:  # gguf cannot quantize to K-quants: random codes, sane float16 scales
+        data = rng.integers(0, 256, (40, K_QUANT_SCALES[qtype][0]), dtype=np.uint8)
+        for offset in K_QUANT_SCALES[qtype][1]:
+            data[:, offset:offset + 2] = np.full((40, 1), 0.01, np.float16).view(np.uint8)
+    else:
+        data = values if qtype == "F32" else gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype])
+    rows = StoredRows(data, qtype, (40, 256))
+    whole = dequantize(data, qtype, (40, 256))
+    idx = torch.tensor([[0, 39, 7, 7, 12], [3, 3, 0, 21, 38]])
+    assert torch.equal(rows[idx], whole[idx]) and rows[idx].dtype == torch.float32
+    assert torch.equal(torch.cat(list(rows.chunks(16))), whole)
+    with pytest.raises(IndexError):
+        rows[torch.tensor([40])]
+
+
+def test_the_quantized_load_keeps_no_float32_copy_of_the_weights(tmp_path):
+    """int4 from a GGUF: the embedding and the head's rescoring rows stay in the file, each projection
+    only in its quantized form; the embedding gives the float32 load's rows exactly."""
+    from tokenloom.model.gguf_tensors import StoredEmbedding
+
+    write_gguf(tmp_path / "q.gguf", random_model(CFG, seed=4), gguf.GGMLQuantizationType.Q4_1)
+    dense = load_model(ModelSource("gguf", str(tmp_path / "q.gguf")))
+    quantized = load_model(ModelSource("gguf", str(tmp_path / "q.gguf")), quantization="int4")
+    assert isinstance(quantized.embed_tokens, StoredEmbedding) and quantized.lm_head is None
+    big = [name for name, t in [*quantized.named_parameters(), *quantized.named_buffers()]
+           if t.dtype == torch.float32 and t.numel() >= CFG.hidden_size * CFG.intermediate_size]
+    assert big == [], big
+    ids = torch.tensor(TOKENS)
+    assert torch.equal(quantized.embed(ids), dense.embed(ids))
+    assert torch.equal(quantized.logits_proj.weight[ids], dense.embed_tokens.weight[ids])
+    assert "from the file's Q4_1 rows" in quantized.plan.line()
+    got, want = prefill_logits(quantized, TOKENS), prefill_logits(dense, TOKENS)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

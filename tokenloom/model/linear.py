@@ -14,10 +14,10 @@
     the dequantized weights with float32 scales (tests/test_fast_paths.py).
 - int8: per-output-channel int8 (C kernel, else `torch._weight_int8pack_mm`), requantized from the
   dense weights.
-- int4 + dense prefill (what `auto` picks where the CPU has bf16 dot products): int4 for decode rows
-  and short prefill chunks, where a step reads every weight for a few rows per sequence and 4-bit
-  weights move 7x fewer bytes; the same weights dequantized to bfloat16 for long prefill chunks,
-  where oneDNN's bf16 matmul runs near the CPU's bf16 peak. A row's kernel depends on its own
+- int4 + dense prefill (`quantize_model(dense_prefill=True)`; no longer what `auto` loads): int4 for
+  decode rows and short prefill chunks, the same weights dequantized to bfloat16 for long prefill
+  chunks through oneDNN. With today's kernels it made a 512-token prompt only 5-6% faster, for a
+  bfloat16 copy of every weight (1.5x a Q4 file's size). A row's kernel depends on its own
   sequence's chunk length (runner.SHORT_CHUNK), never on the rest of the batch. (Int8 activations
   through VNNI doubled that again but cost 6 points of top-1 agreement: not used.)
 - the LM head (`RescoredInt8Head`): int8 logits over the vocabulary, then the best candidates of each
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .gguf_tensors import StoredRows
 from .kernels import cpu_flags  # also what the benchmarks record the CPU flags from
 
 logger = logging.getLogger(__name__)
@@ -402,8 +403,12 @@ def quantize_int8_grouped(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.to(torch.int8).reshape(n, k), scale
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: (int8 [N, K], float32 scales [N])."""
+def quantize_int8(w: torch.Tensor | StoredRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (int8 [N, K], float32 scales [N]). `StoredRows` are quantized a
+    chunk of rows at a time (no float32 copy of a whole vocabulary)."""
+    if isinstance(w, StoredRows):
+        parts = [quantize_int8(chunk) for chunk in w.chunks()]
+        return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
     w = w.float()
     scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
@@ -440,11 +445,12 @@ class Int8Linear(SplitRowsLinear):
 class RescoredInt8Head(nn.Module):
     """The LM head in int8 (per-vocabulary-row scales) for the whole vocabulary, 8x fewer bytes than
     float32 (the head is a third of the model's weights), then each row's `top` best candidates
-    recomputed exactly from the float32 weight (`weight`, shared with the embedding). On its own the
+    recomputed exactly from the float32 weight (`weight`, shared with the embedding; `StoredRows` reads
+    those rows from the file). On its own the
     int8 head flips ~4% of near-tie argmaxes on natural text; rescored, the argmax is the float32
     head's whenever it is among the int8 top `top` (the gap it must bridge is int8 rounding noise)."""
 
-    def __init__(self, weight: torch.Tensor, top: int = 16, kernel: QuantGemm | None = None):
+    def __init__(self, weight: torch.Tensor | StoredRows, top: int = 16, kernel: QuantGemm | None = None):
         super().__init__()
         self.approx = Int8Linear(weight, torch.bfloat16, kernel)
         self.weight = weight
@@ -547,14 +553,18 @@ def choose(quantization: str | None, dtype: str) -> tuple[str, str]:
 
 
 def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor] | None = None,
-                   lm_head: str = "dense", dense_prefill: bool = False, wider_as_int8: bool = False) -> nn.Module:
+                   lm_head: str = "dense", dense_prefill: bool = False, wider_as_int8: bool = False,
+                   weights: dict | None = None) -> nn.Module:
     """Swap the decoder's linear layers for `method` ("int4" | "int8"). `blocks` maps a weight name
     (e.g. "layers.0.mlp.gate_up_proj.weight") to its 4-bit blocks as the file stores them; int4 layers
     without blocks are quantized from the dense weight, or, with `wider_as_int8` (a GGUF whose weight
     came in a wider format: re-quantizing Q5_0/Q6_K/Q8_0 to 4 bits costs Qwen2.5-0.5B 9% of its top-1
     agreement), to int8 with a scale per group of 32 (per column cost Gemma 3 2.5%). `dense_prefill` (int4): prefill rows use the weights dequantized
-    to bfloat16. The LM head (tied embedding) stays dense, or lm_head="int8" (plain) / "rescored"."""
+    to bfloat16. The LM head (tied embedding) stays dense, or lm_head="int8" (plain) / "rescored".
+    `weights` (the loader's deferred ones): a builder of each projection's float32 weight, whose module
+    is still on the meta device, and "lm_head.weight", the head's (a tensor or `StoredRows`)."""
     blocks = blocks or {}
+    weights = dict(weights or {})
     dtype = torch.bfloat16  # the dtype torch's int4/int8 ops are vectorised for
     # The C kernels only if they also gave the right answer in this process (detect()).
     kernel = quant_gemm() if detect().get("int4_c") else None
@@ -563,27 +573,31 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
     names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and name != "lm_head"]
     for name in names:
         module = model.get_submodule(name)
-        w, b = module.weight, None
+        dense = weights.pop(name + ".weight", None) or (lambda m=module: m.weight)
+        b = None
         if method == "int4":
             b = blocks.pop(name + ".weight", None)
             b = b() if callable(b) else b  # the loader hands the file's blocks over as builders
             if b is None and wider_as_int8:
-                new: nn.Module = Int8Linear(w, dtype, kernel, grouped=True, dense_prefill=dense_prefill)
+                new: nn.Module = Int8Linear(dense(), dtype, kernel, grouped=True, dense_prefill=dense_prefill)
             else:
-                new = Int4Linear(q4_1_from_dense(w) if b is None else b, dtype, dense_prefill, kernel)
+                new = Int4Linear(q4_1_from_dense(dense()) if b is None else b, dtype, dense_prefill, kernel)
         elif method == "int8":
-            new = Int8Linear(w, dtype, kernel)
+            new = Int8Linear(dense(), dtype, kernel)
         else:
             raise ValueError(method)
         new.bias = None if module.bias is None else module.bias.detach().float().contiguous()
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-        del module, w, b, new
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        del module, dense, b, new
+    head = weights.pop("lm_head.weight", None)
+    if head is None:
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     if lm_head == "int8":
         model.logits_proj = Int8Linear(head, dtype, kernel)
     elif lm_head == "rescored":
         model.logits_proj = RescoredInt8Head(head, kernel=kernel)
-    elif lm_head != "dense":
-        raise ValueError(f"lm_head: {lm_head!r}")
+    elif lm_head != "dense" or isinstance(head, StoredRows):
+        raise ValueError(f"lm_head: {lm_head!r}" + (" (a head left in the file needs int8 or rescored)"
+                                                     if lm_head == "dense" else ""))
     return model

