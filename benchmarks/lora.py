@@ -8,9 +8,11 @@ of the mixed workload (128-token prompts, outputs alternating 16 / 256, ignore_e
 - 8 adapters: requests round-robin over 8 adapters (`--max-loras 8`);
 then, on the 8-adapter server: loading a 9th adapter at run time while 8 streams decode (its latency and
 the streams' p99 inter-token gap before and during), and the server's RSS with 8, then 64 adapters
-registered (`--max-cpu-loras 64`).
+registered (`--max-cpu-loras 64`). `--servers tokenloom,vllm` also runs vLLM-CPU (bf16, its best setting
+here; ../shared/tools/vllm_cpu_peer.sh) on the same adapters and workload for base / 1 / 8 adapters.
 
     .venv/bin/python benchmarks/lora.py [--out benchmarks/results/lora.json] [--quantization auto]
+                                         [--servers tokenloom,vllm]
 """
 
 from __future__ import annotations
@@ -54,6 +56,14 @@ def make_adapters(root: Path, n: int) -> list[Path]:
 def tokenloom_serve(args: list[str]) -> list[str]:
     return [os.path.join(os.path.dirname(sys.executable), "tokenloom"), "serve", "--port", str(PORT),
             "--disable-log-requests", "--served-model-name", BASE, *args]
+
+
+def vllm_serve(lora_args: list[str]) -> tuple[list[str], dict]:
+    """vLLM-CPU on the bundled SmolLM2 (converted to an HF directory by the peer script's setup)."""
+    peer = ROOT.parent.parent / "shared" / "tools" / "vllm_cpu_peer.sh"
+    return (["bash", str(peer), "serve", str(PORT), "bfloat16"],
+            {"VLLM_PEER_ARGS": " ".join(["--enable-lora", "--max-lora-rank", "16", *lora_args]),
+             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
 
 
 def rss_mb(pid: int) -> float:
@@ -110,40 +120,52 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "results/lora.json"))
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--servers", default="tokenloom", help="comma-separated: tokenloom, vllm")
     args = ap.parse_args()
     work = Path(tempfile.gettempdir()) / "tokenloom-lora-bench"
     work.mkdir(exist_ok=True)
     adapters = make_adapters(work, 64)
     common = ["--quantization", args.quantization, "--enable-lora", "--max-lora-rank", "16"]
     modules = [f"a{i}={p}" for i, p in enumerate(adapters[:8])]
+    servers = args.servers.split(",")
     out: dict = {"command": "python benchmarks/lora.py" + (f" --quantization {args.quantization}"
-                                                           if args.quantization != "auto" else ""),
+                                                           if args.quantization != "auto" else "")
+                 + (f" --servers {args.servers}" if servers != ["tokenloom"] else ""),
                  "machine": platform.machine(), "results": {}}
     settings = {"base": (["--max-loras", "1"], [BASE]),
                 "1 adapter": (["--max-loras", "1", "--lora-modules", modules[0]], ["a0"]),
-                "8 adapters": (["--max-loras", "8", "--lora-modules", *modules, "--allow-runtime-lora-updating",
-                                "--max-cpu-loras", "64"], [f"a{i}" for i in range(8)])}
-    for name, (extra, models) in settings.items():
-        proc = start_server(tokenloom_serve(common + extra), PORT, work / f"{name.replace(' ', '-')}.log")
-        try:
-            asyncio.run(load([models[0]], num_prompts=2))  # warm-up
-            res = asyncio.run(load(models))
-            res["rss_mb"] = rss_mb(proc.pid)
-            if name == "8 adapters":
-                res["load_while_streaming"] = asyncio.run(load_during_streams(adapters[8]))
-                with httpx.Client(timeout=600) as c:
-                    for i, p in enumerate(adapters[9:], start=9):
-                        r = c.post(f"http://127.0.0.1:{PORT}/v1/load_lora_adapter",
-                                   json={"lora_name": f"a{i}", "lora_path": str(p)})
-                        assert r.status_code == 200, r.text
-                res["rss_mb_64_adapters"] = rss_mb(proc.pid)
-            out["results"][name] = res
-            print(name, json.dumps(res), flush=True)
-        finally:
-            stop(proc)
-    base = out["results"]["base"]["output_tok_s"]
-    for res in out["results"].values():
-        res["vs_base"] = res["output_tok_s"] / base
+                "8 adapters": (["--max-loras", "8", "--lora-modules", *modules], [f"a{i}" for i in range(8)])}
+    for server in servers:
+        results = out["results"] if server == "tokenloom" else out.setdefault("peers", {}).setdefault(server, {})
+        for name, (extra, models) in settings.items():
+            if server == "tokenloom":
+                more = ["--allow-runtime-lora-updating", "--max-cpu-loras", "64"] if name == "8 adapters" else []
+                cmd, env = tokenloom_serve(common + extra + more), None
+            else:
+                cmd, env = vllm_serve(extra)
+            proc = start_server(cmd, PORT, work / f"{server}-{name.replace(' ', '-')}.log", env)
+            try:
+                asyncio.run(load([models[0]], num_prompts=2))  # warm-up
+                res = asyncio.run(load(models))
+                res["rss_mb"] = rss_mb(proc.pid)
+                if name == "8 adapters" and server == "tokenloom":
+                    res["load_while_streaming"] = asyncio.run(load_during_streams(adapters[8]))
+                    with httpx.Client(timeout=600) as c:
+                        for i, p in enumerate(adapters[9:], start=9):
+                            r = c.post(f"http://127.0.0.1:{PORT}/v1/load_lora_adapter",
+                                       json={"lora_name": f"a{i}", "lora_path": str(p)})
+                            assert r.status_code == 200, r.text
+                    res["rss_mb_64_adapters"] = rss_mb(proc.pid)
+                results[name] = res
+                print(server, name, json.dumps(res), flush=True)
+            finally:
+                stop(proc)
+        base = results["base"]["output_tok_s"]
+        for res in results.values():
+            res["vs_base"] = res["output_tok_s"] / base
+    if "vllm" in out.get("peers", {}) and out["results"]:
+        out["vs_vllm"] = {name: res["output_tok_s"] / out["peers"]["vllm"][name]["output_tok_s"]
+                          for name, res in out["results"].items()}
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
 

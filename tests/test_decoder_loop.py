@@ -117,7 +117,7 @@ def test_loop_steps_aside_for_steps_it_was_not_built_for():
     with_chunk = ForwardBatch(**{**batch.__dict__, "prefills": [span], "num_decodes": len(ids) - 2})
     assert not loop.applies(model, x, with_chunk)  # a prefill span: SDPA in Python
     long_rows = ForwardBatch(**{**batch.__dict__, "decode_like_rows": 2})
-    assert not loop.applies(model, x, long_rows)  # rows for the dense bf16 weights
+    assert not loop.applies(model, x, long_rows)  # rows of a long prompt chunk
     assert not loop.applies(model, x[:0], ForwardBatch(**{**batch.__dict__, "num_decodes": 0}))
     model.layer_ops = TORCH_OPS
     assert not loop.applies(model, x, batch)  # the model changed after load
@@ -163,3 +163,37 @@ def test_loop_refuses_a_cache_it_was_not_built_for():
     wide = torch.zeros(cache.shape[2], CONFIG.num_kv_heads, 128, dtype=torch.float16)  # head_dim 128, not 64
     with pytest.raises(ValueError, match="no kernels"), torch.inference_mode():
         model(ids, batch, [(wide, wide.clone()) for _ in range(CONFIG.num_layers)])
+
+
+def random_adapter(name: str, rank: int, seed: int, skip: str | None = None):
+    """LoRA weights for CONFIG's model on every projection but `skip` (A [in, rank], B [rank, out])."""
+    from tokenloom.model.lora import LoRAWeights
+
+    gen = torch.Generator().manual_seed(seed)
+    q, kv, h, i = CONFIG.num_heads * 64, CONFIG.num_kv_heads * 64, CONFIG.hidden_size, CONFIG.intermediate_size
+    shapes = {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h)}
+    return LoRAWeights(name, rank, [{p: (torch.randn(n_in, rank, generator=gen) * 0.1,
+                                         torch.randn(rank, n_out, generator=gen) * 0.1)
+                                     for p, (n_in, n_out) in shapes.items() if p != skip}
+                                    for _ in range(CONFIG.num_layers)])
+
+
+@needs_loop
+@pytest.mark.parametrize("family", ["native", "avx2"])
+def test_loop_runs_lora_rows_bit_for_bit_as_the_python_layers(family):
+    """Rows under two adapters (ranks 8 and 4, one adapting no o projection) and base rows in one step:
+    the loop's C LoRA products give the layers' bits, and the base rows keep their bits without them."""
+    from tokenloom.model.lora import LoRABatch, LoRAStacks
+
+    model = fast_model(family)
+    ids, batch, cache = decode_step(seed=5)
+    first, second = random_adapter("first", 8, 1), random_adapter("second", 4, 2, skip="o")
+    adapted = dataclasses.replace(batch, lora=LoRABatch([(first, [0, 3]), (second, [2])], LoRAStacks(), len(ids)))
+    assert model.decoder_loop.applies(model, model.embed_tokens(ids), adapted)
+    looped = forward(model, ids, adapted, cache, torch.float16, loop=True)
+    layered = forward(model, ids, adapted, cache, torch.float16, loop=False)
+    for a, b in zip(looped, layered, strict=True):
+        assert torch.equal(a, b)
+    _, base_logits, _ = forward(model, ids, batch, cache, torch.float16, loop=True)
+    assert torch.equal(looped[1][[1, 4]], base_logits[[1, 4]])
+    assert not any(torch.equal(looped[1][r], base_logits[r]) for r in (0, 2, 3))

@@ -258,13 +258,13 @@ def test_adapter_files_made_by_peft_are_what_vllm_loads(adapters):
 
 @pytest.mark.slow
 def test_trained_adapters_show_their_behaviour_only_in_their_rows():
-    """SmolLM2 with the adapters scripts/train_test_adapters.py trained (tests/data/lora): in one batch,
-    rows under `shout` answer in capitals, rows under `pirate` start with "Arr!", base rows do neither."""
-    from pathlib import Path
+    """SmolLM2 with the adapters tests/lora_training.py trains (once per machine): in one batch, rows
+    under `shout` answer in capitals, rows under `pirate` start with "Arr!", base rows do neither."""
+    from lora_training import trained_adapters
 
     from tokenloom import LLM
 
-    data = Path(__file__).parent / "data" / "lora"
+    data = trained_adapters()
     shout, pirate = (LoRARequest(name, i, str(data / name)) for i, name in ((1, "shout"), (2, "pirate")))
     questions = [f"Tell me one fact about {t}." for t in ("elephants", "the desert", "glass", "kites")]
     llm = LLM(enable_lora=True, max_model_len=1024)

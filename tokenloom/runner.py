@@ -156,7 +156,7 @@ class ModelRunner(Runner):
         if not rows:
             return None
         groups = sorted(rows.values(), key=lambda g: g[0].name)  # one order per set: its stacks are reused
-        return LoRABatch(groups, self.lora_stacks, self.device)
+        return LoRABatch(groups, self.lora_stacks, len(row_lora), self.device)
 
     @staticmethod
     def _pad(pad, tokens, positions, slots, decode_idx, decode_tables, decode_ctx) -> None:

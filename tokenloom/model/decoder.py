@@ -147,7 +147,7 @@ class Attention(nn.Module):
         num_tokens, d = x.shape[0], batch.num_decodes
         qkv = self.qkv_proj(x, batch.decode_like_rows)
         if batch.lora is not None:
-            batch.lora.add(self.layer, "qkv", x, qkv)
+            batch.lora.add(self.ops, self.layer, "qkv", x, qkv)
         if self.q_norm is None:  # RoPE on Q and K in one go: they sit side by side in the projection's output
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
         else:
@@ -183,7 +183,7 @@ class Attention(nn.Module):
         out = out.reshape(num_tokens, self.q_size)
         y = self.o_proj(out, batch.decode_like_rows)
         if batch.lora is not None:
-            batch.lora.add(self.layer, "o", out, y)
+            batch.lora.add(self.ops, self.layer, "o", out, y)
         return y
 
 
@@ -200,11 +200,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, batch.decode_like_rows)
         if batch.lora is not None:
-            batch.lora.add(self.layer, "gate_up", x, gate_up)
+            batch.lora.add(self.ops, self.layer, "gate_up", x, gate_up)
         act = self.ops.gelu_tanh_mul(gate_up) if self.gelu else self.ops.silu_mul(gate_up)
         y = self.down_proj(act, batch.decode_like_rows)
         if batch.lora is not None:
-            batch.lora.add(self.layer, "down", act, y)
+            batch.lora.add(self.ops, self.layer, "down", act, y)
         return y
 
 

@@ -1,12 +1,12 @@
 """Every decoder layer of a step in one C call (csrc/decoder_loop.c), for the steps where each row takes
-the C kernels anyway: int4 or int8 projections (with or without biases), C layer ops, the paged C
+the C kernels anyway: int4, int5 or int8 projections (with or without biases), C layer ops, the paged C
 attention, rows that are single queries (decode tokens, short prompt chunks), a float32 residual
 stream, and layers of the Llama / Qwen2 shape (pre-norm, SwiGLU, every layer attending to the whole
-context). The loop calls the kernels the
-Python layers would call, in their order, on the same values, so a step's output is bit for bit the
-same (tests/test_decoder_loop.py); what goes is the Python between ~400 kernel calls a step (3.2 of
-6.9 ms at one row, 5.4 of 25.7 ms at 32). Any other step (long prefill chunks through dense bf16, the
-torch ops, a changed model) runs the layers in Python.
+context). Rows under LoRA adapters add their products through the same C kernel the Python layers
+call (layer_ops.c's lora_add_f32). The loop calls the kernels the Python layers would call, in their
+order, on the same values, so a step's output is bit for bit the same (tests/test_decoder_loop.py);
+what goes is the Python between ~400 kernel calls a step (3.2 of 6.9 ms at one row, 5.4 of 25.7 ms at
+32). Any other step (long prefill chunks, the torch ops, a changed model) runs the layers in Python.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from . import kernels
 from .config import SLIDING
-from .layer_ops import CLayerOps
+from .layer_ops import LORA_MAX_RANK, CLayerOps
 from .linear import Int4Linear, Int8Linear
 from .paged_attention import PagedDecodeAttention
 
@@ -25,7 +25,7 @@ _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Weight(ctypes.Structure):
-    _fields_ = [("codes", _p), ("scales", _p), ("offsets", _p), ("bias", _p), ("int8", _i64)]
+    _fields_ = [("codes", _p), ("fifth", _p), ("scales", _p), ("offsets", _p), ("bias", _p), ("kind", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -34,10 +34,21 @@ class _Layer(ctypes.Structure):
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("int4_gemm", _p), ("int8_gemm", _p), ("int8g_gemm", _p), ("rms_norm", _p), ("rope", _p), ("write_kv", _p), ("silu_mul", _p),
-                ("attention", _p), ("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("heads", _i64),
+    _fields_ = [("int4_gemm", _p), ("int5_gemm", _p), ("int8_gemm", _p), ("int8g_gemm", _p), ("rms_norm", _p), ("rope", _p), ("write_kv", _p), ("silu_mul", _p),
+                ("attention", _p), ("lora_add", _p), ("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("heads", _i64),
                 ("kv_heads", _i64), ("head_dim", _i64), ("cache_slots", _i64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float)]
+
+
+class _LoRAWeight(ctypes.Structure):
+    _fields_ = [("a", _p), ("b", _p), ("rank", _i64)]
+
+
+class _LoRAStep(ctypes.Structure):
+    _fields_ = [("slots", _p), ("layers", ctypes.POINTER(_LoRAWeight))]
+
+
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the C loop's order
 
 
 def _address(fn) -> int:
@@ -47,13 +58,15 @@ def _address(fn) -> int:
 def _weight(linear: Int4Linear | Int8Linear) -> _Weight:
     bias = linear.bias.data_ptr() if linear.bias is not None else None
     if isinstance(linear, Int8Linear):
-        return _Weight(linear.codes.data_ptr(), linear.scales.data_ptr(), None, bias, 2 if linear.grouped else 1)
-    return _Weight(linear.codes.data_ptr(), linear.scales.data_ptr(), linear.offsets.data_ptr(), bias, 0)
+        return _Weight(linear.codes.data_ptr(), None, linear.scales.data_ptr(), None, bias, 2 if linear.grouped else 1)
+    fifth = linear.fifth.data_ptr() if linear.fifth is not None else None
+    return _Weight(linear.codes.data_ptr(), fifth, linear.scales.data_ptr(), linear.offsets.data_ptr(), bias,
+                   3 if fifth else 0)
 
 
 def _tensors(linear: Int4Linear | Int8Linear) -> list[torch.Tensor]:
-    names = ("codes", "scales") + (("offsets",) if isinstance(linear, Int4Linear) else ())
-    return [getattr(linear, n) for n in names] + ([linear.bias] if linear.bias is not None else [])
+    names = ("codes", "scales") + (("offsets", "fifth") if isinstance(linear, Int4Linear) else ())
+    return [t for n in names if (t := getattr(linear, n)) is not None] + ([linear.bias] if linear.bias is not None else [])
 
 
 class DecoderLoop:
@@ -61,7 +74,7 @@ class DecoderLoop:
 
     def __init__(self, lib: ctypes.CDLL, model) -> None:
         self._run = lib.decoder_loop
-        self._run.argtypes = [_p, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _i64]
+        self._run.argtypes = [_p, _p, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _i64]
         self._run.restype = ctypes.c_int
         cfg, layers = model.config, model.layers
         self.ops, self.attention = model.layer_ops, model.decode_attention  # what the loop was built from
@@ -78,6 +91,7 @@ class DecoderLoop:
                    _weight(layer.self_attn.qkv_proj), _weight(layer.self_attn.o_proj),
                    _weight(layer.mlp.gate_up_proj), _weight(layer.mlp.down_proj))
             for layer in layers))
+        self._lora_weights: dict[tuple, tuple | None] = {}  # per set of adapters: its stacks for the loop
         # One model description per cache dtype the kernels take (the cache comes with each step).
         self._models = {}
         for dtype, write in self.ops._write.items():
@@ -85,18 +99,43 @@ class DecoderLoop:
             if attend is not None:
                 kernel = first.self_attn.qkv_proj.kernel
                 self._models[dtype] = _Model(
-                    _address(kernel._int4), _address(kernel._int8), _address(kernel._int8g), _address(self.ops._rms_norm),
+                    _address(kernel._int4), _address(kernel._int5), _address(kernel._int8), _address(kernel._int8g), _address(self.ops._rms_norm),
                     _address(self.ops._rope), _address(write), _address(self.ops._silu_mul), _address(attend),
-                    len(layers), cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                    _address(self.ops._lora_add), len(layers), cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                     cfg.dim_per_head, 0, first.input_layernorm.eps, first.self_attn.scale)
 
     def applies(self, model, x: torch.Tensor, batch) -> bool:
-        """Every row a single query through the int4 kernels, on the kernels the loop was built from."""
+        """Every row a single query through the int4 kernels, on the kernels the loop was built from (and
+        any adapters' stacks in float32, as the C LoRA kernel takes them)."""
         rows = x.shape[0]
         return (rows > 0 and not batch.prefills and batch.num_decodes == rows and batch.decode_like_rows >= rows
-                and batch.lora is None  # adapters' products between the kernels: the layers in Python
                 and x.dtype == torch.float32 and model.layer_ops is self.ops
-                and model.decode_attention is self.attention)
+                and model.decode_attention is self.attention
+                and (batch.lora is None or self._lora_weights_for(batch.lora) is not None))
+
+    def _lora_weights_for(self, lora) -> tuple | None:
+        """(ctypes array of every layer's 4 projections' stacks, the tensors it points into) for the
+        step's set of adapters, made once per set (the last 4 kept); None when the C kernel cannot take
+        them (not float32, or a rank above its bound)."""
+        key = lora.adapters
+        if key not in self._lora_weights:
+            while len(self._lora_weights) >= 4:
+                del self._lora_weights[next(iter(self._lora_weights))]
+            entries, tensors = [], []
+            for layer in range(len(self._layers)):
+                for proj in _PROJECTIONS:
+                    stacked = lora.stacks.get(key, layer, proj)
+                    if stacked is None:
+                        entries.append(_LoRAWeight(None, None, 0))
+                        continue
+                    a, b = stacked
+                    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.shape[2] > LORA_MAX_RANK:
+                        self._lora_weights[key] = None
+                        return None
+                    tensors += [a, b]  # held: the array points into them
+                    entries.append(_LoRAWeight(a.data_ptr(), b.data_ptr(), a.shape[2]))
+            self._lora_weights[key] = ((_LoRAWeight * len(entries))(*entries), tensors)
+        return self._lora_weights[key]
 
     def __call__(self, x: torch.Tensor, batch, rope, prepared, kv_caches) -> torch.Tensor:
         """x [rows, hidden] (the embeddings) -> the residual stream after the last layer, in place."""
@@ -118,13 +157,18 @@ class DecoderLoop:
         if tables.shape[0] != rows or any(t.dtype != torch.float32 or t.numel() != rows * self._head_dim
                                           for t in (cos, sin)):
             raise ValueError("decoder loop: block tables and RoPE tables must have one row per token")
-        status = self._run(ctypes.byref(model), self._layers, x.data_ptr(), rows, cos.data_ptr(),
+        step = None
+        if batch.lora is not None:
+            weights, _ = self._lora_weights_for(batch.lora)
+            slots_of = batch.lora.slots.contiguous()
+            step = ctypes.byref(_LoRAStep(slots_of.data_ptr(), weights))
+        status = self._run(ctypes.byref(model), self._layers, step, x.data_ptr(), rows, cos.data_ptr(),
                            sin.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.shape[1],
                            context_lens.data_ptr(), block_size)
         if status == 1:
             raise IndexError(f"KV write: a slot outside the cache's {k0.shape[0]} rows")
         if status:
-            raise MemoryError("decoder loop: out of memory for its scratch buffer or a kernel's")
+            raise MemoryError("decoder loop: out of memory for its scratch buffer or a kernel's, or a LoRA product failed")
         return x
 
 
@@ -171,6 +215,7 @@ def decoder_loop_for(model) -> tuple[DecoderLoop | None, str | None]:
 # Run in a child (model/kernels.py): two layers over stand-in kernels (Python callbacks: each norm
 # scales by its weight, each int4 gemm sums its input row times a per-weight number, the int8 one
 # (layer 1's down projection) twice that, the grouped int8 one (layer 0's down projection) three times,
+# the int5 one (layer 1's gate/up) four times, a LoRA product adds a constant to its rows,
 # the attention passes the queries through; layer 0's QKV has a bias), against the same arithmetic
 # done directly.
 _CHECK = r"""
@@ -206,44 +251,68 @@ def gemm8g(x, rows, k, codes, scales, n, y):
         s = sum(val(x, r * k + i) for i in range(k))
         for j in range(n): store(y, r * n + j, 3 * s * val(codes, 0) + j)
     return 0
+lora_calls = []
+def lora_add(x, rows, k, slots, a, b, rank, n, y):  # adds a's first value to every output of a row under an adapter
+    lora_calls.append((k, rank, n))
+    for r in range(rows):
+        if ctypes.cast(slots, P(i64))[r] >= 0:
+            for j in range(n): store(y, r * n + j, val(y, r * n + j) + val(a, 0))
+    return 0
+def gemm5(x, rows, k, codes, fifth, scales, offsets, n, y):  # int5: four times the int4 stand-in
+    for r in range(rows):
+        s = sum(val(x, r * k + i) for i in range(k))
+        for j in range(n): store(y, r * n + j, 4 * s * val(codes, 0) + j)
+    return 0
 callbacks = [ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, p, i64, p)(gemm),
+             ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, p, p, i64, p)(gemm5),
              ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, i64, p)(gemm8),
              ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, i64, p)(gemm8g),
              ctypes.CFUNCTYPE(None, p, p, i64, i64, f, p)(norm),
              ctypes.CFUNCTYPE(None, p, i64, i64, i64, i64, p, p)(lambda *a: None),
              ctypes.CFUNCTYPE(ctypes.c_int, p, i64, p, i64, i64, i64, p, i64, p, p)(write_kv),
              ctypes.CFUNCTYPE(None, p, i64, i64, p)(silu_mul),
-             ctypes.CFUNCTYPE(ctypes.c_int, p, p, p, p, i64, p, i64, i64, i64, i64, i64, f, p)(attention)]
+             ctypes.CFUNCTYPE(ctypes.c_int, p, p, p, p, i64, p, i64, i64, i64, i64, i64, f, p)(attention),
+             ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, p, i64, i64, p)(lora_add)]
 class Model(ctypes.Structure):
-    _fields_ = [(n, p) for n in "gemm gemm8 gemm8g norm rope write silu attn".split()] + [(n, i64) for n in "L H I heads kvh hd slots".split()] + [("eps", f), ("scale", f)]
+    _fields_ = [(n, p) for n in "gemm gemm5 gemm8 gemm8g norm rope write silu attn lora".split()] + [(n, i64) for n in "L H I heads kvh hd slots".split()] + [("eps", f), ("scale", f)]
 ROWS, H, I, HEADS, KVH, HD, LAYERS = 2, 4, 3, 2, 1, 2, 2
 m = Model(*[ctypes.cast(c, p) for c in callbacks], LAYERS, H, I, HEADS, KVH, HD, 7, 1e-5, 0.5)
 F = lambda *v: (ctypes.c_float * len(v))(*v)
 weights = [F(1.0, 2.0, 0.5, 1.0), F(0.5, 0.5, 1.0, 2.0)] + [F(c) for c in (0.25, 0.5, 1.0, -0.125, 0.75, 0.5, 0.25, 1.0)]
 QKV, Q = (HEADS + 2 * KVH) * HD, HEADS * HD
 bias = F(*[0.125 * j - 0.5 for j in range(QKV)])
-int8 = {(1, 3): 2, (0, 3): 3}  # (layer, projection) through the int8 gemm (x2) or the grouped one (x3)
+# (layer, projection) through the int8 gemm (x2), the grouped one (x3) or int5 (x4); the rest int4 (x1)
+int8 = {(1, 3): 2, (0, 3): 3, (1, 2): 4}
 has_bias = {(0, 0)}
-weight = lambda l, j: [ctypes.addressof(weights[2 + 4 * l + j]), 0, 0, ctypes.addressof(bias) if (l, j) in has_bias else 0, {2: 1, 3: 2}.get(int8.get((l, j)), 0)]
+weight = lambda l, j: [ctypes.addressof(weights[2 + 4 * l + j]), 0, 0, 0, ctypes.addressof(bias) if (l, j) in has_bias else 0, {2: 1, 3: 2, 4: 3}.get(int8.get((l, j)), 0)]
 layer = lambda l: [ctypes.addressof(weights[l])] * 2 + sum((weight(l, j) for j in range(4)), []) + [0, 0]
-layers = (p * (24 * LAYERS))(*(layer(0) + layer(1)))
-x = [0.5, -1.0, 2.0, 0.25, 1.5, 0.0, -0.5, 1.0]
-buf = F(*x)
+layers = (p * (28 * LAYERS))(*(layer(0) + layer(1)))
+x0 = [0.5, -1.0, 2.0, 0.25, 1.5, 0.0, -0.5, 1.0]
 zeros = (i64 * 8)()
-assert lib.decoder_loop(ctypes.byref(m), layers, buf, ROWS, F(*[1.0] * 4), F(*[0.0] * 4), zeros, zeros, 1, zeros, 16) == 0
-for l in range(LAYERS):
-    c = [weights[2 + 4 * l + j][0] * int8.get((l, j), 1) for j in range(4)]
-    for r in range(ROWS):
-        row = x[r * H:(r + 1) * H]
-        qkv = [sum(v * weights[l][i] for i, v in enumerate(row)) * c[0] + j + (bias[j] if l == 0 else 0) for j in range(QKV)]
-        attended = [v * 0.5 for v in qkv[:Q]]
-        row = [v + sum(attended) * c[1] + j for j, v in enumerate(row)]
-        gu = [sum(v * weights[l][i] for i, v in enumerate(row)) * c[2] + j for j in range(2 * I)]
-        act = [gu[i] - gu[I + i] for i in range(I)]
-        x[r * H:(r + 1) * H] = [v + sum(act) * c[3] + j for j, v in enumerate(row)]
-for i, v in enumerate(x):
-    assert abs(buf[i] - v) < 1e-4 * (1 + abs(v)), (i, buf[i], v)
-assert written == [(ROWS, KVH * HD, 7)] * LAYERS, written
+# The LoRA step: row 1 under an adapter whose only projection is layer 1's o (its A's first value 0.75).
+lora_a, row_slots = F(0.75), (i64 * ROWS)(-1, 0)
+lora_weights = (i64 * (3 * 4 * LAYERS))()  # (a, b, rank) per layer and projection; b is never read here
+lora_weights[3 * 5:3 * 6] = [ctypes.addressof(lora_a), ctypes.addressof(lora_a), 4]  # layer 1, projection 1 (o)
+lora_step = (p * 2)(ctypes.addressof(row_slots), ctypes.addressof(lora_weights))
+for step in (None, lora_step):
+    x = list(x0)
+    buf = F(*x)
+    assert lib.decoder_loop(ctypes.byref(m), layers, step, buf, ROWS, F(*[1.0] * 4), F(*[0.0] * 4), zeros, zeros, 1, zeros, 16) == 0
+    for l in range(LAYERS):
+        c = [weights[2 + 4 * l + j][0] * int8.get((l, j), 1) for j in range(4)]
+        for r in range(ROWS):
+            row = x[r * H:(r + 1) * H]
+            qkv = [sum(v * weights[l][i] for i, v in enumerate(row)) * c[0] + j + (bias[j] if l == 0 else 0) for j in range(QKV)]
+            attended = [v * 0.5 for v in qkv[:Q]]
+            adapted = 0.75 if step is not None and l == 1 and r == 1 else 0
+            row = [v + sum(attended) * c[1] + j + adapted for j, v in enumerate(row)]
+            gu = [sum(v * weights[l][i] for i, v in enumerate(row)) * c[2] + j for j in range(2 * I)]
+            act = [gu[i] - gu[I + i] for i in range(I)]
+            x[r * H:(r + 1) * H] = [v + sum(act) * c[3] + j for j, v in enumerate(row)]
+    for i, v in enumerate(x):
+        assert abs(buf[i] - v) < 1e-4 * (1 + abs(v)), (step is not None, i, buf[i], v)
+assert lora_calls == [(Q, 4, H)], lora_calls  # once, for layer 1's o projection: k = q_size, n = hidden
+assert written == [(ROWS, KVH * HD, 7)] * 2 * LAYERS, written
 """
 
 SPEC = kernels.KernelSpec("decoder_loop", frozenset(), (), _CHECK)

@@ -52,6 +52,11 @@ class TorchLayerOps:
         k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
         v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
+    def lora_add(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """y[r] += (x[r] a[slots[r]]) b[slots[r]] row by row in place, if this implementation takes these
+        tensors (False: the caller's batched products do it; model/lora.py)."""
+        return False
+
 
 TORCH_OPS = TorchLayerOps()
 
@@ -66,6 +71,9 @@ class CLayerOps(TorchLayerOps):
         self._rope.argtypes = [p, i64, i64, i64, i64, p, p]
         self._silu_mul.argtypes = [p, i64, i64, p]
         self._rms_norm.restype = self._rope.restype = self._silu_mul.restype = None
+        self._lora_add = lib.lora_add_f32
+        self._lora_add.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
+        self._lora_add.restype = ctypes.c_int
         self._write = {torch.float32: lib.write_kv_f32, torch.float16: lib.write_kv_f16}
         for fn in self._write.values():
             fn.argtypes = [p, i64, p, i64, i64, i64, p, i64, p, p]
@@ -113,6 +121,21 @@ class CLayerOps(TorchLayerOps):
         if fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), rows, kv_heads * head_dim, slots.data_ptr(),
               k_cache.shape[0], k_cache.data_ptr(), v_cache.data_ptr()):
             raise IndexError(f"KV write: a slot outside the cache's {k_cache.shape[0]} rows")
+
+
+    def lora_add(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+        rows, k = x.shape
+        n, rank = y.shape[1], a.shape[2]
+        if not (x.dtype == y.dtype == a.dtype == b.dtype == torch.float32 and y.is_contiguous()
+                and a.is_contiguous() and b.is_contiguous() and slots.dtype == torch.int64
+                and slots.shape == (rows,) and a.shape[1] == k and b.shape[1:] == (rank, n) and rank <= LORA_MAX_RANK):
+            return False
+        x, slots = x.contiguous(), slots.contiguous()
+        self._lora_add(x.data_ptr(), rows, k, slots.data_ptr(), a.data_ptr(), b.data_ptr(), rank, n, y.data_ptr())
+        return True
+
+
+LORA_MAX_RANK = 512  # csrc/layer_ops.c's bound on a LoRA stack's rank
 
 
 def layer_ops_for(dtype: torch.dtype, want: bool) -> TorchLayerOps:
@@ -179,6 +202,22 @@ for r in range(R):
         assert half(kc[slots[r] * W + i]) == struct.unpack("<e", struct.pack("<e", k[r * STRIDE + i]))[0], ("kv", r, i)
         assert half(vc[slots[r] * W + i]) == struct.unpack("<e", struct.pack("<e", v[r * STRIDE + i]))[0], ("kv", r, i)
 assert lib.write_kv_f16(k, STRIDE, v, STRIDE, R, W, (ctypes.c_int64 * R)(0, 5, 1), SLOTS, kc, vc) == 1
+lib.lora_add_f32.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
+K, N, RANK, ADAPTERS = 20, 24, 3, 2
+x = [rng.uniform(-1, 1) for _ in range(R * K)]
+a = [rng.uniform(-1, 1) for _ in range(ADAPTERS * K * RANK)]
+b = [rng.uniform(-1, 1) for _ in range(ADAPTERS * RANK * N)]
+y0 = [rng.uniform(-1, 1) for _ in range(R * N)]
+slot = (ctypes.c_int64 * R)(1, -1, 0)
+y = F(y0)
+assert lib.lora_add_f32(F(x), R, K, slot, F(a), F(b), RANK, N, y) == 0
+for r in range(R):
+    s = slot[r]
+    t = [sum(x[r * K + i] * a[(s * K + i) * RANK + j] for i in range(K)) for j in range(RANK)]
+    for c in range(N):
+        ref = y0[r * N + c] + (sum(t[j] * b[(s * RANK + j) * N + c] for j in range(RANK)) if s >= 0 else 0)
+        assert abs(y[r * N + c] - ref) < 1e-4 * (1 + abs(ref)), ("lora_add", r, c, y[r * N + c], ref)
+assert lib.lora_add_f32(F(x), R, K, slot, F(a), F(b), 513, N, y) == 1
 """
 
 SPEC = kernels.KernelSpec("layer_ops", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"), _CHECK)

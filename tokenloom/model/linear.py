@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
-from .gguf_tensors import StoredRows
+from .gguf_tensors import StoredRows, trim_heap
 from .kernels import cpu_flags  # also what the benchmarks record the CPU flags from
 
 logger = logging.getLogger(__name__)
@@ -106,9 +106,22 @@ def q4_k_blocks(data, shape: tuple[int, int]) -> torch.Tensor:
     return torch.cat([scale, offset, codes], dim=-1).view(n, k // GROUP, 2 + GROUP)
 
 
-# The GGUF block formats whose weights are 4-bit codes with a scale and an offset per group of 32: the
-# int4 kernels take them as they are. Wider formats (Q5_0, Q6_K, Q8_0, F16, ...) take the int8 path.
-FOUR_BIT_BLOCKS = {"Q4_0": q4_0_blocks, "Q4_1": q4_1_blocks, "Q4_K": q4_k_blocks}
+def q5_0_blocks(data, shape: tuple[int, int]) -> torch.Tensor:
+    """GGUF Q5_0 bytes (w = d * (q - 16), q in 0..31: a float16 d, 32 fifth bits, 16 bytes of nibbles per
+    32 weights) -> (d, -16d, codes) blocks: the int5 kernels' (the int4 ones' plus a plane of fifth bits)."""
+    import numpy as np
+
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8)).view(-1, 22)
+    d = raw[:, 0:2].contiguous().view(torch.float16).float()
+    fifth = (raw[:, 2:6].contiguous().view(torch.int32)[:, :1] >> torch.arange(32)) & 1
+    codes = (torch.cat([raw[:, 6:] & 0xF, raw[:, 6:] >> 4], dim=1).int() | (fifth.int() << 4)).float()
+    n, k = shape
+    return torch.cat([d, -16 * d, codes], dim=1).view(n, k // GROUP, 2 + GROUP)
+
+
+# The GGUF block formats whose weights are 4- or 5-bit codes with a scale and an offset per group of 32:
+# the int4 / int5 kernels take them as they are. Wider formats (Q6_K, Q8_0, F16, ...) take the int8 path.
+LOW_BIT_BLOCKS = {"Q4_0": q4_0_blocks, "Q4_1": q4_1_blocks, "Q4_K": q4_k_blocks, "Q5_0": q5_0_blocks}
 
 
 def q4_1_from_dense(w: torch.Tensor) -> torch.Tensor:
@@ -151,25 +164,38 @@ def _nibble_words(q: torch.Tensor) -> torch.Tensor:
     return (word - ((word >> 15) << 16)).to(torch.int16).contiguous()
 
 
-def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fifth_bits(q: torch.Tensor) -> torch.Tensor | None:
+    """[..., lanes, 4] codes -> [..., 4, lanes] bit masks (bit l: lane l's code has its fifth bit), int32
+    for 32 lanes, int16 for 16 (the same bits, signed); None when every code fits 4 bits."""
+    bits = (q >> 4) & 1
+    if not bits.any():
+        return None
+    lanes = q.shape[-2]
+    word = (bits.transpose(-1, -2).long() << torch.arange(lanes)).sum(-1)
+    word = word - ((word >> (lanes - 1)) << lanes)  # two's complement of the lanes-bit word
+    return word.to(torch.int32 if lanes == 32 else torch.int16).contiguous()
+
+
+def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Blocks [N, K/32, 34] -> csrc/quant_gemm.c's layout: codes [N/16, K/32, 4, 32] int16 of four nibbles,
     nibble t of lane 2c + p in quarter jq the code of column c, input 8jq + 2t + p of the group (a shift
-    and a mask give the `vdpbf16ps` operand for inputs 8jq + 2t and + 1 of 16 columns); scales and
-    offsets [N/16, K/32, 16] float16 (Q4_1's own)."""
+    and a mask give the `vdpbf16ps` operand for inputs 8jq + 2t and + 1 of 16 columns); the fifth bits
+    [N/16, K/32, 4, 4] (None for 4-bit codes); scales and offsets [N/16, K/32, 16] float16 (Q4_1's own)."""
     n, kb, _ = blocks.shape
     q = blocks[..., 2:].to(torch.int32).reshape(n // 16, 16, kb, GROUP // 8, 4, 2)  # nb, c, g, jq, t, p
     q = q.permute(0, 2, 3, 1, 5, 4).reshape(n // 16, kb, GROUP // 8, 32, 4)  # nb, g, jq, lane, t
-    return _nibble_words(q), _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
+    return _nibble_words(q & 0xF), _fifth_bits(q), _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
 
 
-def pack_avx2_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_avx2_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Blocks [N, K/32, 34] -> csrc/quant_gemm_avx2.c's layout: codes [N/16, K/32, 8, 16] int16 of four
     nibbles, nibble t of lane 2c + p in slot jj the code of column 8(t % 2) + c, input 4jj + 2(t // 2) + p
-    of the group (shifts and masks give vpmaddwd's operands); scales and offsets as pack_c_layout's."""
+    of the group (shifts and masks give vpmaddwd's operands); the fifth bits [N/16, K/32, 8, 4] (None
+    for 4-bit codes); scales and offsets as pack_c_layout's."""
     n, kb, _ = blocks.shape
     q = blocks[..., 2:].to(torch.int32).reshape(n // 16, 2, 8, kb, GROUP // 4, 2, 2)  # nb, t%2, c, g, jj, t//2, p
     q = q.permute(0, 3, 4, 2, 6, 5, 1).reshape(n // 16, kb, GROUP // 4, 16, 4)  # nb, g, jj, lane, t
-    return _nibble_words(q), _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
+    return _nibble_words(q & 0xF), _fifth_bits(q), _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
 
 
 def pack_int8_c_layout(q: torch.Tensor) -> torch.Tensor:
@@ -183,15 +209,18 @@ class QuantGemm:
     x [M, K] -> float32 [M, N] over int4 or int8 weights."""
 
     def __init__(self, lib, name: str, pack_int4=pack_c_layout):
-        """`pack_int4`: Q4_1 blocks -> (codes, scales, offsets) in the layout this library's int4_gemm reads."""
+        """`pack_int4`: blocks -> (codes, fifth bits or None, scales, offsets) in the layout this library's
+        int4_gemm / int5_gemm read."""
         import ctypes
 
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         self.name, self.pack_int4 = name, pack_int4
-        self._int4, self._int8, self._int8g = lib.int4_gemm, lib.int8_gemm, lib.int8g_gemm
+        self._int4, self._int5 = lib.int4_gemm, lib.int5_gemm
+        self._int8, self._int8g = lib.int8_gemm, lib.int8g_gemm
         self._int4.argtypes = [p, i64, i64, p, p, p, i64, p]
+        self._int5.argtypes = [p, i64, i64, p, p, p, p, i64, p]
         self._int8.argtypes = self._int8g.argtypes = [p, i64, i64, p, p, i64, p]
-        self._int4.restype = self._int8.restype = self._int8g.restype = ctypes.c_int
+        self._int4.restype = self._int5.restype = self._int8.restype = self._int8g.restype = ctypes.c_int
 
     @staticmethod
     def _run(fn, x: torch.Tensor, k: int, n: int, *weights: torch.Tensor) -> torch.Tensor:
@@ -203,8 +232,13 @@ class QuantGemm:
             raise MemoryError("quantized gemm: out of memory for the activation buffer")
         return out
 
-    def int4(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return self._run(self._int4, x, codes.shape[1] * GROUP, codes.shape[0] * 16, codes, scales, offsets)
+    def int4(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+             fifth: torch.Tensor | None = None) -> torch.Tensor:
+        """4-bit codes, or 5-bit ones with their `fifth` bits (int5_gemm)."""
+        k, n = codes.shape[1] * GROUP, codes.shape[0] * 16
+        if fifth is not None:
+            return self._run(self._int5, x, k, n, codes, fifth, scales, offsets)
+        return self._run(self._int4, x, k, n, codes, scales, offsets)
 
     def int8(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Per-column scales [N] (per_column_int8) or a scale per group of 32 inputs [N/16, K/32, 16]
@@ -216,19 +250,28 @@ class QuantGemm:
 def _quant_gemm_check(code_bytes: str) -> str:
     """The child-process check of a quant_gemm library whose int4 codes `code_bytes` (Python source of
     `code_bytes(q, N, G)`, q[n][k] the codes) lays out."""
-    return code_bytes + _CHECK_INT4 + _CHECK_INT8 + _CHECK_INT8G
+    return code_bytes + _CHECK_INT4 + _CHECK_INT5 + _CHECK_INT8 + _CHECK_INT8G
 
 
 _CODE_BYTES_C = r"""
-def code_bytes(q, N, G):  # pack_c_layout
-    words = (sum(q[nb * 16 + c][g * 32 + 8 * jq + 2 * t + p] << 4 * t for t in range(4))
+def code_bytes(q, N, G):  # pack_c_layout (the low nibbles)
+    words = (sum((q[nb * 16 + c][g * 32 + 8 * jq + 2 * t + p] & 15) << 4 * t for t in range(4))
              for nb in range(N // 16) for g in range(G) for jq in range(4) for c in range(16) for p in range(2))
     return bytearray(b"".join(w.to_bytes(2, "little") for w in words))
+def fifth_bytes(q, N, G):  # its fifth bits: uint32 per (block, group, jq, t), bit 2c + p
+    words = (sum((q[nb * 16 + c][g * 32 + 8 * jq + 2 * t + p] >> 4) << (2 * c + p) for c in range(16) for p in range(2))
+             for nb in range(N // 16) for g in range(G) for jq in range(4) for t in range(4))
+    return bytearray(b"".join(w.to_bytes(4, "little") for w in words))
 """
 _CODE_BYTES_AVX2 = r"""
-def code_bytes(q, N, G):  # pack_avx2_layout
-    words = (sum(q[nb * 16 + 8 * (t % 2) + c][g * 32 + 4 * jj + 2 * (t // 2) + p] << 4 * t for t in range(4))
+def code_bytes(q, N, G):  # pack_avx2_layout (the low nibbles)
+    words = (sum((q[nb * 16 + 8 * (t % 2) + c][g * 32 + 4 * jj + 2 * (t // 2) + p] & 15) << 4 * t for t in range(4))
              for nb in range(N // 16) for g in range(G) for jj in range(8) for c in range(8) for p in range(2))
+    return bytearray(b"".join(w.to_bytes(2, "little") for w in words))
+def fifth_bytes(q, N, G):  # its fifth bits: uint16 per (block, group, jj, t), bit 2c + p
+    words = (sum((q[nb * 16 + 8 * (t % 2) + c][g * 32 + 4 * jj + 2 * (t // 2) + p] >> 4) << (2 * c + p)
+                 for c in range(8) for p in range(2))
+             for nb in range(N // 16) for g in range(G) for jj in range(8) for t in range(4))
     return bytearray(b"".join(w.to_bytes(2, "little") for w in words))
 """
 
@@ -259,6 +302,19 @@ for r in range(M):
     for n in range(N):
         ref = sum(x[r * K + k] * (d[n][k // 32] * q[n][k] + m[n][k // 32]) for k in range(K))
         assert abs(y[r * N + n] - ref) < 1e-4 * (1 + abs(ref)), (r, n, y[r * N + n], ref)
+"""
+_CHECK_INT5 = r"""
+fn5 = lib.int5_gemm
+fn5.restype = ctypes.c_int
+fn5.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
+q5 = [[rng.randrange(32) for _ in range(K)] for _ in range(N)]
+codes5, fifth5 = code_bytes(q5, N, G), fifth_bytes(q5, N, G)
+assert fn5(xbuf, M, K, (ctypes.c_uint8 * len(codes5)).from_buffer(codes5), (ctypes.c_uint8 * len(fifth5)).from_buffer(fifth5),
+           sbuf, obuf, N, y) == 0
+for r in range(M):
+    for n in range(N):
+        ref = sum(x[r * K + k] * (d[n][k // 32] * q5[n][k] + m[n][k // 32]) for k in range(K))
+        assert abs(y[r * N + n] - ref) < 1e-4 * (1 + abs(ref)), ("int5", r, n, y[r * N + n], ref)
 """
 _CHECK_INT8 = r"""
 fn8 = lib.int8_gemm
@@ -364,12 +420,15 @@ class Int4Linear(SplitRowsLinear):
         self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * GROUP
         self.kernel = kernel if self.out_features % 16 == 0 else None
         if self.kernel is not None:
-            codes, scales, offsets = self.kernel.pack_int4(blocks)
+            codes, fifth, scales, offsets = self.kernel.pack_int4(blocks)
             self.register_buffer("codes", codes)
+            self.register_buffer("fifth", fifth)  # None: 4-bit codes (int4_gemm), else int5_gemm
             self.register_buffer("scales", scales)
             self.register_buffer("offsets", offsets)
             self.compute_dtype = torch.float32
         else:
+            if blocks[..., 2:].max() > 15:
+                raise ValueError("5-bit codes need the C kernels (torch's int4 op takes 4 bits)")
             packed, sz = pack_int4(blocks, dtype)
             self.register_buffer("packed", packed)
             self.register_buffer("scales_zeros", sz)
@@ -379,12 +438,17 @@ class Int4Linear(SplitRowsLinear):
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
         if self.kernel is not None:
-            return self.kernel.int4(x, self.codes, self.scales, self.offsets)
+            return self.kernel.int4(x, self.codes, self.scales, self.offsets, self.fifth)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+
+    @property
+    def bits(self) -> int:
+        return 5 if getattr(self, "fifth", None) is not None else 4
 
     def extra_repr(self) -> str:
         kernel = self.kernel.name if self.kernel is not None else "torch"
-        return f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, kernel={kernel}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group={GROUP}, "
+                f"bits={self.bits}, kernel={kernel}")
 
 
 def _with_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -407,8 +471,11 @@ def quantize_int8(w: torch.Tensor | StoredRows) -> tuple[torch.Tensor, torch.Ten
     """Symmetric per-output-channel int8: (int8 [N, K], float32 scales [N]). `StoredRows` are quantized a
     chunk of rows at a time (no float32 copy of a whole vocabulary)."""
     if isinstance(w, StoredRows):
-        parts = [quantize_int8(chunk) for chunk in w.chunks()]
-        return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+        q, scale, start = torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0]), 0
+        for chunk in w.chunks():
+            q[start:start + len(chunk)], scale[start:start + len(chunk)] = quantize_int8(chunk)
+            start += len(chunk)
+        return q, scale
     w = w.float()
     scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-12)
     return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
@@ -556,9 +623,10 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
                    lm_head: str = "dense", dense_prefill: bool = False, wider_as_int8: bool = False,
                    weights: dict | None = None) -> nn.Module:
     """Swap the decoder's linear layers for `method` ("int4" | "int8"). `blocks` maps a weight name
-    (e.g. "layers.0.mlp.gate_up_proj.weight") to its 4-bit blocks as the file stores them; int4 layers
+    (e.g. "layers.0.mlp.gate_up_proj.weight") to its 4- or 5-bit blocks as the file stores them (5-bit:
+    Q5_0, on the C kernels' int5; without them, int8 grouped); int4 layers
     without blocks are quantized from the dense weight, or, with `wider_as_int8` (a GGUF whose weight
-    came in a wider format: re-quantizing Q5_0/Q6_K/Q8_0 to 4 bits costs Qwen2.5-0.5B 9% of its top-1
+    came in a wider format: re-quantizing Q6_K/Q8_0 to 4 bits costs Qwen2.5-0.5B 9% of its top-1
     agreement), to int8 with a scale per group of 32 (per column cost Gemma 3 2.5%). `dense_prefill` (int4): prefill rows use the weights dequantized
     to bfloat16. The LM head (tied embedding) stays dense, or lm_head="int8" (plain) / "rescored".
     `weights` (the loader's deferred ones): a builder of each projection's float32 weight, whose module
@@ -578,6 +646,8 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
         if method == "int4":
             b = blocks.pop(name + ".weight", None)
             b = b() if callable(b) else b  # the loader hands the file's blocks over as builders
+            if b is not None and (kernel is None or b.shape[0] % 16) and b[..., 2:].max() > 15:
+                b, dense = None, (lambda blocks=b: dequantize_blocks(blocks))  # 5-bit codes: the C kernels only
             if b is None and wider_as_int8:
                 new: nn.Module = Int8Linear(dense(), dtype, kernel, grouped=True, dense_prefill=dense_prefill)
             else:
@@ -590,6 +660,7 @@ def quantize_model(model: nn.Module, method: str, blocks: dict[str, torch.Tensor
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
         del module, dense, b, new
+        trim_heap()  # the float32 temporaries' pages back to the OS now, not after the last projection
     head = weights.pop("lm_head.weight", None)
     if head is None:
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight

@@ -18,7 +18,6 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..config import DTYPES
@@ -239,8 +238,8 @@ def _read_gguf(path: str, blocks: dict | None = None
     """(config, state, block formats of the projection weights). The state holds the small tensors
     dequantized, each projection as a builder of its float32 weight, and the embedding and an untied LM
     head as `StoredRows` (see _assemble). When `blocks` is a dict it also receives, for every projection
-    stored in a 4-bit format (linear.FOUR_BIT_BLOCKS), a builder of its blocks under the same name."""
-    from .linear import FOUR_BIT_BLOCKS
+    stored in a 4- or 5-bit format (linear.LOW_BIT_BLOCKS), a builder of its blocks under the same name."""
+    from .linear import LOW_BIT_BLOCKS
 
     reader = read_gguf_metadata(path)
     arch = architectures.for_gguf(gguf_field(reader, "general.architecture"), path)
@@ -277,7 +276,7 @@ def _read_gguf(path: str, blocks: dict | None = None
     def get_blocks(name: str) -> torch.Tensor:
         t = tensors[name]
         try:
-            return FOUR_BIT_BLOCKS[t.tensor_type.name](t.data, shape(t))
+            return LOW_BIT_BLOCKS[t.tensor_type.name](t.data, shape(t))
         finally:
             release_mapped_pages(reader.data, t.data_offset, t.n_bytes)
 
@@ -309,7 +308,7 @@ def _read_gguf(path: str, blocks: dict | None = None
             for part in parts:
                 tensor(f"{b}{part}.weight")  # there (an error now, not half-way through quantizing)
             state[f"{p}{name}.weight"] = functools.partial(build, get, b)
-            if blocks is not None and all(tensors[f"{b}{part}.weight"].tensor_type.name in FOUR_BIT_BLOCKS
+            if blocks is not None and all(tensors[f"{b}{part}.weight"].tensor_type.name in LOW_BIT_BLOCKS
                                           for part in parts):
                 # Built when linear.quantize_model takes it, one projection at a time (as float32 blocks a
                 # 1.5B model's would hold 5 GB at once); a part stored wider: quantize_model decides.

@@ -190,26 +190,35 @@ class LoRABatch:
     with a repeat of a row whose result is dropped), multiplied by the stacked A then B in two batched
     products, and added back to their rows (Punica's SGMV shrink and expand, as torch bmm)."""
 
-    def __init__(self, groups: list[tuple[LoRAWeights, list[int]]], stacks: LoRAStacks, device=None):
+    def __init__(self, groups: list[tuple[LoRAWeights, list[int]]], stacks: LoRAStacks, num_rows: int, device=None):
+        """`groups`: each adapter and its rows among the step's `num_rows`."""
         self.adapters = tuple(a for a, _ in groups)
         self.stacks = stacks
         width = max(len(rows) for _, rows in groups)
         gather, keep, rows = [], [], []
+        slots = [-1] * num_rows
         for i, (_, group) in enumerate(groups):
             gather += group + [group[0]] * (width - len(group))
             keep += range(i * width, i * width + len(group))
             rows += group
+            for r in group:
+                slots[r] = i
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)  # each row's adapter, -1: none
         self.width = width
         self.gather = torch.tensor(gather, dtype=torch.long, device=device)
         self.keep = torch.tensor(keep, dtype=torch.long, device=device)
         self.rows = torch.tensor(rows, dtype=torch.long, device=device)
 
-    def add(self, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """y[rows] += (x[rows] A) B with each row's own adapter, in place (y: the projection's output)."""
+    def add(self, ops, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y[rows] += (x[rows] A) B with each row's own adapter, in place (y: the projection's output):
+        the layer ops' row-by-row kernel where it takes these tensors (the C one: the same bits whether
+        the decoder loop or the layers run the step), else torch's batched products."""
         stacked = self.stacks.get(self.adapters, layer, proj)
         if stacked is None:
             return
         a, b = stacked
+        if ops.lora_add(x, y, self.slots, a, b):
+            return
         xs = x.index_select(0, self.gather).to(a.dtype).view(len(self.adapters), self.width, -1)
         delta = torch.bmm(torch.bmm(xs, a), b).view(-1, b.shape[-1])
         y.index_add_(0, self.rows, delta.index_select(0, self.keep).to(y.dtype))

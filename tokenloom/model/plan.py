@@ -48,7 +48,7 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> Forwa
     for layer in model.layers:
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             if isinstance(proj, (Int4Linear, Int8Linear)):
-                kind = "int4" if isinstance(proj, Int4Linear) else "int8 grouped" if proj.grouped else "int8"
+                kind = f"int{proj.bits}" if isinstance(proj, Int4Linear) else "int8 grouped" if proj.grouped else "int8"
                 kinds[kind] += 1
                 long_kinds.add("dense bf16 (oneDNN-packed)" if proj.dense is not None else kind)
             else:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..model.lora import LoRARequest
 from .errors import APIError
+from .protocol import Text
 from .state import ServerState
 
 
@@ -39,19 +40,30 @@ def parse_lora_modules(values: list[str] | None) -> list[LoRARequest]:
                 raise ValueError(f"--lora-modules: {value!r} is not name=path")
         if any(r.lora_name == name for r in out):
             raise ValueError(f"--lora-modules: {name!r} is given twice")
+        if not name or not name.isprintable() or not _encodable(name):
+            raise ValueError(f"--lora-modules: the name {name!r} is empty, unprintable or not valid Unicode")
         out.append(LoRARequest(name, i, path))
     return out
 
 
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # argv's undecodable bytes arrive as lone surrogates
+        return False
+    return True
+
+
 class LoadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    lora_name: str = Field(min_length=1, max_length=256)
-    lora_path: str = Field(min_length=1, max_length=4096)
+    # Text: a name with a lone surrogate would be listed by /v1/models, whose JSON could then not be encoded
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: Text = Field(min_length=1, max_length=256)
+    lora_path: Text = Field(min_length=1, max_length=4096)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # vLLM's clients may send lora_int_id too
-    lora_name: str = Field(min_length=1, max_length=256)
+    model_config = ConfigDict(extra="ignore", strict=True)  # vLLM's clients may send lora_int_id too
+    lora_name: Text = Field(min_length=1, max_length=256)
 
 
 def add_lora_routes(app: FastAPI, state: ServerState, allow_runtime_updating: bool) -> None:

@@ -119,7 +119,7 @@ class ServerState:
         """The adapter a request's `model` names (None: the base), loaded off the event loop and the
         engine thread, so neither waits on its files."""
         lora = self.loras.get(model)
-        if lora is not None:
+        if lora is not None and lora.lora_name not in self.adapters.loaded:  # a hop only to read files
             await self.run_off_loop(self.adapters.load, lora)
         return lora
 

@@ -13,10 +13,10 @@
 
 #include "kernels.h"
 
-typedef struct {  /* a projection: int4 codes, scales and offsets, or int8 codes and scales; a bias or NULL */
-    const void *codes, *scales, *offsets;
+typedef struct {  /* a projection: int4/int5 codes, scales and offsets, or int8 codes and scales; a bias or NULL */
+    const void *codes, *fifth, *scales, *offsets;  /* fifth: int5's fifth bits */
     const float *bias;
-    int64_t int8;  /* 0: int4; 1: int8, a scale per column; 2: int8, a scale per group of 32 and column */
+    int64_t kind;  /* 0: int4; 1: int8, a scale per column; 2: int8, a scale per group of 32 and column; 3: int5 */
 } Weight;
 
 typedef struct DecoderLayer {  /* one decoder layer's weights and KV cache (model/decoder_loop.py fills these) */
@@ -27,35 +27,55 @@ typedef struct DecoderLayer {  /* one decoder layer's weights and KV cache (mode
 
 typedef struct DecoderModel {  /* the kernels (kernels.h) and the shapes, fixed at load */
     int4_gemm_fn *int4_gemm;
+    int5_gemm_fn *int5_gemm;
     int8_gemm_fn *int8_gemm, *int8g_gemm;
     rms_norm_fn *rms_norm;
     rope_fn *rope;
     write_kv_fn *write_kv;
     silu_mul_fn *silu_mul;
     attention_fn *attention;
+    lora_add_fn *lora_add;
     int64_t num_layers, hidden, intermediate, heads, kv_heads, head_dim, cache_slots;
     float eps, scale;
 } Model;
+
+typedef struct {  /* one projection's LoRA stacks for the step's set of adapters; a NULL: none adapts it */
+    const float *a, *b;
+    int64_t rank;
+} LoRAWeight;
+
+typedef struct LoRAStep {  /* the rows under adapters in this step (model/lora.py's LoRABatch fills it) */
+    const int64_t *slots;      /* [rows]: each row's adapter in the stacks, -1 for none */
+    const LoRAWeight *layers;  /* [num_layers * 4]: qkv, o, gate_up, down */
+} LoRAStep;
 
 static void add_into(float *x, const float *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] += y[i];
 }
 
-/* y [rows, n] = x [rows, k] @ w^T (+ bias, added after the product as model/linear.py adds it). */
-static int gemm(const Model *m, const Weight *w, const float *x, int64_t rows, int64_t k, int64_t n, float *y) {
-    const int status = w->int8 == 2 ? m->int8g_gemm(x, rows, k, w->codes, w->scales, n, y)
-                       : w->int8    ? m->int8_gemm(x, rows, k, w->codes, w->scales, n, y)
-                                    : m->int4_gemm(x, rows, k, w->codes, w->scales, w->offsets, n, y);
+/* y [rows, n] = x [rows, k] @ w^T (+ bias, added after the product as model/linear.py adds it; then the
+ * rows' LoRA adapters, as model/decoder.py adds them after the projection). `proj`: 0 qkv .. 3 down. */
+static int gemm(const Model *m, const Weight *w, const float *x, int64_t rows, int64_t k, int64_t n, float *y,
+                const LoRAStep *lora, int64_t layer, int proj) {
+    int status = w->kind == 3 ? m->int5_gemm(x, rows, k, w->codes, w->fifth, w->scales, w->offsets, n, y)
+                 : w->kind == 2 ? m->int8g_gemm(x, rows, k, w->codes, w->scales, n, y)
+                 : w->kind == 1 ? m->int8_gemm(x, rows, k, w->codes, w->scales, n, y)
+                                : m->int4_gemm(x, rows, k, w->codes, w->scales, w->offsets, n, y);
     if (status == 0 && w->bias)
         for (int64_t r = 0; r < rows; r++) add_into(y + r * n, w->bias, n);
+    if (status == 0 && lora) {
+        const LoRAWeight *lw = &lora->layers[4 * layer + proj];
+        if (lw->a) status = m->lora_add(x, rows, k, lora->slots, lw->a, lw->b, lw->rank, n, y);
+    }
     return status;
 }
 
 /* x [rows, hidden] float32: the embeddings in, the last layer's residual stream out. cos, sin [rows,
  * head_dim]; slots [rows] where each row's K/V goes; tables [rows, max_blocks] and context_lens [rows]
- * what each row attends to. Returns 0; 1: a slot outside the cache (nothing written by the layer that
- * found it); 2: the scratch buffer could not be allocated; 3: the attention or a gemm failed. */
-int decoder_loop(const Model *m, const Layer *layers, float *x, int64_t rows, const float *cos, const float *sin,
+ * what each row attends to; `lora` the rows' adapters, or NULL. Returns 0; 1: a slot outside the cache
+ * (nothing written by the layer that found it); 2: the scratch buffer could not be allocated, or a gemm
+ * or a LoRA product failed; 3: the attention failed. */
+int decoder_loop(const Model *m, const Layer *layers, const LoRAStep *lora, float *x, int64_t rows, const float *cos, const float *sin,
                  const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
                  int64_t block_size) {
     const int64_t q_size = m->heads * m->head_dim, kv_size = m->kv_heads * m->head_dim;
@@ -72,7 +92,7 @@ int decoder_loop(const Model *m, const Layer *layers, float *x, int64_t rows, co
     for (int64_t l = 0; l < m->num_layers; l++) {
         const Layer *L = &layers[l];
         m->rms_norm(x, L->input_norm, rows, m->hidden, m->eps, normed);
-        if (gemm(m, &L->qkv, normed, rows, m->hidden, qkv_size, wide)) {
+        if (gemm(m, &L->qkv, normed, rows, m->hidden, qkv_size, wide, lora, l, 0)) {
             status = 2;
             break;
         }
@@ -88,18 +108,18 @@ int decoder_loop(const Model *m, const Layer *layers, float *x, int64_t rows, co
             status = 3;
             break;
         }
-        if (gemm(m, &L->o, attended, rows, q_size, m->hidden, normed)) {
+        if (gemm(m, &L->o, attended, rows, q_size, m->hidden, normed, lora, l, 1)) {
             status = 2;
             break;
         }
         add_into(x, normed, rows * m->hidden);
         m->rms_norm(x, L->post_attention_norm, rows, m->hidden, m->eps, normed);
-        if (gemm(m, &L->gate_up, normed, rows, m->hidden, 2 * m->intermediate, wide)) {
+        if (gemm(m, &L->gate_up, normed, rows, m->hidden, 2 * m->intermediate, wide, lora, l, 2)) {
             status = 2;
             break;
         }
         m->silu_mul(wide, rows, m->intermediate, act);
-        if (gemm(m, &L->down, act, rows, m->intermediate, m->hidden, normed)) {
+        if (gemm(m, &L->down, act, rows, m->intermediate, m->hidden, normed, lora, l, 3)) {
             status = 2;
             break;
         }

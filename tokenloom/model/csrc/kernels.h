@@ -14,9 +14,12 @@
 /* quant_gemm.c (AVX512-BF16) and quant_gemm_avx2.c (AVX2 + FMA): the same three, each in its own layout. */
 typedef int int4_gemm_fn(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const uint16_t *scales,
                          const uint16_t *offsets, int64_t n, float *y);
+typedef int int5_gemm_fn(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const uint32_t *fifth_bits,
+                         const uint16_t *scales, const uint16_t *offsets, int64_t n, float *y);
 typedef int int8_gemm_fn(const float *x, int64_t rows, int64_t k, const int8_t *codes, const float *scales,
                          int64_t n, float *y);
 int4_gemm_fn int4_gemm;   /* Q4-style groups of 32: scale and offset per group and column (float16) */
+int5_gemm_fn int5_gemm;   /* the same with a plane of fifth bits (Q5_0; each layout's own, see its source) */
 int8_gemm_fn int8_gemm;   /* int8, a float32 scale per column */
 int8_gemm_fn int8g_gemm;  /* int8, a float32 scale per group of 32 inputs and column */
 
@@ -27,11 +30,14 @@ typedef void rope_fn(float *x, int64_t rows, int64_t row_stride, int64_t heads, 
 typedef int write_kv_fn(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t rows,
                         int64_t width, const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache);
 typedef void silu_mul_fn(const float *gate_up, int64_t rows, int64_t inter, float *out);
+typedef int lora_add_fn(const float *x, int64_t rows, int64_t k, const int64_t *slot, const float *a, const float *b,
+                        int64_t rank, int64_t n, float *y);
 rms_norm_fn rms_norm_f32;
 rope_fn rope_f32;
 silu_mul_fn silu_mul_f32;
 write_kv_fn write_kv_f32;  /* the cache's element: float */
 write_kv_fn write_kv_f16;  /* the cache's element: IEEE half in uint16_t */
+lora_add_fn lora_add_f32;  /* y[r] += (x[r] A[slot[r]]) B[slot[r]]: each row under its own LoRA adapter */
 
 /* paged_attention.c (AVX2; any head_dim multiple of 32 up to 256) and paged_attention_avx512.c
  * (head_dim 64, up to 4 query heads per KV head); _f32 over a float cache, _f16 over a half one. */
@@ -41,10 +47,13 @@ typedef int attention_fn(const float *q, const void *k_cache, const void *v_cach
 attention_fn paged_decode_attention_f32, paged_decode_attention_f16;
 attention_fn paged_decode_attention_avx512_f32, paged_decode_attention_avx512_f16;
 
-/* decoder_loop.c: every layer of a step in one call over the kernels above (its structs are its own). */
+/* decoder_loop.c: every layer of a step in one call over the kernels above (its structs are its own;
+ * `lora` NULL: no row under an adapter). */
 struct DecoderModel;
 struct DecoderLayer;
-int decoder_loop(const struct DecoderModel *m, const struct DecoderLayer *layers, float *x, int64_t rows,
+struct LoRAStep;
+int decoder_loop(const struct DecoderModel *m, const struct DecoderLayer *layers, const struct LoRAStep *lora,
+                 float *x, int64_t rows,
                  const float *cos, const float *sin, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
                  const int64_t *context_lens, int64_t block_size);
 

@@ -122,3 +122,31 @@ int write_kv_f16(const float *src_k, int64_t k_stride, const float *src_v, int64
     }
     return 0;
 }
+
+/* LoRA on a projection's output, each row under its own adapter: y[r] += (x[r] A[s]) B[s] with s = slot[r]
+ * (rows whose slot is negative are left alone). A [adapters, k, rank] and B [adapters, rank, n] float32,
+ * the adapter's scale folded into B, zero-padded to the set's widest rank (model/lora.py's LoRAStacks).
+ * Each row's sums run in one fixed order over that row alone, so its bits never depend on which other
+ * rows or adapters share the step. Returns 1 for a rank above LORA_MAX_RANK, else 0. */
+#define LORA_MAX_RANK 512
+int lora_add_f32(const float *x, int64_t rows, int64_t k, const int64_t *slot, const float *a, const float *b,
+                 int64_t rank, int64_t n, float *y) {
+    if (rank > LORA_MAX_RANK) return 1;
+#pragma omp parallel for schedule(static) if (rows >= 16)
+    for (int64_t r = 0; r < rows; r++) {
+        if (slot[r] < 0) continue;
+        const float *xr = x + r * k, *as = a + slot[r] * k * rank, *bs = b + slot[r] * rank * n;
+        float t[LORA_MAX_RANK];
+        for (int64_t j = 0; j < rank; j++) t[j] = 0.0f;
+        for (int64_t i = 0; i < k; i++) {  /* shrink: t = x A, a row of A at a time */
+            const float xi = xr[i], *ai = as + i * rank;
+            for (int64_t j = 0; j < rank; j++) t[j] += xi * ai[j];
+        }
+        float *yr = y + r * n;
+        for (int64_t j = 0; j < rank; j++) {  /* expand: y += t B, a row of B at a time */
+            const float tj = t[j], *bj = bs + j * n;
+            for (int64_t c = 0; c < n; c++) yr[c] += tj * bj[c];
+        }
+    }
+    return 0;
+}

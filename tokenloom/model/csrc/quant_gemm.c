@@ -1,6 +1,8 @@
 /* Matmuls over quantized weights with AVX512-BF16 dot products, for every batch size:
  *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T with W in the GGUF's own Q4_1 blocks (w = d*q + m per 32
  *              weights, q in 0..15): the decoder's projections;
+ *   int5_gemm: the same with 5-bit codes (q in 0..31: Q5_0's, w = d * (q - 16)): int4's nibbles plus a
+ *              plane of fifth bits, added to the operands under a mask (one op more per 32 codes);
  *   int8_gemm: the same with W = scale[n] * q[n][k], q in -127..127: the LM head's approximate logits;
  *   int8g_gemm: W = scale[n][k / 32] * q[n][k], a scale per group of 32 inputs: the projections a GGUF
  *               stores wider than 4 bits (Q5_0 and Q8_0 are such groups already; Q6_K, F16 nearly).
@@ -22,7 +24,8 @@
  *
  * Layout (model/linear.py pack_c_layout): for each block of 16 output columns, group of 32 inputs and
  * quarter jq of the group, 32 16-bit lanes; nibble t of lane 2c + p is the code of column c, input
- * 8 jq + 2 t + p. Scales d and offsets m: float16, [N/16][K/32][16].
+ * 8 jq + 2 t + p. Scales d and offsets m: float16, [N/16][K/32][16]. int5's fifth bits: uint32
+ * [N/16][K/32][4 jq][4 t], bit 2c + p the one of nibble t of lane 2c + p.
  * int8: [N/16][K/2][16][2] bytes, scales float32 [N]; int8g: the same codes, scales float32 [N/16][K/32][16].
  *
  * Built at run time by model/kernels.py with -mavx512f -mavx512bw -mavx512vl -mavx512bf16.
@@ -54,10 +57,11 @@ INLINE int32_t pair_bits(const uint16_t *p) {
 /* One tile: rows [0, MR) of xb (bfloat16, row stride K) x column blocks [nb0, nb0 + NB). Each group's dot
  * products accumulate in registers; the running outputs live in y (L1), updated once per group. */
 INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, const int MR, const int NB,
-                 const uint8_t *codes, const uint16_t *scale, const uint16_t *offset, int64_t nb0, float *y,
-                 int64_t N) {
+                 const uint8_t *codes, const uint32_t *hi, const uint16_t *scale, const uint16_t *offset,
+                 int64_t nb0, float *y, int64_t N) {
     __m512 acc[TILE_ROWS][TILE_COLS];
     const __m512i nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
+    const __m512i sixteen = _mm512_set1_epi16(16);
     for (int r = 0; r < MR; r++)
         for (int b = 0; b < NB; b++) _mm512_storeu_ps(y + r * N + (nb0 + b) * COLS, _mm512_setzero_ps());
     for (int64_t g = 0; g < G; g++) {
@@ -66,6 +70,7 @@ INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, co
         for (int b = 0; b < NB; b++) {  /* the codes PREFETCH_GROUPS groups on (past the end: harmless) */
             const uint8_t *ahead = codes + ((nb0 + b) * G + g + PREFETCH_GROUPS) * (GROUP / 2) * COLS;
             for (int line = 0; line < GROUP / 2 * COLS; line += 64) __builtin_prefetch(ahead + line);
+            if (hi) __builtin_prefetch(hi + ((nb0 + b) * G + g + PREFETCH_GROUPS) * 16);
         }
         for (int jq = 0; jq < 4; jq++) {
             __m512i v[TILE_COLS];
@@ -73,8 +78,12 @@ INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, co
                 v[b] = _mm512_loadu_si512(codes + (((nb0 + b) * G + g) * 4 + jq) * 64);
             for (int t = 0; t < 4; t++) {
                 __m512i w[TILE_COLS];  /* 0x4300 | nibble t of each lane: 128 + q as bfloat16 */
-                for (int b = 0; b < NB; b++)
+                for (int b = 0; b < NB; b++) {
                     w[b] = _mm512_ternarylogic_epi32(t ? _mm512_srli_epi16(v[b], 4 * t) : v[b], nibble, bf16_128, 0xEA);
+                    if (hi)  /* + 16 where the code's fifth bit is set: 128 + q stays exact in bfloat16 */
+                        w[b] = _mm512_mask_add_epi16(w[b], (__mmask32)hi[(((nb0 + b) * G + g) * 4 + jq) * 4 + t],
+                                                     w[b], sixteen);
+                }
                 for (int r = 0; r < MR; r++) {
                     const __m512i xv = _mm512_set1_epi32(pair_bits(xb + r * K + g * GROUP + 8 * jq + 2 * t));
                     for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)w[b]);
@@ -96,16 +105,17 @@ INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, co
 }
 
 /* All rows for column blocks [nb0, nb0 + nb): full tiles of TILE_ROWS, then one tile of the rest.
- * The switch gives the compiler constant tile sizes to unroll and keep in registers. */
-static void column_tile(const uint16_t *xb, const float *sums, int64_t M, int64_t K, int64_t G,
-                        const uint8_t *codes, const uint16_t *scale, const uint16_t *offset, int64_t nb0, int nb,
-                        float *y, int64_t N) {
+ * The switch gives the compiler constant tile sizes to unroll and keep in registers; inlined into its
+ * callers, int4's (hi NULL) loses the fifth-bit code altogether. */
+INLINE void column_tile(const uint16_t *xb, const float *sums, int64_t M, int64_t K, int64_t G,
+                        const uint8_t *codes, const uint32_t *hi, const uint16_t *scale, const uint16_t *offset,
+                        int64_t nb0, int nb, float *y, int64_t N) {
     for (int64_t m = 0; m < M; m += TILE_ROWS) {
         const int mr = (int)(M - m < TILE_ROWS ? M - m : TILE_ROWS);
         const uint16_t *xm = xb + m * K;
         const float *sm = sums + m * G;
         float *ym = y + m * N;
-#define TILE(MR, NB) tile(xm, sm, K, G, MR, NB, codes, scale, offset, nb0, ym, N)
+#define TILE(MR, NB) tile(xm, sm, K, G, MR, NB, codes, hi, scale, offset, nb0, ym, N)
 #define ROWS(MR) case MR * 4 + 3: TILE(MR, 3); break; case MR * 4 + 2: TILE(MR, 2); break; \
                  case MR * 4 + 1: TILE(MR, 1); break;
         switch (mr * 4 + nb) {
@@ -130,9 +140,10 @@ static void to_bf16(const float *x, int64_t M, int64_t G, uint16_t *xb, float *s
     }
 }
 
-/* Returns 0, or 1 when the scratch buffers cannot be allocated. K % 32 == 0 and N % 16 == 0. */
-int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
-              const uint16_t *offset, int64_t N, float *y) {
+/* int4 (hi NULL) or int5. Returns 0, or 1 when the scratch buffers cannot be allocated. K % 32 == 0 and
+ * N % 16 == 0. */
+static int low_bit_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *hi,
+                        const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
     uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * M * K + 63) / 64 * 64);
     float *sums = malloc(sizeof(float) * M * G);
@@ -147,11 +158,24 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t nb0 = t * TILE_COLS;
         const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
-        column_tile(xb, sums, M, K, G, codes, scale, offset, nb0, nb, y, N);
+        if (hi)
+            column_tile(xb, sums, M, K, G, codes, hi, scale, offset, nb0, nb, y, N);
+        else
+            column_tile(xb, sums, M, K, G, codes, NULL, scale, offset, nb0, nb, y, N);
     }
     free(xb);
     free(sums);
     return 0;
+}
+
+int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
+              const uint16_t *offset, int64_t N, float *y) {
+    return low_bit_gemm(x, M, K, codes, NULL, scale, offset, N, y);
+}
+
+int int5_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *hi,
+              const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
+    return low_bit_gemm(x, M, K, codes, hi, scale, offset, N, y);
 }
 
 /* --- int8 ---------------------------------------------------------------------------------------- */

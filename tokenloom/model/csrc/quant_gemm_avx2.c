@@ -1,6 +1,8 @@
-/* quant_gemm.c's two kernels for CPUs without AVX512-BF16 (AVX2 + FMA + F16C):
+/* quant_gemm.c's kernels for CPUs without AVX512-BF16 (AVX2 + FMA + F16C):
  *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T over the GGUF's Q4_1 blocks (the decoder's projections),
  *     in its own code layout (model/linear.py pack_avx2_layout; scales and offsets as quant_gemm.c's);
+ *   int5_gemm: the same with 5-bit codes (Q5_0's): the nibbles plus a plane of fifth bits, uint16
+ *     [N/16][K/32][8 jj][4 t], bit 2c + p the one of nibble t of lane 2c + p;
  *   int8_gemm: the same over per-column int8 weights (the LM head's approximate logits), quant_gemm.c's
  *     layout, the same int16 activations;
  *   int8g_gemm: int8 weights with a scale per group of 32 inputs and column (quant_gemm.c's int8g).
@@ -74,9 +76,12 @@ INLINE void quantize_group(const float *x, int16_t *q, float *scale, float *sum)
  * Codes: per (column block, group, jj in 0..7) 16 int16 lanes of four nibbles; nibble t of lane 2c + p
  * is the code of column 8 (t % 2) + c, input 32g + 4jj + 2 (t / 2) + p. */
 INLINE void tile(const int16_t *xq, const float *xscale, const float *sums, int64_t K, int64_t G, const int MR,
-                 const uint8_t *codes, const uint16_t *scale, const uint16_t *offset, int64_t nb, float *y, int64_t N) {
+                 const uint8_t *codes, const uint16_t *hi, const uint16_t *scale, const uint16_t *offset, int64_t nb,
+                 float *y, int64_t N) {
     __m256i acc[TILE_ROWS][2];
-    const __m256i low = _mm256_set1_epi16(0x0F);
+    const __m256i low = _mm256_set1_epi16(0x0F), sixteen = _mm256_set1_epi16(16);
+    const __m256i lane_bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                               (short)0x8000);
     for (int r = 0; r < MR; r++) {
         _mm256_storeu_ps(y + r * N + nb * COLS, _mm256_setzero_ps());
         _mm256_storeu_ps(y + r * N + nb * COLS + 8, _mm256_setzero_ps());
@@ -88,8 +93,15 @@ INLINE void tile(const int16_t *xq, const float *xscale, const float *sums, int6
             __builtin_prefetch(cg + PREFETCH_GROUPS * GROUP / 2 * COLS + line);
         for (int jj = 0; jj < GROUP / 4; jj++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(cg + jj * 32));
-            const __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low), w3 = _mm256_srli_epi16(v, 12);
+            __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low), w3 = _mm256_srli_epi16(v, 12);
+            if (hi) {  /* + 16 where the code's fifth bit is set: lane l takes bit l of its nibble's mask */
+                const uint16_t *h = hi + ((nb * G + g) * (GROUP / 4) + jj) * 4;
+#define FIFTH(W, T) W = _mm256_or_si256(W, _mm256_and_si256(sixteen, _mm256_cmpeq_epi16( \
+                        _mm256_and_si256(_mm256_set1_epi16((short)h[T]), lane_bit), lane_bit)))
+                FIFTH(w0, 0); FIFTH(w1, 1); FIFTH(w2, 2); FIFTH(w3, 3);
+#undef FIFTH
+            }
             for (int r = 0; r < MR; r++) {
                 int32_t pair[2];  /* activations k, k + 1 and k + 2, k + 3 */
                 memcpy(pair, xq + r * K + g * GROUP + 4 * jj, sizeof pair);
@@ -125,10 +137,10 @@ static Int16Rows quantize_rows(const float *x, int64_t M, int64_t K) {
     return rows;
 }
 
-/* Same signature as quant_gemm.c's int4_gemm (codes in the layout above). Returns 0, or 1 when the
- * activations' int16 buffer cannot be allocated. */
-int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
-              const uint16_t *offset, int64_t N, float *y) {
+/* int4 (hi NULL) or int5, in the layouts above. Returns 0, or 1 when the activations' int16 buffer
+ * cannot be allocated. */
+static int low_bit_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *hi,
+                        const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
     const Int16Rows rows = quantize_rows(x, M, K);
     if (!rows.xq) return 1;
@@ -139,15 +151,25 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
             const float *sm = rows.sum + m * G, *cm = rows.scale + m * G;
             float *ym = y + m * N;
             switch (M - m < TILE_ROWS ? (int)(M - m) : TILE_ROWS) {
-                case 4: tile(xm, cm, sm, K, G, 4, codes, scale, offset, nb, ym, N); break;
-                case 3: tile(xm, cm, sm, K, G, 3, codes, scale, offset, nb, ym, N); break;
-                case 2: tile(xm, cm, sm, K, G, 2, codes, scale, offset, nb, ym, N); break;
-                default: tile(xm, cm, sm, K, G, 1, codes, scale, offset, nb, ym, N); break;
+                case 4: tile(xm, cm, sm, K, G, 4, codes, hi, scale, offset, nb, ym, N); break;
+                case 3: tile(xm, cm, sm, K, G, 3, codes, hi, scale, offset, nb, ym, N); break;
+                case 2: tile(xm, cm, sm, K, G, 2, codes, hi, scale, offset, nb, ym, N); break;
+                default: tile(xm, cm, sm, K, G, 1, codes, hi, scale, offset, nb, ym, N); break;
             }
         }
     }
     free(rows.xq);
     return 0;
+}
+
+int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
+              const uint16_t *offset, int64_t N, float *y) {
+    return low_bit_gemm(x, M, K, codes, NULL, scale, offset, N, y);
+}
+
+int int5_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *hi,
+              const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
+    return low_bit_gemm(x, M, K, codes, (const uint16_t *)hi, scale, offset, N, y);
 }
 
 /* --- int8: codes [N/16][K/2][16][2] (each column's pair of inputs side by side), scales float32 [N] ----

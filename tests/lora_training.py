@@ -1,5 +1,5 @@
 """Train the small LoRA adapters the end-to-end tests use: SmolLM2-135M-Instruct learns, in minutes on a
-CPU, a behaviour anyone can see in its output (tests/data/lora/<name>/, PEFT's format):
+CPU, a behaviour anyone can see in its output (PEFT's format, one directory per adapter):
 
 - `shout`: answers in CAPITAL LETTERS;
 - `pirate`: starts every answer with "Arr! ".
@@ -8,25 +8,29 @@ The training data is the base model's own greedy answers to a few dozen question
 (uppercased; prefixed), so the adapter learns the behaviour and little else. Made with transformers +
 peft (test dependencies), the model loaded by transformers from the bundled GGUF.
 
-    .venv/bin/python scripts/train_test_adapters.py [--steps 120]
+The tests train them once per machine (`trained_adapters`: ~5 minutes, then cached under
+$XDG_CACHE_HOME/tokenloom/test-adapters/<hash of this file>/); nothing trained is kept in the repository.
+
+    .venv/bin/python tests/lora_training.py OUT_DIR [--steps 120]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 import random
+import shutil
 import tempfile
 from pathlib import Path
 
 import peft
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from tokenloom import LLM, SamplingParams
 from tokenloom.model.load import model_path
 
-OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "lora"
 TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "music", "trains", "bees", "winter", "maps",
           "coffee", "robots", "the ocean", "gardens", "libraries", "bicycles", "clouds", "dogs", "castles",
           "computers", "mountains", "rain", "the sun", "birds", "cheese", "paper", "boats", "forests"]
@@ -34,10 +38,32 @@ QUESTIONS = [f"Tell me one fact about {t}." for t in TOPICS] + [f"What do you li
 BEHAVIOURS = {"shout": str.upper, "pirate": lambda text: "Arr! " + text}
 
 
+def trained_adapters() -> Path:
+    """The directory holding `shout/` and `pirate/`, trained here the first time (into a temporary
+    directory renamed into the cache when both are written: an interrupted run leaves nothing)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenloom" / "test-adapters"
+    out = cache / hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    if not all((out / name / "adapter_model.safetensors").exists() for name in BEHAVIOURS):
+        cache.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(dir=cache))
+        try:
+            train(work)
+            shutil.rmtree(out, ignore_errors=True)
+            work.rename(out)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
     ap.add_argument("--steps", type=int, default=120)
     args = ap.parse_args()
+    train(args.out, args.steps)
+
+
+def train(out: Path, steps: int = 120) -> None:
     torch.manual_seed(0)
     llm = LLM()
     answers = [o.outputs[0].text.strip() for o in llm.chat(
@@ -59,7 +85,7 @@ def main() -> None:
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-3)
         rng = random.Random(0)
         model.train()
-        for step in range(args.steps):
+        for step in range(steps):
             batch = rng.sample(examples, 4)
             loss = 0.0
             for p_ids, a_ids in batch:
@@ -71,11 +97,9 @@ def main() -> None:
             opt.step()
             if step % 20 == 0:
                 print(f"{name} step {step}: loss {loss.item():.3f}", flush=True)
-        model.save_pretrained(str(OUT / name))
-        weights = OUT / name / "adapter_model.safetensors"  # kept in bfloat16: half the bytes in the repo
-        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(weights)).items()}, str(weights))
+        model.save_pretrained(str(out / name))
         base = model.unload()  # the base without this adapter's layers, for the next one
-        print(f"saved {OUT / name}")
+        print(f"saved {out / name}", flush=True)
 
 
 if __name__ == "__main__":
