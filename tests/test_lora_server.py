@@ -138,6 +138,18 @@ def test_adapters_need_enable_lora():
     from tokenloom.server.lora_routes import parse_lora_modules
 
     assert [r.lora_name for r in parse_lora_modules(["a=/x", '{"name": "b", "path": "/y"}'])] == ["a", "b"]
-    for bad in (["nopath"], ['{"name": "a"}'], ["a=/x", "a=/y"]):
+    # argv's undecodable bytes arrive as lone surrogates: such a name would break /v1/models' JSON
+    for bad in (["nopath"], ['{"name": "a"}'], ["a=/x", "a=/y"], ["=/x"], ["\udcff=/x"], ["a\nb=/x"]):
         with pytest.raises(ValueError, match="--lora-modules"):
             parse_lora_modules(bad)
+
+
+def test_runtime_lora_names_must_be_valid_unicode():
+    from pydantic import ValidationError
+
+    from tokenloom.server.lora_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
+
+    for model in (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest):
+        with pytest.raises(ValidationError, match="unicode|surrogate"):
+            model.model_validate({"lora_name": "\ud800", "lora_path": "/x"} if model is LoadLoRAAdapterRequest
+                                 else {"lora_name": "\ud800"})

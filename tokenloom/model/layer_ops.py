@@ -122,7 +122,6 @@ class CLayerOps(TorchLayerOps):
               k_cache.shape[0], k_cache.data_ptr(), v_cache.data_ptr()):
             raise IndexError(f"KV write: a slot outside the cache's {k_cache.shape[0]} rows")
 
-
     def lora_add(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
         rows, k = x.shape
         n, rank = y.shape[1], a.shape[2]

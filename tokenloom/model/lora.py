@@ -188,7 +188,9 @@ class LoRABatch:
     """One step's rows under adapters, laid out once for every projection: the rows of adapter i are
     gathered into slot i of a [adapters, G, features] block (G: the largest group; short groups padded
     with a repeat of a row whose result is dropped), multiplied by the stacked A then B in two batched
-    products, and added back to their rows (Punica's SGMV shrink and expand, as torch bmm)."""
+    products, and added back to their rows (Punica's SGMV shrink and expand, as torch bmm). On the fast
+    path the C layer ops take each row with its adapter's slot instead (`slots`; Punica's BGMV, row by
+    row), inside the fused decoder loop too."""
 
     def __init__(self, groups: list[tuple[LoRAWeights, list[int]]], stacks: LoRAStacks, num_rows: int, device=None):
         """`groups`: each adapter and its rows among the step's `num_rows`."""
