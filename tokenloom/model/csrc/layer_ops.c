@@ -126,8 +126,10 @@ int write_kv_f16(const float *src_k, int64_t k_stride, const float *src_v, int64
 /* LoRA on a projection's output, each row under its own adapter: y[r] += (x[r] A[s]) B[s] with s = slot[r]
  * (rows whose slot is negative are left alone). A [adapters, k, rank] and B [adapters, rank, n] float32,
  * the adapter's scale folded into B, zero-padded to the set's widest rank (model/lora.py's LoRAStacks).
- * Each row's sums run in one fixed order over that row alone, so its bits never depend on which other
- * rows or adapters share the step. Returns 1 for a rank above LORA_MAX_RANK, else 0. */
+ * Each sum runs in one fixed order (shrink: over k; expand: over the rank) for the row alone, so a row's
+ * bits never depend on which other rows or adapters share the step. Eight sums at a time stay in a
+ * register: y is read and written once per projection, not once per rank. Returns 1 for a rank above
+ * LORA_MAX_RANK, else 0. */
 #define LORA_MAX_RANK 512
 int lora_add_f32(const float *x, int64_t rows, int64_t k, const int64_t *slot, const float *a, const float *b,
                  int64_t rank, int64_t n, float *y) {
@@ -137,15 +139,28 @@ int lora_add_f32(const float *x, int64_t rows, int64_t k, const int64_t *slot, c
         if (slot[r] < 0) continue;
         const float *xr = x + r * k, *as = a + slot[r] * k * rank, *bs = b + slot[r] * rank * n;
         float t[LORA_MAX_RANK];
-        for (int64_t j = 0; j < rank; j++) t[j] = 0.0f;
-        for (int64_t i = 0; i < k; i++) {  /* shrink: t = x A, a row of A at a time */
-            const float xi = xr[i], *ai = as + i * rank;
-            for (int64_t j = 0; j < rank; j++) t[j] += xi * ai[j];
+        int64_t j = 0;
+        for (; j + 8 <= rank; j += 8) {  /* shrink: t = x A, eight of the rank at a time */
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t i = 0; i < k; i++) acc = _mm256_fmadd_ps(_mm256_set1_ps(xr[i]), _mm256_loadu_ps(as + i * rank + j), acc);
+            _mm256_storeu_ps(t + j, acc);
+        }
+        for (; j < rank; j++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < k; i++) acc = fmaf(xr[i], as[i * rank + j], acc);
+            t[j] = acc;
         }
         float *yr = y + r * n;
-        for (int64_t j = 0; j < rank; j++) {  /* expand: y += t B, a row of B at a time */
-            const float tj = t[j], *bj = bs + j * n;
-            for (int64_t c = 0; c < n; c++) yr[c] += tj * bj[c];
+        int64_t c = 0;
+        for (; c + 8 <= n; c += 8) {  /* expand: y += t B, eight outputs at a time */
+            __m256 acc = _mm256_loadu_ps(yr + c);
+            for (j = 0; j < rank; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(t[j]), _mm256_loadu_ps(bs + j * n + c), acc);
+            _mm256_storeu_ps(yr + c, acc);
+        }
+        for (; c < n; c++) {
+            float acc = yr[c];
+            for (j = 0; j < rank; j++) acc = fmaf(t[j], bs[j * n + c], acc);
+            yr[c] = acc;
         }
     }
     return 0;
