@@ -188,7 +188,8 @@ def test_loop_runs_lora_rows_bit_for_bit_as_the_python_layers(family):
     model = fast_model(family)
     ids, batch, cache = decode_step(seed=5)
     first, second = random_adapter("first", 8, 1), random_adapter("second", 4, 2, skip="o")
-    adapted = dataclasses.replace(batch, lora=LoRABatch([(first, [0, 3]), (second, [2])], LoRAStacks(), len(ids)))
+    stacks = LoRAStacks(model.layer_ops.lora_dtype)  # as the runner makes them: bfloat16 for the C kernel
+    adapted = dataclasses.replace(batch, lora=LoRABatch([(first, [0, 3]), (second, [2])], stacks, len(ids)))
     assert model.decoder_loop.applies(model, model.embed_tokens(ids), adapted)
     looped = forward(model, ids, adapted, cache, torch.float16, loop=True)
     layered = forward(model, ids, adapted, cache, torch.float16, loop=False)

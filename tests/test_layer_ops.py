@@ -145,14 +145,14 @@ def test_a_model_forward_with_c_ops_matches_the_torch_ops(tokenizer, monkeypatch
 
 @pytest.mark.parametrize("rank,n", [(16, 96), (5, 37), (24, 8)])
 def test_lora_add_matches_the_batched_products_row_by_row(c_ops, rank, n):
-    """The C LoRA kernel against (x A) B in float64: rows under either adapter get their own adapter's
+    """The C LoRA kernel (bfloat16 A and B, float32 sums) against (x A) B in float64: rows under either adapter get their own adapter's
     product, rows with slot -1 are untouched, and a row's bits are the same alone as in the batch
     (ranks and widths that are not multiples of eight take the kernel's tails)."""
     gen = torch.Generator().manual_seed(rank)
     rows, k, adapters = 6, 40, 2
     x = torch.randn(rows, k, generator=gen)
-    a = torch.randn(adapters, k, rank, generator=gen) * 0.2
-    b = torch.randn(adapters, rank, n, generator=gen) * 0.2
+    a = (torch.randn(adapters, k, rank, generator=gen) * 0.2).bfloat16()  # the stacks' dtype on this path
+    b = (torch.randn(adapters, rank, n, generator=gen) * 0.2).bfloat16()
     y0 = torch.randn(rows, n, generator=gen)
     slots = torch.tensor([1, -1, 0, 0, -1, 1])
     y = y0.clone()
@@ -165,4 +165,5 @@ def test_lora_add_matches_the_batched_products_row_by_row(c_ops, rank, n):
         c_ops.lora_add(x[r : r + 1], alone, slots[r : r + 1], a, b)
         assert torch.equal(alone[0], y[r])
     assert not c_ops.lora_add(x, y.t(), slots, a, b)  # not a layout it takes: the caller's bmm runs
+    assert not c_ops.lora_add(x, y, slots, a.float(), b.float())  # nor float32 stacks
     assert not lo.TORCH_OPS.lora_add(x, y, slots, a, b)

@@ -42,7 +42,8 @@ class ModelRunner(Runner):
         self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         self.host_cache = cache(num_host_blocks, "cpu") if num_host_blocks else None
         self.sampler = Sampler(seed)
-        self.lora_stacks = LoRAStacks()  # adapters' weights stacked per set that shares steps
+        # adapters' weights stacked per set that shares steps, in the dtype the layer ops' LoRA kernel takes
+        self.lora_stacks = LoRAStacks(model.layer_ops.lora_dtype)
         self.last_forward_time = 0.0
 
     # -- swap ------------------------------------------------------------------------------------

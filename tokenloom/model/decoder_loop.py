@@ -3,7 +3,7 @@ the C kernels anyway: int4, int5 or int8 projections (with or without biases), C
 attention, rows that are single queries (decode tokens, short prompt chunks), a float32 residual
 stream, and layers of the Llama / Qwen2 shape (pre-norm, SwiGLU, every layer attending to the whole
 context). Rows under LoRA adapters add their products through the same C kernel the Python layers
-call (layer_ops.c's lora_add_f32). The loop calls the kernels the Python layers would call, in their
+call (layer_ops.c's lora_add_bf16). The loop calls the kernels the Python layers would call, in their
 order, on the same values, so a step's output is bit for bit the same (tests/test_decoder_loop.py);
 what goes is the Python between ~400 kernel calls a step (3.2 of 6.9 ms at one row, 5.4 of 25.7 ms at
 32). Any other step (long prefill chunks, the torch ops, a changed model) runs the layers in Python.
@@ -106,7 +106,7 @@ class DecoderLoop:
 
     def applies(self, model, x: torch.Tensor, batch) -> bool:
         """Every row a single query through the int4 kernels, on the kernels the loop was built from (and
-        any adapters' stacks in float32, as the C LoRA kernel takes them)."""
+        any adapters' stacks in bfloat16, as the C LoRA kernel takes them)."""
         rows = x.shape[0]
         return (rows > 0 and not batch.prefills and batch.num_decodes == rows and batch.decode_like_rows >= rows
                 and x.dtype == torch.float32 and model.layer_ops is self.ops
@@ -116,7 +116,7 @@ class DecoderLoop:
     def _lora_weights_for(self, lora) -> tuple | None:
         """(ctypes array of every layer's 4 projections' stacks, the tensors it points into) for the
         step's set of adapters, made once per set (the last 4 kept); None when the C kernel cannot take
-        them (not float32, or a rank above its bound)."""
+        them (not bfloat16, or a rank above its bound)."""
         key = lora.adapters
         if key not in self._lora_weights:
             while len(self._lora_weights) >= 4:
@@ -129,7 +129,7 @@ class DecoderLoop:
                         entries.append(_LoRAWeight(None, None, 0))
                         continue
                     a, b = stacked
-                    if a.dtype != torch.float32 or b.dtype != torch.float32 or a.shape[2] > LORA_MAX_RANK:
+                    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.shape[2] > LORA_MAX_RANK:
                         self._lora_weights[key] = None
                         return None
                     tensors += [a, b]  # held: the array points into them

@@ -21,6 +21,7 @@ from . import kernels
 
 class TorchLayerOps:
     name = "torch"
+    lora_dtype: torch.dtype | None = None  # LoRA stacks' dtype lora_add takes (None: the adapters' own)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32:  # torch's own kernel: the same operations in fewer calls
@@ -63,6 +64,7 @@ TORCH_OPS = TorchLayerOps()
 
 class CLayerOps(TorchLayerOps):
     name = "c"
+    lora_dtype = torch.bfloat16
 
     def __init__(self, lib: ctypes.CDLL):
         p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -71,7 +73,7 @@ class CLayerOps(TorchLayerOps):
         self._rope.argtypes = [p, i64, i64, i64, i64, p, p]
         self._silu_mul.argtypes = [p, i64, i64, p]
         self._rms_norm.restype = self._rope.restype = self._silu_mul.restype = None
-        self._lora_add = lib.lora_add_f32
+        self._lora_add = lib.lora_add_bf16
         self._lora_add.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
         self._lora_add.restype = ctypes.c_int
         self._write = {torch.float32: lib.write_kv_f32, torch.float16: lib.write_kv_f16}
@@ -125,7 +127,7 @@ class CLayerOps(TorchLayerOps):
     def lora_add(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
         rows, k = x.shape
         n, rank = y.shape[1], a.shape[2]
-        if not (x.dtype == y.dtype == a.dtype == b.dtype == torch.float32 and y.is_contiguous()
+        if not (x.dtype == y.dtype == torch.float32 and a.dtype == b.dtype == torch.bfloat16 and y.is_contiguous()
                 and a.is_contiguous() and b.is_contiguous() and slots.dtype == torch.int64
                 and slots.shape == (rows,) and a.shape[1] == k and b.shape[1:] == (rank, n) and rank <= LORA_MAX_RANK):
             return False
@@ -201,22 +203,26 @@ for r in range(R):
         assert half(kc[slots[r] * W + i]) == struct.unpack("<e", struct.pack("<e", k[r * STRIDE + i]))[0], ("kv", r, i)
         assert half(vc[slots[r] * W + i]) == struct.unpack("<e", struct.pack("<e", v[r * STRIDE + i]))[0], ("kv", r, i)
 assert lib.write_kv_f16(k, STRIDE, v, STRIDE, R, W, (ctypes.c_int64 * R)(0, 5, 1), SLOTS, kc, vc) == 1
-lib.lora_add_f32.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
+lib.lora_add_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
 K, N, RANK, ADAPTERS = 20, 24, 3, 2
+bf16_bits = lambda v: struct.unpack("<I", struct.pack("<f", v))[0] >> 16  # truncated: exact as bfloat16
+from_bits = lambda h: struct.unpack("<f", struct.pack("<I", h << 16))[0]
 x = [rng.uniform(-1, 1) for _ in range(R * K)]
-a = [rng.uniform(-1, 1) for _ in range(ADAPTERS * K * RANK)]
-b = [rng.uniform(-1, 1) for _ in range(ADAPTERS * RANK * N)]
+a_bits = [bf16_bits(rng.uniform(-1, 1)) for _ in range(ADAPTERS * K * RANK)]
+b_bits = [bf16_bits(rng.uniform(-1, 1)) for _ in range(ADAPTERS * RANK * N)]
+a, b = [from_bits(h) for h in a_bits], [from_bits(h) for h in b_bits]
 y0 = [rng.uniform(-1, 1) for _ in range(R * N)]
 slot = (ctypes.c_int64 * R)(1, -1, 0)
 y = F(y0)
-assert lib.lora_add_f32(F(x), R, K, slot, F(a), F(b), RANK, N, y) == 0
+A, B = (ctypes.c_uint16 * len(a_bits))(*a_bits), (ctypes.c_uint16 * len(b_bits))(*b_bits)
+assert lib.lora_add_bf16(F(x), R, K, slot, A, B, RANK, N, y) == 0
 for r in range(R):
     s = slot[r]
     t = [sum(x[r * K + i] * a[(s * K + i) * RANK + j] for i in range(K)) for j in range(RANK)]
     for c in range(N):
         ref = y0[r * N + c] + (sum(t[j] * b[(s * RANK + j) * N + c] for j in range(RANK)) if s >= 0 else 0)
         assert abs(y[r * N + c] - ref) < 1e-4 * (1 + abs(ref)), ("lora_add", r, c, y[r * N + c], ref)
-assert lib.lora_add_f32(F(x), R, K, slot, F(a), F(b), 513, N, y) == 1
+assert lib.lora_add_bf16(F(x), R, K, slot, A, B, 513, N, y) == 1
 """
 
 SPEC = kernels.KernelSpec("layer_ops", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"), _CHECK)

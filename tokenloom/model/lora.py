@@ -154,8 +154,9 @@ class LoRAStacks:
     projection: zeros add nothing), so a projection's adapters run as two batched products whatever
     their number. Built lazily, kept for the last `max_sets` sets (a set is stable while its requests run)."""
 
-    def __init__(self, max_sets: int = 2):
-        self.max_sets = max_sets
+    def __init__(self, dtype: torch.dtype | None = None, max_sets: int = 2):
+        """`dtype`: the stacks' (the layer ops' `lora_dtype`: bfloat16 for the C kernel), None: the adapters'."""
+        self.dtype, self.max_sets = dtype, max_sets
         self._sets: dict[tuple, dict] = {}
 
     def get(self, adapters: tuple[LoRAWeights, ...], layer: int, proj: str):
@@ -173,7 +174,7 @@ class LoRAStacks:
                 cache[key] = None
             else:
                 n_in, n_out = present[0][0].shape[0], present[0][1].shape[1]
-                r_max, dtype = max(p[0].shape[1] for p in present), present[0][0].dtype
+                r_max, dtype = max(p[0].shape[1] for p in present), self.dtype or present[0][0].dtype
                 a_all = torch.zeros(len(adapters), n_in, r_max, dtype=dtype)
                 b_all = torch.zeros(len(adapters), r_max, n_out, dtype=dtype)
                 for i, p in enumerate(pieces):

@@ -39,8 +39,8 @@ typedef struct DecoderModel {  /* the kernels (kernels.h) and the shapes, fixed 
     float eps, scale;
 } Model;
 
-typedef struct {  /* one projection's LoRA stacks for the step's set of adapters; a NULL: none adapts it */
-    const float *a, *b;
+typedef struct {  /* one projection's LoRA stacks (bfloat16) for the step's set of adapters; a NULL: none */
+    const uint16_t *a, *b;
     int64_t rank;
 } LoRAWeight;
 

@@ -30,14 +30,14 @@ typedef void rope_fn(float *x, int64_t rows, int64_t row_stride, int64_t heads, 
 typedef int write_kv_fn(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t rows,
                         int64_t width, const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache);
 typedef void silu_mul_fn(const float *gate_up, int64_t rows, int64_t inter, float *out);
-typedef int lora_add_fn(const float *x, int64_t rows, int64_t k, const int64_t *slot, const float *a, const float *b,
-                        int64_t rank, int64_t n, float *y);
+typedef int lora_add_fn(const float *x, int64_t rows, int64_t k, const int64_t *slot, const uint16_t *a,
+                        const uint16_t *b, int64_t rank, int64_t n, float *y);
 rms_norm_fn rms_norm_f32;
 rope_fn rope_f32;
 silu_mul_fn silu_mul_f32;
 write_kv_fn write_kv_f32;  /* the cache's element: float */
 write_kv_fn write_kv_f16;  /* the cache's element: IEEE half in uint16_t */
-lora_add_fn lora_add_f32;  /* y[r] += (x[r] A[slot[r]]) B[slot[r]]: each row under its own LoRA adapter */
+lora_add_fn lora_add_bf16;  /* y[r] += (x[r] A[slot[r]]) B[slot[r]], A and B bfloat16: each row its own adapter */
 
 /* paged_attention.c (AVX2; any head_dim multiple of 32 up to 256) and paged_attention_avx512.c
  * (head_dim 64, up to 4 query heads per KV head); _f32 over a float cache, _f16 over a half one. */

@@ -124,42 +124,56 @@ int write_kv_f16(const float *src_k, int64_t k_stride, const float *src_v, int64
 }
 
 /* LoRA on a projection's output, each row under its own adapter: y[r] += (x[r] A[s]) B[s] with s = slot[r]
- * (rows whose slot is negative are left alone). A [adapters, k, rank] and B [adapters, rank, n] float32,
- * the adapter's scale folded into B, zero-padded to the set's widest rank (model/lora.py's LoRAStacks).
- * Each sum runs in one fixed order (shrink: over k; expand: over the rank) for the row alone, so a row's
- * bits never depend on which other rows or adapters share the step. Eight sums at a time stay in a
- * register: y is read and written once per projection, not once per rank. Returns 1 for a rank above
- * LORA_MAX_RANK, else 0. */
+ * (rows whose slot is negative are left alone). A [adapters, k, rank] and B [adapters, rank, n] bfloat16
+ * (half the bytes of float32: a rank-16 adapter on every projection of SmolLM2 reads a quarter as many
+ * bytes as its int4 weights), the adapter's scale folded into B, zero-padded to the set's widest rank
+ * (model/lora.py's LoRAStacks); float32 sums. Each sum runs in one fixed order (shrink: over k; expand:
+ * over the rank) for the row alone, so a row's bits never depend on which other rows or adapters share
+ * the step. Eight sums at a time stay in a register: y is read and written once per projection.
+ * Returns 1 for a rank above LORA_MAX_RANK, else 0. */
 #define LORA_MAX_RANK 512
-int lora_add_f32(const float *x, int64_t rows, int64_t k, const int64_t *slot, const float *a, const float *b,
-                 int64_t rank, int64_t n, float *y) {
+
+static inline __m256 bf16x8(const uint16_t *p) {  /* eight bfloat16 -> float32, exact */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline float bf16x1(uint16_t v) {
+    const uint32_t bits = (uint32_t)v << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+int lora_add_bf16(const float *x, int64_t rows, int64_t k, const int64_t *slot, const uint16_t *a,
+                  const uint16_t *b, int64_t rank, int64_t n, float *y) {
     if (rank > LORA_MAX_RANK) return 1;
 #pragma omp parallel for schedule(static) if (rows >= 16)
     for (int64_t r = 0; r < rows; r++) {
         if (slot[r] < 0) continue;
-        const float *xr = x + r * k, *as = a + slot[r] * k * rank, *bs = b + slot[r] * rank * n;
+        const float *xr = x + r * k;
+        const uint16_t *as = a + slot[r] * k * rank, *bs = b + slot[r] * rank * n;
         float t[LORA_MAX_RANK];
         int64_t j = 0;
         for (; j + 8 <= rank; j += 8) {  /* shrink: t = x A, eight of the rank at a time */
             __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < k; i++) acc = _mm256_fmadd_ps(_mm256_set1_ps(xr[i]), _mm256_loadu_ps(as + i * rank + j), acc);
+            for (int64_t i = 0; i < k; i++) acc = _mm256_fmadd_ps(_mm256_set1_ps(xr[i]), bf16x8(as + i * rank + j), acc);
             _mm256_storeu_ps(t + j, acc);
         }
         for (; j < rank; j++) {
             float acc = 0.0f;
-            for (int64_t i = 0; i < k; i++) acc = fmaf(xr[i], as[i * rank + j], acc);
+            for (int64_t i = 0; i < k; i++) acc = fmaf(xr[i], bf16x1(as[i * rank + j]), acc);
             t[j] = acc;
         }
         float *yr = y + r * n;
         int64_t c = 0;
         for (; c + 8 <= n; c += 8) {  /* expand: y += t B, eight outputs at a time */
             __m256 acc = _mm256_loadu_ps(yr + c);
-            for (j = 0; j < rank; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(t[j]), _mm256_loadu_ps(bs + j * n + c), acc);
+            for (j = 0; j < rank; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(t[j]), bf16x8(bs + j * n + c), acc);
             _mm256_storeu_ps(yr + c, acc);
         }
         for (; c < n; c++) {
             float acc = yr[c];
-            for (j = 0; j < rank; j++) acc = fmaf(t[j], bs[j * n + c], acc);
+            for (j = 0; j < rank; j++) acc = fmaf(t[j], bf16x1(bs[j * n + c]), acc);
             yr[c] = acc;
         }
     }
