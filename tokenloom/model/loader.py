@@ -74,8 +74,9 @@ def load_model(
     source: ModelSource, dtype: str = "float32", device: str = "cpu", quantization: str | None = None,
     kv_cache_dtype: str = "auto",
 ) -> DecoderModel:
-    """`quantization`: None/"none" (dense, `dtype`), "int4"/"q4" (weight-only: the GGUF's 4-bit blocks as
-    stored, its wider formats as int8 with a scale per group of 32), "int8", or "auto"; see model/linear.py. `dtype` stays the residual stream's (float32: the C
+    """`quantization`: None/"none" (dense, `dtype`), "int4"/"q4" (weight-only: the GGUF's 4-bit blocks and
+    Q5_0's 5-bit ones as stored, its wider formats as int8 with a scale per group of 32), "int8", or
+    "auto"; see model/linear.py. `dtype` stays the residual stream's (float32: the C
     kernels take it as is, torch's quantized ops with bfloat16 casts around them; bfloat16: all in bf16).
     `kv_cache_dtype` "auto": float16 on a quantized path, else `dtype` (sets `model.kv_cache_dtype`)."""
     from . import linear
@@ -94,7 +95,7 @@ def load_model(
     model = _empty_model(config)
     deferred = _assemble(model, state, dtype, device, defer=method == "int4" and dtype == "float32")
     del state
-    if method == "int4":  # int4 from the file's 4-bit blocks, int8 grouped from its wider ones, the head int8
+    if method == "int4":  # int4/int5 from the file's 4/5-bit blocks, int8 grouped from wider ones, the head int8
         # rescored (model/linear.py), every row through them: a bfloat16 copy of the weights for long
         # prefill chunks (linear.quantize_model's dense_prefill) made a 512-token prompt only 5-6% faster
         # on Qwen2.5-0.5B and SmolLM2 (AVX512-BF16), for 1.5x the file's size in memory
