@@ -29,6 +29,7 @@ in the tests), so greedy decoding stays batch-invariant as long as one format se
 
 from __future__ import annotations
 
+import abc
 import functools
 import logging
 
@@ -381,7 +382,7 @@ def onednn_packed(w: torch.Tensor) -> torch.Tensor:
         return w
 
 
-class SplitRowsLinear(nn.Module):
+class SplitRowsLinear(nn.Module, metaclass=abc.ABCMeta):
     """A quantized projection: rows [0, decode_like_rows) (decodes and short prompt slices) through the
     quantized kernel (`_quantized`), the rest (long prompt chunks) through `dense`, the weights in
     bfloat16 packed for oneDNN, when it is kept (None: every row quantized); the bias added after."""
@@ -389,8 +390,9 @@ class SplitRowsLinear(nn.Module):
     dense: torch.Tensor | None = None
     bias: torch.Tensor | None = None  # float32 (set by quantize_model)
 
+    @abc.abstractmethod
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The quantized kernel's output for rows `x` (each weight format its own)."""
 
     def _long(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dense.dtype)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..model.lora import LoRARequest
 from .errors import APIError
-from .protocol import Text
+from .protocol import Text, _utf8
 from .state import ServerState
 
 
@@ -40,18 +40,14 @@ def parse_lora_modules(values: list[str] | None) -> list[LoRARequest]:
                 raise ValueError(f"--lora-modules: {value!r} is not name=path")
         if any(r.lora_name == name for r in out):
             raise ValueError(f"--lora-modules: {name!r} is given twice")
-        if not name or not name.isprintable() or not _encodable(name):
+        try:  # argv's undecodable bytes arrive as lone surrogates: protocol's check for request text
+            valid = bool(name) and name.isprintable() and _utf8(name) == name
+        except ValueError:
+            valid = False
+        if not valid:
             raise ValueError(f"--lora-modules: the name {name!r} is empty, unprintable or not valid Unicode")
         out.append(LoRARequest(name, i, path))
     return out
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # argv's undecodable bytes arrive as lone surrogates
-        return False
-    return True
 
 
 class LoadLoRAAdapterRequest(BaseModel):
