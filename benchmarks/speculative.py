@@ -94,10 +94,10 @@ def spec_counters() -> dict:
     return out
 
 
-def bench(cell: str, out: Path) -> dict:
+def bench(cell_args: list[str], out: Path) -> dict:
     cmd = [os.path.join(os.path.dirname(sys.executable), "tokenloom"), "bench", "serve", "--base-url",
            f"http://127.0.0.1:{PORT}", "--no-progress", "--no-align-prompts", "--seed", "0", "--out", str(out),
-           *CELLS[cell]]
+           *cell_args]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -121,8 +121,8 @@ def main() -> None:
                             "--output-len", "8"], check=True, stdout=subprocess.DEVNULL)  # warm-up
             before = spec_counters()
             rows[name] = {}
-            for cell in CELLS:
-                res = bench(cell, raw / f"{name}-{cell}.json")
+            for cell, cell_args in CELLS.items():
+                res = bench(cell_args, raw / f"{name}-{cell}.json")
                 after = spec_counters()
                 drafted = after["draft_tokens"] - before["draft_tokens"]
                 accepted = after["accepted_tokens"] - before["accepted_tokens"]

@@ -43,7 +43,10 @@ def chi_square_critical(df: int, z: float = 3.719) -> float:
     ({"num_speculative_tokens": 2.5}, "num_speculative_tokens"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min"),
     ({"method": "eagle"}, "method"),
-    ({"model": "no/such/draft.gguf"}, "method"),  # a draft model is refused by name (not built yet)
+    ({"method": "draft_model"}, "speculative_config.model"),  # no draft model named
+    ({"model": ""}, "speculative_config.model"),
+    ({"model": 5}, "speculative_config.model"),
+    ({"method": "ngram", "model": "draft.gguf"}, "speculative_config.model"),
     ({"temperature": 1}, "unknown key 'temperature'"),
     ("{not json", "not JSON"),
     ("[4]", "JSON object"),

@@ -33,8 +33,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling_params import SamplingParams
 
-    catalog.pull_missing(args.model)
-    llm = LLM(**dataclasses.asdict(engine_config_from_args(args)))
+    config = engine_config_from_args(args)
+    catalog.pull_missing(config.model)
+    catalog.pull_missing(config.draft_model, "speculative_config.model")
+    llm = LLM(**dataclasses.asdict(config))
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,

@@ -71,6 +71,12 @@ class EngineConfig:
         """The parsed `speculative_config` (a `SpeculativeConfig`), or None."""
         return SpeculativeConfig.parse(self.speculative_config)
 
+    @property
+    def draft_model(self) -> str | None:
+        """The speculative config's draft model (a path or catalog name), or None."""
+        spec = self.speculative
+        return spec.model if spec is not None else None
+
     def validate(self) -> EngineConfig:
         def fail(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")

@@ -34,11 +34,11 @@ from .. import faults
 from .. import step as steps
 from ..config import EngineConfig
 from ..model.config import ModelConfig
-from ..model.load import load, set_num_threads
+from ..model.load import load, set_num_threads, weight_bytes
 from ..model.loader import torch_dtype
 from ..model.lora import LoRARequest
 from ..model.sampler import choice_generator
-from ..model.tokenizer import IncrementalDetokenizer, TokenizerWrapper
+from ..model.tokenizer import IncrementalDetokenizer, TokenizerWrapper, same_tokenizer
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..request_checks import check_request
 from ..runner import ModelRunner
@@ -46,6 +46,7 @@ from ..sampling_params import SamplingParams
 from ..step import RowConstraint, Runner, Sequence, SequenceStatus, StepPlan, StepResult, StepShape
 from ..structured_outputs import GrammarCompiler, GrammarError
 from .constraints import RequestConstraints
+from .draft_model import DraftModelProposer
 from .kv_cache import KVCacheManager, kv_cache_size
 from .lora_manager import AdapterManager
 from .scheduler import Scheduler
@@ -134,8 +135,10 @@ class LLMEngine:
         runner: Runner | None = None,
         model_config: ModelConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        draft_model: torch.nn.Module | None = None,
     ):
-        """Pass `model`/`tokenizer` to run an already-built model (tests use a random-weight one).
+        """Pass `model`/`tokenizer` to run an already-built model (tests use a random-weight one), and
+        `draft_model` for a speculative config's draft model (it shares the tokenizer).
         The simulator passes a `runner` (a cost model in place of the forward) with the `model_config`
         it pretends to run, and a virtual `clock`."""
         self.config = config = (config or EngineConfig()).validate()
@@ -173,7 +176,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.stall_free)
         self.runner: Runner = runner or ModelRunner(model, num_blocks, config.block_size, num_host_blocks, config.seed,
                                                     kv_dtype)
-        self.speculation = SpeculationPolicy(config.speculative) if config.speculative is not None else None
+        self.speculation = None
+        if config.speculative is not None:
+            draft = None
+            if config.speculative.method == "draft_model":
+                draft = self._draft_proposer(config.speculative.model, draft_model, num_blocks)
+            self.speculation = SpeculationPolicy(config.speculative, draft)
         self.adapters = None
         if config.enable_lora:
             self.adapters = AdapterManager(model_config, config.max_cpu_loras or max(config.max_loras, 8),
@@ -199,6 +207,29 @@ class LLMEngine:
             num_blocks, config.block_size, num_blocks * block_bytes / 2**20,
             str(kv_dtype or config.dtype).removeprefix("torch."), config.max_model_len, config.dtype,
         )
+
+    def _draft_proposer(self, source: str, draft_model: torch.nn.Module | None, num_blocks: int) -> DraftModelProposer:
+        """The draft model loaded as the target was (dtype, quantization), checked to share its tokenizer
+        (its drafts are token ids the target scores), over a KV pool of as many blocks as the target's."""
+        config = self.config
+        if draft_model is None:
+            if self.model is None:
+                raise ValueError("speculative_config.model: a draft model needs a real target model, not a simulated one")
+            try:
+                draft_model, draft_tokenizer, _ = load(source, config.dtype, config.device, config.quantization,
+                                                       config.kv_cache_dtype)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"speculative_config.model: {exc}") from exc
+            if not same_tokenizer(draft_tokenizer, self.tokenizer):
+                raise ValueError(f"speculative_config.model: {source!r} has another tokenizer than the model "
+                                 "it drafts for; a draft model must share the target's vocabulary")
+        if draft_model.config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(f"speculative_config.model: its vocabulary has {draft_model.config.vocab_size} ids, the "
+                             f"target's {self.model_config.vocab_size}; a draft model must share the target's vocabulary")
+        size_ratio = weight_bytes(draft_model) / max(weight_bytes(self.model), 1) if self.model is not None else 1.0
+        logger.info("draft model %s: %.2fx the target's weight bytes; %s", source, size_ratio,
+                    getattr(getattr(draft_model, "plan", None), "line", lambda: "")())
+        return DraftModelProposer(draft_model, num_blocks, config.block_size, size_ratio)
 
     # -- requests --------------------------------------------------------------------------------
 

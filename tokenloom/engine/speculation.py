@@ -9,6 +9,9 @@ tokens either way); the engine appends what was accepted and releases blocks onl
 - `NgramProposer` is prompt lookup (vLLM's `ngram` method): find the longest n-gram (n from
   `prompt_lookup_max` down to `prompt_lookup_min`) ending the sequence that occurred before in its
   prompt or output, most recent occurrence first, and propose the tokens that followed it.
+- A draft model (engine/draft_model.py, vLLM's `draft_model` method) proposes greedily what a smaller
+  model with the same tokenizer writes next; the policy chooses first how deep it drafts, because
+  each depth costs a forward of the draft model (`_draft_depths`).
 - `SpeculationPolicy` is what makes speculation never a loss. A draft at depth i of a sequence is
   accepted with probability about a^i, `a` the sequence's measured acceptance rate; a step of R rows
   costs about c0 + c1 R, fitted to the measured times of decode steps. Rows are added in order of
@@ -22,11 +25,15 @@ from __future__ import annotations
 import heapq
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..step import Sequence
+
+if TYPE_CHECKING:
+    from .draft_model import DraftModelProposer
 
 # A row of 1 + k tokens must stay below runner.SHORT_CHUNK (16), so its tokens take the decode rows'
 # kernels (int4) and not the long-prompt ones (dense bf16): the same arithmetic as without drafts.
@@ -80,9 +87,10 @@ class SpeculativeConfig:
             fail("prompt_lookup_min", f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
         if not isinstance(self.adaptive, bool):
             fail("adaptive", "must be true or false")
-        if self.method == "draft_model":
-            # Not built yet: refused by name rather than run without a draft.
-            fail("method", "a draft model is not supported yet; use {\"method\": \"ngram\"}")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model.strip()):
+            fail("model", "method 'draft_model' needs the draft model: a GGUF file, an HF directory or a catalog name")
+        if self.method == "ngram" and self.model is not None:
+            fail("model", "a draft model goes with method 'draft_model' (prompt lookup has none)")
         return self
 
 
@@ -123,6 +131,10 @@ class StepCost:
     def __init__(self, prior_ratio: float = 0.05, decay: float = 0.98, ridge: float = 0.25):
         self.prior_ratio, self.decay, self.ridge = prior_ratio, decay, ridge
         self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    @property
+    def measured(self) -> bool:
+        return self.w > 0
 
     def observe(self, rows: int, seconds: float) -> None:
         d = self.decay
@@ -186,16 +198,24 @@ class SpecDecodeStats:
 class SpeculationPolicy:
     """Proposes drafts for the step's decoding sequences and keeps those worth their rows."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None):
+        """`draft`: the draft model's proposer (engine/draft_model.py) for method "draft_model"."""
         self.config = config
         self.proposer = NgramProposer(config)
+        self.draft = draft
         self.cost = StepCost()
         self.acceptance: dict[str, Acceptance] = {}
+        self.overall = Acceptance()  # every sequence's verifications, decayed
         self.stats = SpecDecodeStats()
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
         """Set each sequence's `spec_token_ids` for this step; `limits[i]`: the most drafts sequence i may
         take (what its `max_tokens`, the context length and its grammar leave)."""
+        if self.draft is not None:
+            drafts = self.draft.propose(seqs, self._draft_depths(seqs, limits))
+            for seq, d in zip(seqs, drafts, strict=True):
+                seq.spec_token_ids = d
+            return
         k = self.config.num_speculative_tokens
         if self.config.adaptive and not self._any_worth(seqs):
             for seq in seqs:
@@ -234,8 +254,50 @@ class SpeculationPolicy:
                 heapq.heappush(heap, (-value * rates[i], i, depth + 1))
         return keep
 
+    def _draft_depths(self, seqs: list[Sequence], limits: list[int]) -> list[int]:
+        """How many tokens each sequence asks the draft model for. Unlike a lookup, a draft costs a round
+        of the draft model per depth, so this is chosen before drafting: the m sequences most likely to
+        be accepted draft k tokens each, (m, k) maximising expected tokens per second
+            E = B + sum_{i<m} sum_{j=1..k} a_i^j,   T = c0 + c1 (B + m k) + k (d0 + d1 m),
+        and nobody drafts where no (m, k) beats the plain step's B / (c0 + c1 B)."""
+        caps = np.array([max(min(self.config.num_speculative_tokens, lim), 0) for lim in limits], dtype=np.int64)
+        if not self.config.adaptive or not seqs:
+            return caps.tolist()
+        c0, c1, d0, d1 = self._draft_costs()
+        # A sequence's first drafts are priced at the draft model's recent rate over all sequences.
+        prior = Acceptance(2 * self.overall.rate, 2.0)
+        rates = np.array([self.acceptance.setdefault(s.seq_id, replace(prior)).rate for s in seqs])
+        order = np.argsort(-rates, kind="stable")
+        depth = np.arange(1, self.config.num_speculative_tokens + 1)[None, :]  # [1, k]
+        cap = caps[order][:, None]  # [sequence, 1], most likely first
+        within = depth <= cap
+        expected = len(seqs) + np.cumsum(np.cumsum(np.where(within, rates[order][:, None] ** depth, 0.0), axis=1), axis=0)
+        rows = np.cumsum(np.minimum(depth, cap), axis=0)  # draft rows the first m sequences add at depth k
+        drafting = np.cumsum(cap > 0, axis=0)  # sequences in a round (a capped one stops early: an upper bound)
+        seconds = c0 + c1 * (len(seqs) + rows) + depth * (d0 + d1 * drafting)
+        m, k = np.unravel_index(np.argmax(expected / seconds), expected.shape)
+        if expected[m, k] / seconds[m, k] <= len(seqs) / (c0 + c1 * len(seqs)):
+            return [0] * len(seqs)
+        depths = [0] * len(seqs)
+        for i in order[: m + 1]:
+            depths[i] = int(min(k + 1, caps[i]))
+        return depths
+
+    def _draft_costs(self) -> tuple[float, float, float, float]:
+        """A target step's (c0, c1) and a draft round's (d0, d1), in seconds. Before one of them was
+        timed, it is priced from the other at the models' size ratio."""
+        c0, c1 = self.cost.coefficients()
+        d0, d1 = self.draft.cost.coefficients()
+        ratio = self.draft.size_ratio
+        if not self.draft.cost.measured:
+            d0, d1 = ratio * c0, ratio * c1
+        elif not self.cost.measured:
+            c0, c1 = d0 / ratio, d1 / ratio
+        return c0, c1, d0, d1
+
     def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
         self.acceptance.setdefault(seq.seq_id, Acceptance()).observe(proposed, accepted)
+        self.overall.observe(proposed, accepted, decay=0.98)
         self.stats.record(proposed, accepted)
 
     def observe_step(self, rows: int, seconds: float) -> None:
@@ -245,3 +307,5 @@ class SpeculationPolicy:
 
     def forget(self, seq: Sequence) -> None:
         self.acceptance.pop(seq.seq_id, None)
+        if self.draft is not None:
+            self.draft.forget(seq)

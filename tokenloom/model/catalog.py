@@ -156,10 +156,10 @@ def local_path(name: str) -> Path | None:
     return cached_file(name) if is_verified(name) else None
 
 
-def missing_pull(source: str | None) -> str | None:
+def missing_pull(source: str | None, field: str = "model") -> str | None:
     """The catalog name `source` if it must be pulled before it can load; None when `source` is a
     path that exists, a catalog model already here, or None (the bundled model). Any other source
-    raises ModelNotFoundError saying what to pass instead."""
+    raises ModelNotFoundError saying what to pass instead (`field`: what the user called it)."""
     if source is None or os.path.exists(source):
         return None
     if source in CATALOG:
@@ -167,12 +167,12 @@ def missing_pull(source: str | None) -> str | None:
     names = ", ".join(CATALOG)
     if _HUB_ID.match(source):
         raise ModelNotFoundError(
-            f"model {source!r} looks like a Hugging Face hub id, but tokenloom does not download from the "
+            f"{field} {source!r} looks like a Hugging Face hub id, but tokenloom does not download from the "
             f"hub: pull a catalog model (`tokenloom pull NAME`, NAME one of {names}) or pass a local GGUF "
             f"file or HF directory (e.g. `hf download {source} --local-dir DIR`, then `--model DIR`)"
         )
     raise ModelNotFoundError(
-        f"model {source!r}: no such file or directory, and not a catalog name; pass a GGUF file, an HF "
+        f"{field} {source!r}: no such file or directory, and not a catalog name; pass a GGUF file, an HF "
         f"directory, or one of {names} (`tokenloom models` lists what is here)"
     )
 
@@ -346,11 +346,11 @@ def pull(
     return dest
 
 
-def pull_missing(source: str | None) -> None:
+def pull_missing(source: str | None, field: str = "model") -> None:
     """What `serve NAME` and `generate --model NAME` do first: pull a catalog model that is not here yet,
     as `vllm serve` downloads a hub model and `ollama run` pulls one (the user asked for that model). A
     bad source (a missing path, a hub id) fails here, in one line, before anything loads."""
-    name = missing_pull(source)
+    name = missing_pull(source, field)
     if name is not None:
         print(f"{name} is not pulled yet: pulling it (as `tokenloom pull {name}` would)", file=sys.stderr)
         pull(name)

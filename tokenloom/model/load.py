@@ -48,6 +48,15 @@ def load(
     return model, tokenizer, model.config
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the tensors a forward reads: parameters and buffers (quantized weights are buffers)."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != "meta":
+            seen[t.data_ptr()] = max(seen.get(t.data_ptr(), 0), t.numel() * t.element_size())
+    return sum(seen.values())
+
+
 def usable_cores() -> int:
     """The cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a container
     given 1.5 CPUs of a 2-core machine gets 2 threads, one given 1 CPU gets 1). More threads than that

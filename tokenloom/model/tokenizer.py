@@ -192,6 +192,12 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int],
     return tok
 
 
+def same_tokenizer(a: TokenizerWrapper, b: TokenizerWrapper) -> bool:
+    """Do the two map every token string to the same id (a draft model's ids must mean the target's)?"""
+    return a.vocab_size == b.vocab_size and a.tokenizer.get_vocab(with_added_tokens=True) == b.tokenizer.get_vocab(
+        with_added_tokens=True)
+
+
 def load_tokenizer(model_path: str) -> TokenizerWrapper:
     if os.path.isdir(model_path):
         return TokenizerWrapper.from_hf_dir(model_path)

@@ -143,9 +143,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--lora-modules: adapters need --enable-lora")
     # Everything that can fail in a second fails before the model loads: the source, then the port.
     to_pull = catalog.missing_pull(config.model)
+    draft_to_pull = catalog.missing_pull(config.draft_model, "speculative_config.model")
     sockets = _bind(args.host, args.port)
-    if to_pull is not None:
-        catalog.pull_missing(to_pull)
+    for name in (to_pull, draft_to_pull):
+        catalog.pull_missing(name)
     path = model_path(config.model)
     num_threads = config.num_threads or default_num_threads()
     # The model runs on the engine thread, which sets its own thread count (AsyncLLM). The main thread
