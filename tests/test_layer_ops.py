@@ -146,15 +146,15 @@ def test_a_model_forward_with_c_ops_matches_the_torch_ops(tokenizer, monkeypatch
 @pytest.mark.parametrize("rank,n", [(16, 96), (5, 37), (24, 8)])
 def test_lora_add_matches_the_batched_products_row_by_row(c_ops, rank, n):
     """The C LoRA kernel (bfloat16 A and B, float32 sums) against (x A) B in float64: rows under either adapter get their own adapter's
-    product, rows with slot -1 are untouched, and a row's bits are the same alone as in the batch
-    (ranks and widths that are not multiples of eight take the kernel's tails)."""
+    product, rows with slot -1 are untouched, and a row's bits are the same alone as in the batch, in
+    tiles of 1 to 4 rows (ranks and widths that are not multiples of eight take the kernel's tails)."""
     gen = torch.Generator().manual_seed(rank)
-    rows, k, adapters = 6, 40, 2
+    rows, k, adapters = 11, 40, 2
     x = torch.randn(rows, k, generator=gen)
     a = (torch.randn(adapters, k, rank, generator=gen) * 0.2).bfloat16()  # the stacks' dtype on this path
     b = (torch.randn(adapters, rank, n, generator=gen) * 0.2).bfloat16()
     y0 = torch.randn(rows, n, generator=gen)
-    slots = torch.tensor([1, -1, 0, 0, -1, 1])
+    slots = torch.tensor([1, -1, 0, 0, -1, 1, 0, 0, 0, 1, 0])  # adapter 0's six rows: a tile of four and one of two
     y = y0.clone()
     assert c_ops.lora_add(x, y, slots, a, b)
     for r in range(rows):

@@ -132,7 +132,8 @@ class CLayerOps(TorchLayerOps):
                 and slots.shape == (rows,) and a.shape[1] == k and b.shape[1:] == (rank, n) and rank <= LORA_MAX_RANK):
             return False
         x, slots = x.contiguous(), slots.contiguous()
-        self._lora_add(x.data_ptr(), rows, k, slots.data_ptr(), a.data_ptr(), b.data_ptr(), rank, n, y.data_ptr())
+        if self._lora_add(x.data_ptr(), rows, k, slots.data_ptr(), a.data_ptr(), b.data_ptr(), rank, n, y.data_ptr()):
+            raise MemoryError(f"LoRA kernel: no memory to group {rows} rows by adapter")
         return True
 
 

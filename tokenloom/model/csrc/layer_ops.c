@@ -8,6 +8,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kernels.h"
 
@@ -129,9 +130,10 @@ int write_kv_f16(const float *src_k, int64_t k_stride, const float *src_v, int64
  * bytes as its int4 weights), the adapter's scale folded into B, zero-padded to the set's widest rank
  * (model/lora.py's LoRAStacks); float32 sums. Each sum runs in one fixed order (shrink: over k; expand:
  * over the rank) for the row alone, so a row's bits never depend on which other rows or adapters share
- * the step. Eight sums at a time stay in a register: y is read and written once per projection.
- * Returns 1 for a rank above LORA_MAX_RANK, else 0. */
+ * the step. Rows of one adapter go in tiles (SGMV rather than a row at a time): a weight is read once per
+ * tile. Returns 1 for a rank above LORA_MAX_RANK, 2 when out of memory, else 0. */
 #define LORA_MAX_RANK 512
+#define LORA_TILE 4
 
 static inline __m256 bf16x8(const uint16_t *p) {  /* eight bfloat16 -> float32, exact */
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -144,38 +146,90 @@ static inline float bf16x1(uint16_t v) {
     return f;
 }
 
+/* One tile: `nr` (1..LORA_TILE, a constant once inlined) rows under the same adapter. Each weight vector is
+ * loaded and widened once for the tile, and the tile's rows are independent chains of FMAs (one row alone
+ * waits on each FMA's latency). Per row the sums run in the same order as for a row alone. */
+static inline __attribute__((always_inline)) void lora_tile(const int nr, const int64_t *rr, const float *x, int64_t k,
+                                                            const uint16_t *as, const uint16_t *bs, int64_t rank,
+                                                            int64_t n, float *y) {
+    const float *xr[LORA_TILE];
+    float *yr[LORA_TILE];
+    float t[LORA_TILE][LORA_MAX_RANK];
+    for (int q = 0; q < nr; q++) {
+        xr[q] = x + rr[q] * k;
+        yr[q] = y + rr[q] * n;
+    }
+    int64_t j = 0;
+    for (; j + 8 <= rank; j += 8) {  /* shrink: t = x A, eight of the rank at a time */
+        __m256 acc[LORA_TILE];
+        for (int q = 0; q < nr; q++) acc[q] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < k; i++) {
+            const __m256 w = bf16x8(as + i * rank + j);
+            for (int q = 0; q < nr; q++) acc[q] = _mm256_fmadd_ps(_mm256_set1_ps(xr[q][i]), w, acc[q]);
+        }
+        for (int q = 0; q < nr; q++) _mm256_storeu_ps(t[q] + j, acc[q]);
+    }
+    for (; j < rank; j++)
+        for (int q = 0; q < nr; q++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < k; i++) acc = fmaf(xr[q][i], bf16x1(as[i * rank + j]), acc);
+            t[q][j] = acc;
+        }
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {  /* expand: y += t B, eight outputs at a time, y read and written once */
+        __m256 acc[LORA_TILE];
+        for (int q = 0; q < nr; q++) acc[q] = _mm256_loadu_ps(yr[q] + c);
+        for (j = 0; j < rank; j++) {
+            const __m256 w = bf16x8(bs + j * n + c);
+            for (int q = 0; q < nr; q++) acc[q] = _mm256_fmadd_ps(_mm256_set1_ps(t[q][j]), w, acc[q]);
+        }
+        for (int q = 0; q < nr; q++) _mm256_storeu_ps(yr[q] + c, acc[q]);
+    }
+    for (; c < n; c++)
+        for (int q = 0; q < nr; q++) {
+            float acc = yr[q][c];
+            for (j = 0; j < rank; j++) acc = fmaf(t[q][j], bf16x1(bs[j * n + c]), acc);
+            yr[q][c] = acc;
+        }
+}
+
 int lora_add_bf16(const float *x, int64_t rows, int64_t k, const int64_t *slot, const uint16_t *a,
                   const uint16_t *b, int64_t rank, int64_t n, float *y) {
     if (rank > LORA_MAX_RANK) return 1;
-#pragma omp parallel for schedule(static) if (rows >= 16)
-    for (int64_t r = 0; r < rows; r++) {
-        if (slot[r] < 0) continue;
-        const float *xr = x + r * k;
-        const uint16_t *as = a + slot[r] * k * rank, *bs = b + slot[r] * rank * n;
-        float t[LORA_MAX_RANK];
-        int64_t j = 0;
-        for (; j + 8 <= rank; j += 8) {  /* shrink: t = x A, eight of the rank at a time */
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t i = 0; i < k; i++) acc = _mm256_fmadd_ps(_mm256_set1_ps(xr[i]), bf16x8(as + i * rank + j), acc);
-            _mm256_storeu_ps(t + j, acc);
-        }
-        for (; j < rank; j++) {
-            float acc = 0.0f;
-            for (int64_t i = 0; i < k; i++) acc = fmaf(xr[i], bf16x1(as[i * rank + j]), acc);
-            t[j] = acc;
-        }
-        float *yr = y + r * n;
-        int64_t c = 0;
-        for (; c + 8 <= n; c += 8) {  /* expand: y += t B, eight outputs at a time */
-            __m256 acc = _mm256_loadu_ps(yr + c);
-            for (j = 0; j < rank; j++) acc = _mm256_fmadd_ps(_mm256_set1_ps(t[j]), bf16x8(bs + j * n + c), acc);
-            _mm256_storeu_ps(yr + c, acc);
-        }
-        for (; c < n; c++) {
-            float acc = yr[c];
-            for (j = 0; j < rank; j++) acc = fmaf(t[j], bf16x1(bs[j * n + c]), acc);
-            yr[c] = acc;
+    /* The rows grouped by adapter (a counting sort on the slot), cut into tiles of up to LORA_TILE rows. */
+    int64_t num_slots = 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (slot[r] >= num_slots) num_slots = slot[r] + 1;
+    if (num_slots == 0) return 0;
+    int64_t *start = calloc((size_t)num_slots + 1, sizeof *start), *order = malloc((size_t)rows * sizeof *order);
+    int64_t *tiles = malloc(((size_t)rows + 1) * sizeof *tiles);
+    if (!start || !order || !tiles) {
+        free(start); free(order); free(tiles);
+        return 2;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        if (slot[r] >= 0) start[slot[r] + 1]++;
+    for (int64_t s = 0; s < num_slots; s++) start[s + 1] += start[s];
+    int64_t placed = start[num_slots];
+    for (int64_t r = 0, *next = start; r < rows; r++)
+        if (slot[r] >= 0) order[next[slot[r]]++] = r;  /* `start` now holds each slot's end */
+    int64_t num_tiles = 0;
+    for (int64_t i = 0; i < placed; i++)
+        if (i == 0 || slot[order[i]] != slot[order[i - 1]] || i - tiles[num_tiles - 1] == LORA_TILE)
+            tiles[num_tiles++] = i;
+    tiles[num_tiles] = placed;
+#pragma omp parallel for schedule(dynamic, 1) if (num_tiles >= 4)
+    for (int64_t tile = 0; tile < num_tiles; tile++) {
+        const int64_t *rr = order + tiles[tile];
+        const int64_t s = slot[rr[0]];
+        const uint16_t *as = a + s * k * rank, *bs = b + s * rank * n;
+        switch (tiles[tile + 1] - tiles[tile]) {
+            case 4: lora_tile(4, rr, x, k, as, bs, rank, n, y); break;
+            case 3: lora_tile(3, rr, x, k, as, bs, rank, n, y); break;
+            case 2: lora_tile(2, rr, x, k, as, bs, rank, n, y); break;
+            default: lora_tile(1, rr, x, k, as, bs, rank, n, y); break;
         }
     }
+    free(start); free(order); free(tiles);
     return 0;
 }
