@@ -7,8 +7,8 @@ first), measured by `tokenloom bench serve` (greedy, streaming) in two cells:
 - mixed: 64 requests, 32 concurrent, outputs alternating 16 / 256 (never a loss: >= 0.97x off).
 Acceptance per draft position comes from /metrics after each cell (benchmarks/speculative.py).
 
-Peers: llama.cpp's `llama-server` without and with `--model-draft` (the same two files; its defaults
-for the draft's depth and its minimum draft probability).
+Peers: llama.cpp's `llama-server` without and with `--model-draft` (`--spec-type draft-simple`, the same
+two files): its default depth (3) and 4, tokenloom's.
 
     .venv/bin/python benchmarks/draft_model.py [--settings off,draft,llama-off,llama-draft]
 """
@@ -39,7 +39,9 @@ SETTINGS = {
     "draft-always": ("tokenloom", ["--speculative-config", json.dumps({"model": DRAFT, "num_speculative_tokens": 4,
                                                                        "adaptive": False})]),
     "llama-off": ("llama", LLAMA),
-    "llama-draft": ("llama", [*LLAMA, "--model-draft", "{draft}", "-td", "2"]),
+    "llama-draft": ("llama", [*LLAMA, "--model-draft", "{draft}", "--spec-type", "draft-simple", "-td", "2"]),
+    "llama-draft4": ("llama", [*LLAMA, "--model-draft", "{draft}", "--spec-type", "draft-simple", "-td", "2",
+                               "--spec-draft-n-max", "4"]),
 }
 CELLS = {
     "code": ["--dataset", str(ROOT / "data/code.jsonl"), "--num-prompts", "12", "--max-concurrency", "1",

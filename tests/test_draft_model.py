@@ -129,9 +129,14 @@ class _PricedDraft:
 
     size_ratio: float
 
+    lags: dict[str, int] = dataclasses.field(default_factory=dict)
+
     def __post_init__(self):
         from tokenloom.engine.speculation import StepCost
         self.cost = StepCost()
+
+    def lag(self, seq: Sequence) -> int:
+        return self.lags.get(seq.seq_id, 1)
 
 
 def test_the_policy_drafts_deep_at_batch_1_and_not_at_32_streams():
@@ -150,6 +155,18 @@ def test_the_policy_drafts_deep_at_batch_1_and_not_at_32_streams():
     costly = _policy(ratio=1.0, rows_cost=0.0015)  # drafting with a model as big as the target never pays
     costly.acceptance[one.seq_id] = Acceptance(accepted=9.0, trials=10.0)
     assert costly._draft_depths([one], [10]) == [0]
+
+
+def test_a_long_catch_up_is_paid_only_by_a_long_answer():
+    """A new sequence's draft must first read its whole prompt: worth it for 200 more tokens, not for 4."""
+    policy = _policy(ratio=0.2, rows_cost=0.0015)
+    for tokens in (1, 2, 128, 256):  # a draft round: 7 ms + 1.5 ms a token fed
+        policy.draft.cost.observe(tokens, 0.007 + 0.0015 * tokens)
+    [new] = [Sequence("a", 0, list(range(500)), SamplingParams())]
+    policy.draft.lags[new.seq_id] = 500
+    policy.acceptance[new.seq_id] = Acceptance(accepted=9.0, trials=10.0)
+    assert policy._draft_depths([new], [200])[0] > 0
+    assert policy._draft_depths([new], [4]) == [0]
 
 
 def test_a_draft_model_that_does_not_fit_is_refused_at_start(make_draft_engine, tokenizer, tiny_model):

@@ -42,7 +42,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.size_ratio = size_ratio
-        self.cost = StepCost(prior_ratio=0.05)  # a round of one-token rows: c0 + c1 * rows, measured
+        self.cost = StepCost(prior_ratio=0.05)  # a round's time: d0 + d1 * tokens fed, measured
         self.max_catch_up = max_catch_up
         self.mirrors: dict[str, Sequence] = {}  # sequence id -> its mirror
         self.own: dict[str, int] = {}  # sequence id -> how many of its mirror's first tokens are the sequence's
@@ -61,7 +61,6 @@ class DraftModelProposer:
                     catching_up.append((mirror, self.max_catch_up))
                 else:
                     rows.append((i, mirror, behind))
-        first_round = True
         while rows or catching_up:
             plan = StepPlan()
             fed = []
@@ -76,9 +75,8 @@ class DraftModelProposer:
                 break
             start = time.perf_counter()
             results = self.runner.execute(plan)
-            if not first_round:  # a round of one-token rows: a point of the draft's cost line
-                self.cost.observe(len(plan.scheduled), time.perf_counter() - start)
-            first_round, catching_up = False, []
+            self.cost.observe(plan.num_batched_tokens, time.perf_counter() - start)  # the draft's cost line
+            catching_up = []
             for res in results:
                 res.seq.num_computed_tokens += res.num_tokens
             by_mirror = {id(res.seq): res.token_id for res in results}
@@ -94,19 +92,28 @@ class DraftModelProposer:
             rows = next_rows
         return drafts
 
+    def lag(self, seq: Sequence) -> int:
+        """How many of `seq`'s tokens the draft model must be fed before it drafts (no mirror yet: all)."""
+        mirror = self.mirrors.get(seq.seq_id)
+        return seq.num_tokens - (self._shared(seq, mirror) if mirror is not None else 0)
+
+    def _shared(self, seq: Sequence, mirror: Sequence) -> int:
+        """How many of the mirror's computed tokens are the sequence's: its first `own` tokens were, then
+        come drafts, kept up to the first the sequence did not write (at least the last token is fed
+        again: its row is the one that drafts)."""
+        shared = self.own[seq.seq_id]
+        end = min(mirror.num_computed_tokens, seq.num_tokens)
+        while shared < end and mirror.token_ids[shared] == seq.token_ids[shared]:
+            shared += 1
+        return min(shared, mirror.num_computed_tokens, seq.num_tokens - 1)
+
     def _sync(self, seq: Sequence) -> Sequence:
         """The mirror of `seq`, holding its tokens, computed up to the longest prefix the two share."""
         mirror = self.mirrors.get(seq.seq_id)
         if mirror is None:
             mirror = self.mirrors[seq.seq_id] = Sequence(seq.request_id, seq.index, seq.prompt_token_ids, GREEDY)
             self.own[seq.seq_id] = mirror.num_tokens
-        # The first `own` tokens were the sequence's; after them come drafts, kept up to the first the
-        # sequence did not write.
-        shared = self.own[seq.seq_id]
-        end = min(mirror.num_computed_tokens, seq.num_tokens)
-        while shared < end and mirror.token_ids[shared] == seq.token_ids[shared]:
-            shared += 1
-        shared = min(shared, mirror.num_computed_tokens, seq.num_tokens - 1)  # the last token's row drafts
+        shared = self._shared(seq, mirror)
         mirror.token_ids = list(seq.token_ids)
         self.own[seq.seq_id] = seq.num_tokens
         if shared < mirror.num_computed_tokens:

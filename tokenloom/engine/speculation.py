@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import time
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
@@ -203,6 +204,7 @@ class SpeculationPolicy:
         self.config = config
         self.proposer = NgramProposer(config)
         self.draft = draft
+        self.propose_seconds = 0.0  # the draft model's time in this step
         self.cost = StepCost()
         self.acceptance: dict[str, Acceptance] = {}
         self.overall = Acceptance()  # every sequence's verifications, decayed
@@ -212,9 +214,11 @@ class SpeculationPolicy:
         """Set each sequence's `spec_token_ids` for this step; `limits[i]`: the most drafts sequence i may
         take (what its `max_tokens`, the context length and its grammar leave)."""
         if self.draft is not None:
+            start = time.perf_counter()
             drafts = self.draft.propose(seqs, self._draft_depths(seqs, limits))
             for seq, d in zip(seqs, drafts, strict=True):
                 seq.spec_token_ids = d
+            self.propose_seconds = time.perf_counter() - start
             return
         k = self.config.num_speculative_tokens
         if self.config.adaptive and not self._any_worth(seqs):
@@ -258,8 +262,10 @@ class SpeculationPolicy:
         """How many tokens each sequence asks the draft model for. Unlike a lookup, a draft costs a round
         of the draft model per depth, so this is chosen before drafting: the m sequences most likely to
         be accepted draft k tokens each, (m, k) maximising expected tokens per second
-            E = B + sum_{i<m} sum_{j=1..k} a_i^j,   T = c0 + c1 (B + m k) + k (d0 + d1 m),
-        and nobody drafts where no (m, k) beats the plain step's B / (c0 + c1 B)."""
+            E = B + sum_{i<m} sum_{j=1..k} a_i^j,   T = c0 + c1 (B + m k) + k (d0 + d1 m) + sum_{i<m} o_i,
+        and nobody drafts where no (m, k) beats the plain step's B / (c0 + c1 B). o_i is what sequence i's
+        catch-up costs the draft model (a new sequence's whole prompt), spread over the steps its
+        remaining tokens would take: a short answer never pays for drafting after a long prompt."""
         caps = np.array([max(min(self.config.num_speculative_tokens, lim), 0) for lim in limits], dtype=np.int64)
         if not self.config.adaptive or not seqs:
             return caps.tolist()
@@ -267,6 +273,8 @@ class SpeculationPolicy:
         # A sequence's first drafts are priced at the draft model's recent rate over all sequences.
         prior = Acceptance(2 * self.overall.rate, 2.0)
         rates = np.array([self.acceptance.setdefault(s.seq_id, replace(prior)).rate for s in seqs])
+        catch_up = np.array([max(self.draft.lag(s) - 2, 0) for s in seqs]) * d1
+        catch_up /= np.maximum(np.asarray(limits, dtype=np.float64) / (1 + rates), 1.0)
         order = np.argsort(-rates, kind="stable")
         depth = np.arange(1, self.config.num_speculative_tokens + 1)[None, :]  # [1, k]
         cap = caps[order][:, None]  # [sequence, 1], most likely first
@@ -274,7 +282,8 @@ class SpeculationPolicy:
         expected = len(seqs) + np.cumsum(np.cumsum(np.where(within, rates[order][:, None] ** depth, 0.0), axis=1), axis=0)
         rows = np.cumsum(np.minimum(depth, cap), axis=0)  # draft rows the first m sequences add at depth k
         drafting = np.cumsum(cap > 0, axis=0)  # sequences in a round (a capped one stops early: an upper bound)
-        seconds = c0 + c1 * (len(seqs) + rows) + depth * (d0 + d1 * drafting)
+        seconds = (c0 + c1 * (len(seqs) + rows) + depth * (d0 + d1 * drafting)
+                   + np.cumsum(np.where(cap > 0, catch_up[order][:, None], 0.0), axis=0))
         m, k = np.unravel_index(np.argmax(expected / seconds), expected.shape)
         if expected[m, k] / seconds[m, k] <= len(seqs) / (c0 + c1 * len(seqs)):
             return [0] * len(seqs)
@@ -284,8 +293,8 @@ class SpeculationPolicy:
         return depths
 
     def _draft_costs(self) -> tuple[float, float, float, float]:
-        """A target step's (c0, c1) and a draft round's (d0, d1), in seconds. Before one of them was
-        timed, it is priced from the other at the models' size ratio."""
+        """A target step's (c0, c1) per row and a draft round's (d0, d1) per token fed, in seconds. Before
+        one of them was timed, it is priced from the other at the models' size ratio."""
         c0, c1 = self.cost.coefficients()
         d0, d1 = self.draft.cost.coefficients()
         ratio = self.draft.size_ratio
@@ -301,7 +310,10 @@ class SpeculationPolicy:
         self.stats.record(proposed, accepted)
 
     def observe_step(self, rows: int, seconds: float) -> None:
-        """A step that only decoded (with or without drafts): a point of the cost fit."""
+        """A step that only decoded (with or without drafts): a point of the cost fit, without the time
+        the draft model took (priced on its own: counted in both, drafting would look twice as dear)."""
+        seconds -= self.propose_seconds
+        self.propose_seconds = 0.0
         if rows > 0 and math.isfinite(seconds) and seconds > 0:
             self.cost.observe(rows, seconds)
 
