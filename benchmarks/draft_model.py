@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from server_process import start_server, stop
-from speculative import PORT, bench, spec_counters
+from speculative import PORT, run_cells
 
 from tokenloom.model import catalog
 from tokenloom.model.kernels import cpu_flags
@@ -72,25 +72,7 @@ def main() -> None:
         print(f"== {name}", flush=True)
         proc = start_server(server_command(*SETTINGS[name]), PORT, raw / f"{name}.log")
         try:
-            bench(["--num-prompts", "2", "--output-len", "8"], raw / "warm-up.json")
-            before = spec_counters()
-            rows[name] = {}
-            for cell, cell_args in CELLS.items():
-                res = bench(cell_args, raw / f"{name}-{cell}.json")
-                after = spec_counters()
-                drafted = after["draft_tokens"] - before["draft_tokens"]
-                accepted = after["accepted_tokens"] - before["accepted_tokens"]
-                per_pos = {p: after["per_pos"][p] - before["per_pos"].get(p, 0.0) for p in after["per_pos"]}
-                rows[name][cell] = {
-                    "output_tok_s": res["output_throughput"], "median_tpot_ms": res["median_tpot_ms"],
-                    "median_ttft_ms": res["median_ttft_ms"], "completed": res["completed"],
-                    "total_output_tokens": res["total_output_tokens"], "draft_tokens": drafted,
-                    "accepted_tokens": accepted, "acceptance_rate": accepted / drafted if drafted else None,
-                    "accepted_per_pos": [per_pos[p] for p in sorted(per_pos)],
-                }
-                before = after
-                print(f"  {cell}: {res['output_throughput']:.1f} tok/s, TPOT {res['median_tpot_ms']:.1f} ms, "
-                      f"drafts {drafted:.0f}, accepted {accepted:.0f}", flush=True)
+            rows[name] = run_cells(CELLS, raw / name)
         finally:
             stop(proc)
     for name, cells in rows.items():  # each setting against its own server without speculation

@@ -102,6 +102,30 @@ def bench(cell_args: list[str], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def run_cells(cells: dict[str, list[str]], prefix: Path) -> dict[str, dict]:
+    """A warm-up, then each cell against the server on PORT: its figures and the speculation counters'
+    change over it (results in `{prefix}-{cell}.json`)."""
+    bench(["--num-prompts", "2", "--output-len", "8"], prefix.with_name("warm-up.json"))
+    before, rows = spec_counters(), {}
+    for cell, cell_args in cells.items():
+        res = bench(cell_args, prefix.with_name(f"{prefix.name}-{cell}.json"))
+        after = spec_counters()
+        drafted = after["draft_tokens"] - before["draft_tokens"]
+        accepted = after["accepted_tokens"] - before["accepted_tokens"]
+        per_pos = {p: after["per_pos"][p] - before["per_pos"].get(p, 0.0) for p in after["per_pos"]}
+        rows[cell] = {
+            "output_tok_s": res["output_throughput"], "median_tpot_ms": res["median_tpot_ms"],
+            "median_ttft_ms": res["median_ttft_ms"], "completed": res["completed"],
+            "total_output_tokens": res["total_output_tokens"], "draft_tokens": drafted,
+            "accepted_tokens": accepted, "acceptance_rate": accepted / drafted if drafted else None,
+            "accepted_per_pos": [per_pos[p] for p in sorted(per_pos)],
+        }
+        before = after
+        print(f"  {cell}: {res['output_throughput']:.1f} tok/s, TPOT {res['median_tpot_ms']:.1f} ms, "
+              f"drafts {drafted:.0f}, accepted {accepted:.0f}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "results/speculative.json"))
@@ -116,28 +140,7 @@ def main() -> None:
         cmd, env = server_command(*SETTINGS[name])
         proc = start_server(cmd, PORT, raw / f"{name}.log", env)
         try:
-            subprocess.run([os.path.join(os.path.dirname(sys.executable), "tokenloom"), "bench", "serve",
-                            "--base-url", f"http://127.0.0.1:{PORT}", "--no-progress", "--num-prompts", "2",
-                            "--output-len", "8"], check=True, stdout=subprocess.DEVNULL)  # warm-up
-            before = spec_counters()
-            rows[name] = {}
-            for cell, cell_args in CELLS.items():
-                res = bench(cell_args, raw / f"{name}-{cell}.json")
-                after = spec_counters()
-                drafted = after["draft_tokens"] - before["draft_tokens"]
-                accepted = after["accepted_tokens"] - before["accepted_tokens"]
-                per_pos = {p: after["per_pos"][p] - before["per_pos"].get(p, 0.0) for p in after["per_pos"]}
-                rows[name][cell] = {
-                    "output_tok_s": res["output_throughput"], "median_tpot_ms": res["median_tpot_ms"],
-                    "median_ttft_ms": res["median_ttft_ms"], "completed": res["completed"],
-                    "total_output_tokens": res["total_output_tokens"],
-                    "draft_tokens": drafted, "accepted_tokens": accepted,
-                    "acceptance_rate": accepted / drafted if drafted else None,
-                    "accepted_per_pos": [per_pos[p] for p in sorted(per_pos)],
-                }
-                before = after
-                print(f"  {cell}: {res['output_throughput']:.1f} tok/s, drafts {drafted:.0f}, accepted {accepted:.0f}",
-                      flush=True)
+            rows[name] = run_cells(CELLS, raw / name)
         finally:
             stop(proc)
     for name, cells in rows.items():  # each setting against its own server without speculation
