@@ -177,3 +177,13 @@ def test_a_draft_model_that_does_not_fit_is_refused_at_start(make_draft_engine, 
         LLMEngine(EngineConfig(max_model_len=256, num_kv_blocks=64,
                                speculative_config={"model": "/no/such/draft.gguf"}),
                   model=tiny_model, tokenizer=tokenizer)
+
+
+@pytest.mark.slow
+def test_a_draft_model_with_another_tokenizer_is_refused_by_name():
+    """Gemma 3's 262k-token vocabulary drafting for SmolLM2: refused at start-up, naming the key."""
+    from tokenloom.model import catalog
+
+    gemma = str(catalog.pull("gemma-3-270m", progress=False, log=lambda _: None))
+    with pytest.raises(ValueError, match="speculative_config.model: .* has another tokenizer"):
+        LLM(quantization="auto", speculative_config={"model": gemma})
