@@ -26,6 +26,7 @@ import hmac
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -85,6 +86,7 @@ class DashboardHub:
         self.snapshots = 0
         self.frames_dropped = 0
         self.viewers_cut_off = 0  # stalled viewers dropped after SEND_TIMEOUT_S
+        self.build_seconds = 0.0  # engine-thread time spent building snapshots (what the engine pays)
 
     def join(self, rate: float) -> Viewer:
         if len(self.viewers) >= self.max_viewers:
@@ -107,14 +109,21 @@ class DashboardHub:
         return {"viewers": len(self.viewers), "max_viewers": self.max_viewers,
                 "ticker_running": self._ticker is not None and not self._ticker.done(),
                 "tasks": len(asyncio.all_tasks()), "snapshots": self.snapshots,
-                "frames_dropped": self.frames_dropped, "viewers_cut_off": self.viewers_cut_off}
+                "frames_dropped": self.frames_dropped, "viewers_cut_off": self.viewers_cut_off,
+                "build_ms_total": round(self.build_seconds * 1000, 3)}
+
+    def _build(self, engine) -> tuple[dict, float]:
+        started = time.perf_counter()
+        snap = self.recorder.build(engine)
+        return snap, time.perf_counter() - started
 
     async def _tick(self) -> None:
         loop = asyncio.get_running_loop()
         while self.viewers:
             started = loop.time()
             try:
-                snap = await asyncio.wait_for(self.async_llm.call_on_engine(self.recorder.build), BUILD_TIMEOUT_S)
+                snap, cost = await asyncio.wait_for(self.async_llm.call_on_engine(self._build), BUILD_TIMEOUT_S)
+                self.build_seconds += cost
             except Exception as exc:  # noqa: BLE001 - a dead or stuck engine is shown, not raised
                 snap = {"error": f"no snapshot: {exc!r}"}
             self.snapshots += 1
