@@ -175,6 +175,7 @@ class LiveServer:
         return httpx.get(f"{self.url}/dashboard/stats", headers=headers, timeout=10).json()
 
     def stop(self) -> None:
+        self.app.state.tokenloom.shutting_down = True  # as on SIGTERM: open streams end, uvicorn can stop
         self.server.should_exit = True
         self.thread.join(30)
 
@@ -275,11 +276,15 @@ def test_disabled_dashboard_is_404(live):
 def test_viewer_cap_is_a_clear_503(live):
     srv = live(max_viewers=2)
     with contextlib.ExitStack() as stack:
+        readers = []  # each line iterator is kept: dropping one closes its connection
         for _ in range(2):
             r = stack.enter_context(httpx.stream("GET", f"{srv.url}/dashboard/stream", timeout=30))
             assert r.status_code == 200
-            next(r.iter_lines())
-        r = httpx.get(f"{srv.url}/dashboard/stream", timeout=10)
+            readers.append(r.iter_lines())
+            next(readers[-1])
+        assert srv.stats()["viewers"] == 2
+        with httpx.stream("GET", f"{srv.url}/dashboard/stream", timeout=10) as r:  # never hangs on a 200
+            r.read() if r.status_code != 200 else None
         err = error_of(r, 503)
         assert err["code"] == "too_many_viewers" and "--dashboard-max-viewers 2" in err["message"]
         assert int(r.headers["Retry-After"]) >= 1
