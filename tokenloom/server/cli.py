@@ -37,7 +37,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, /dashboard* "
                         "(default: $TOKENLOOM_API_KEY; unset = no auth)")
     p.add_argument("--metrics-token", default=os.environ.get("TOKENLOOM_METRICS_TOKEN"),
                    help="a scrape-only token: /metrics then needs 'Bearer TOKEN' (not the API key) and shows "
