@@ -142,7 +142,7 @@ def test_page_assets_are_inlined_and_fetch_nothing_else():
     html = page_html()
     assert "/*__DASHBOARD" not in html and "function drawKV" in html and "--prefill" in html
     lowered = html.lower()
-    for outside in ("http://", "https://", "<script src", "<link", "@import", "new eventsource"):
+    for outside in ("http://", "https://", "<script src", "stylesheet", "@import", "url(", "new eventsource"):
         assert outside not in lowered, outside
 
 

@@ -218,8 +218,7 @@
     ctx.fillStyle = C.muted;
     ctx.textAlign = "center";
     for (const f of [0, 0.25, 0.5, 0.75, 1]) ctx.fillText(String(Math.round(budget * f)), x(budget * f), axisY + 9);
-    ctx.textAlign = "left";
-    ctx.fillText("tokens this step", left + plot + 4, axisY + 9);
+    ctx.fillText("tokens this step", left + plot / 2, axisY + 22);
     if (!rows.length) {
       ctx.fillStyle = C.muted;
       ctx.fillText(snap.num_running ? "no row of the last step is still running" : "idle: nothing running", left, top + 8);
