@@ -121,7 +121,7 @@ class EngineRecorder:
         if step is not None:
             drafts = step.row_drafts or [0] * len(step.seq_ids)
             for seq_id, (n, context), d in zip(step.seq_ids, step.shape.rows, drafts, strict=False):
-                rid, _, index = seq_id.rpartition("#")
+                rid = seq_id.rpartition("#")[0]
                 state = live.get(rid)
                 if state is None:
                     continue
