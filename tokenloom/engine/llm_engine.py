@@ -89,6 +89,7 @@ class StepStats:
     num_padding: int = 0  # static/dynamic batching: finished members' slots computed as padding
     num_draft_tokens: int = 0  # speculative drafts scored in the step (counted in num_batched_tokens)
     num_accepted_tokens: int = 0  # of those, accepted
+    row_drafts: list[int] | None = None  # per row of `shape`, its speculative drafts (the dashboard's rows)
 
 
 @dataclass
@@ -341,7 +342,8 @@ class LLMEngine:
             if steps.samples(seq, n) and (rows := self._row_constraints(seq)) is not None:
                 plan.constraints[k] = rows
         plan.shape  # noqa: B018 -- cache the shape before the sequences advance
-        num_drafts = sum(len(seq.spec_token_ids) for seq, _ in plan.scheduled)
+        row_drafts = [len(seq.spec_token_ids) for seq, _ in plan.scheduled]  # cleared as the rows advance
+        num_drafts = sum(row_drafts)
         accepted_before = self.speculation.stats.num_accepted_tokens if self.speculation is not None else 0
         changed: dict[str, RequestState] = {}
         try:
@@ -376,7 +378,7 @@ class LLMEngine:
         if any(out.error is not None for out in outputs):
             self._check_after_failure()
         accepted = self.speculation.stats.num_accepted_tokens - accepted_before if self.speculation is not None else 0
-        self._record_step(plan, start, self.clock(), outputs, num_drafts, accepted)
+        self._record_step(plan, start, self.clock(), outputs, num_drafts, accepted, row_drafts)
         return outputs
 
     def _forget(self, state: RequestState) -> None:
@@ -607,7 +609,7 @@ class LLMEngine:
         )
 
     def _record_step(self, plan: StepPlan, start: float, end: float, outputs: list[RequestOutput],
-                     num_drafts: int = 0, num_accepted: int = 0) -> None:
+                     num_drafts: int = 0, num_accepted: int = 0, row_drafts: list[int] | None = None) -> None:
         # A row with drafts decodes one token and scores the drafts (rows are (tokens, context) pairs).
         decode = sum(1 for n, _ in plan.shape.rows if steps.is_decode(n)) + plan.shape.num_draft_rows
         stats = StepStats(
@@ -624,6 +626,7 @@ class LLMEngine:
             num_padding=plan.num_padding,
             num_draft_tokens=num_drafts,
             num_accepted_tokens=num_accepted,
+            row_drafts=row_drafts,
         )
         if self.speculation is not None and stats.num_prefill_tokens == 0:
             self.speculation.observe_step(stats.num_batched_tokens, stats.duration)

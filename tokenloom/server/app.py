@@ -1,7 +1,7 @@
 """The FastAPI application: `build_app(async_llm, served_model_name, api_key, ...)`.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /tokenize,
-/detokenize, /metrics. The app's lifespan starts the AsyncLLM's engine thread and, on shutdown,
+/detokenize, /metrics, /dashboard (and its /stream, /stats: dashboard.py). The app's lifespan starts the AsyncLLM's engine thread and, on shutdown,
 lets in-flight requests finish (up to `shutdown_timeout`) before stopping it. Auth and the body
 limit are pure-ASGI middleware (see middleware.py); every error is OpenAI-shaped (errors.py).
 """
@@ -20,6 +20,7 @@ from ..engine.async_llm import AsyncLLM
 from ..model.lora import LoRARequest
 from .chat import create_chat_completion, render_prompt_ids
 from .completions import create_completion
+from .dashboard import DashboardOptions, add_dashboard_routes
 from .errors import APIError, install_error_handlers
 from .lora_routes import add_lora_routes
 from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware
@@ -64,10 +65,12 @@ def build_app(
     trust_chat_messages: bool = False,
     lora_modules: list[LoRARequest] | None = None,
     allow_runtime_lora_updating: bool = False,
+    dashboard: DashboardOptions | None = None,
 ) -> FastAPI:
     """`metrics_token`/`metrics_open`: who reads /metrics (tenancy.MetricsAccess); `client_priority`:
     the `priority` values a client may send; `trust_chat_messages`: chat message content may
-    spell control tokens that take effect (off: content is text, see chat_text.py)."""
+    spell control tokens that take effect (off: content is text, see chat_text.py); `dashboard`: the
+    live view's options (dashboard.py; on by default)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     state = ServerState(async_llm, names or ["tokenloom"], model_path, metrics,
                         client_priority=client_priority or ClientPriorityRange(),
@@ -171,6 +174,9 @@ def build_app(
         return Response(text if view == "full" else public_metrics(text), media_type=CONTENT_TYPE)
 
     add_lora_routes(app, state, allow_runtime_lora_updating)
+    dashboard = dashboard or DashboardOptions()
+    if dashboard.enabled:
+        add_dashboard_routes(app, state, api_key, dashboard)  # checks the key itself (a browser's 401 page)
 
     # Starlette runs the middleware added last first: auth (headers only) before anything reads a
     # body, then the size limits, then the app.

@@ -37,7 +37,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, /dashboard* "
                         "(default: $TOKENLOOM_API_KEY; unset = no auth)")
     p.add_argument("--metrics-token", default=os.environ.get("TOKENLOOM_METRICS_TOKEN"),
                    help="a scrape-only token: /metrics then needs 'Bearer TOKEN' (not the API key) and shows "
@@ -72,6 +72,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--request-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT,
                    help="seconds a connection may take to send a whole request (headers and body); "
                         "slower clients are disconnected")
+    p.add_argument("--disable-dashboard", action="store_true",
+                   help="no /dashboard page and stream (404); the page is behind --api-key like the API")
+    p.add_argument("--dashboard-max-viewers", type=_positive_int, default=16,
+                   help="dashboard streams open at once; beyond it 503 + Retry-After (default: 16)")
+    p.add_argument("--dashboard-show-text", action="store_true",
+                   help="show prompts and outputs on the dashboard (default: request ids, counts and times only)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -81,6 +87,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     # stall-free (decodes slow down at most 1.5x while a prompt prefills); --stall-free-factor 0: off.
     p.set_defaults(func=cmd_serve, quantization="auto", stall_free_factor=1.5)
     return p
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 # llama.cpp's file-name suffix for the weight format (`.Q4_1`, `.Q4_K_M`, `-F16`): not part of a model's name.
@@ -129,6 +142,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..model import catalog
     from ..model.load import model_path, set_num_threads
     from .app import build_app
+    from .dashboard import DashboardOptions
     from .lora_routes import parse_lora_modules
     from .tenancy import ClientPriorityRange
 
@@ -168,6 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         client_priority=ClientPriorityRange(args.min_client_priority, args.max_client_priority),
         trust_chat_messages=args.trust_chat_messages,
         lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        dashboard=DashboardOptions(not args.disable_dashboard, args.dashboard_max_viewers, args.dashboard_show_text),
     )
     logging.getLogger("tokenloom.server").info(
         "serving %s on http://%s:%d (torch threads %d, auth %s)",

@@ -1,0 +1,369 @@
+"""The dashboard's snapshot (engine/snapshot.py) and its routes (server/dashboard.py) on the tiny
+random model: what a snapshot holds and what it costs, and the stream's bounds (auth, rate, viewer cap,
+vanishing viewers, a viewer that never reads, shutdown) against a real uvicorn in this process, so
+disconnects are real socket closes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from tokenloom import SamplingParams
+from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.snapshot import EngineRecorder
+from tokenloom.server.app import build_app
+from tokenloom.server.dashboard import DashboardOptions, page_html
+
+# -- the snapshot -----------------------------------------------------------------------------------
+
+
+def _run(engine, steps: int | None = None) -> None:
+    n = 0
+    while engine.has_unfinished_requests() and (steps is None or n < steps):
+        engine.step()
+        n += 1
+
+
+def test_snapshot_shows_batch_queues_kv_and_is_json(make_engine):
+    engine = make_engine(max_num_seqs=2, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    rec = EngineRecorder(engine, "tiny")
+    long_prompt = list(range(10, 110))  # 100 tokens: two prompt chunks under a 64-token budget
+    engine.add_request("long", long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("short", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True, priority=3))
+    engine.add_request("queued", [8, 9], SamplingParams(max_tokens=2, ignore_eos=True, priority=7))
+    engine.step()
+    snap = rec.build()
+    json.dumps(snap, allow_nan=False)  # plain JSON, as the stream sends it
+    assert snap["step"]["rows"] == [{"id": "long", "tokens": 64, "kind": "prefill", "drafts": 0, "context": 64}]
+    assert snap["step"]["used"] == 64 == snap["step"]["budget"]
+    assert [(r["id"], r["priority"], r["prompt_tokens"]) for r in snap["waiting"]] == [("short", 3, 3), ("queued", 7, 2)]
+    kv = snap["kv"]
+    assert len(kv["map"]) == kv["num_blocks"] == 256
+    assert kv["used"] == snap["running"][0]["blocks"] == kv["map"].count("1") == 4
+    assert kv["free"] == kv["map"].count("0") == 256 - 4
+    engine.step()  # the rest of "long"'s prompt and all of "short"'s (max_num_seqs 2: "queued" waits)
+    snap = rec.build()
+    assert [(r["id"], r["tokens"], r["kind"], r["context"]) for r in snap["step"]["rows"]] == [
+        ("long", 36, "prefill", 100), ("short", 3, "prefill", 3)]
+    assert [r["id"] for r in snap["running"]] == ["long", "short"] and snap["num_waiting"] == 1
+    engine.step()
+    rows = rec.build()["step"]["rows"]
+    assert [(r["id"], r["tokens"], r["kind"]) for r in rows] == [("long", 1, "decode"), ("short", 1, "decode")]
+    _run(engine)
+    snap = rec.build()
+    assert snap["step"]["rows"] == [] and snap["running"] == [] and snap["waiting"] == []
+    assert {r["id"]: r["reason"] for r in snap["timeline"]} == {"long": "length", "short": "length", "queued": "length"}
+    for r in snap["timeline"]:
+        assert r["arrival"] <= r["scheduled"] <= r["first_token"] <= r["end"] <= 0
+    assert snap["series"]["ttft_ms"] and sum(b[1] for b in snap["series"]["buckets"]) == 4 + 8 + 2
+
+
+def test_snapshot_kv_map_codes_cached_and_shared_blocks(make_engine):
+    engine = make_engine(block_size=16)
+    rec = EngineRecorder(engine)
+    prefix = list(range(100, 164))  # four full blocks
+    engine.add_request("a", prefix + [1], SamplingParams(max_tokens=20, ignore_eos=True))
+    _run(engine, 2)
+    engine.add_request("b", prefix + [2], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    kv = rec.build()["kv"]
+    assert kv["shared"] == 4 and kv["map"][:4] == "3333"  # "a"'s prompt blocks, hit by "b"
+    assert kv["hit_rate"] == pytest.approx(64 / (65 + 65), abs=1e-4)
+    _run(engine)
+    kv = rec.build()["kv"]
+    assert kv["used"] == kv["shared"] == 0 and kv["cached"] >= 4  # free, still holding prefix keys
+    assert kv["map"].count("2") == kv["cached"]
+
+
+def test_snapshot_marks_preemption_and_abort(make_engine):
+    # Six blocks of 16 tokens: two sequences growing to 48 tokens each cannot both stay.
+    engine = make_engine(num_kv_blocks=6, block_size=16, max_model_len=96)
+    rec = EngineRecorder(engine)
+    rec.watched = True
+    for rid in ("p", "q"):
+        engine.add_request(rid, list(range(1, 31)), SamplingParams(max_tokens=40, ignore_eos=True))
+    preempted = False
+    while engine.has_unfinished_requests() and not preempted:
+        engine.step()
+        preempted = engine.scheduler.num_preemptions > 0
+    assert preempted
+    snap = rec.build()
+    marks = {r["id"]: r["preempted"] for r in snap["timeline"]}
+    assert sum(len(m) for m in marks.values()) == engine.scheduler.num_preemptions
+    assert all(-5 < t <= 0 for m in marks.values() for t in m)
+    victim = next(s for s in engine.scheduler.waiting)
+    assert victim.request_id in [r["id"] for r in snap["waiting"]]
+    engine.abort_request(victim.request_id)
+    snap = rec.build()
+    ended = {r["id"]: r["reason"] for r in snap["timeline"]}
+    assert ended[victim.request_id] == "abort"
+    assert victim.request_id not in [r["id"] for r in snap["waiting"] + snap["running"] + snap["step"]["rows"]]
+    _run(engine)
+
+
+def test_snapshot_text_only_with_the_flag(make_engine):
+    engine = make_engine()
+    hidden, shown = EngineRecorder(engine), EngineRecorder(engine, show_text=True)
+    engine.add_request("t", "a secret prompt", SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    assert "secret" not in json.dumps(hidden.build())
+    assert shown.build()["running"][0]["prompt"] == "a secret prompt"
+    _run(engine)
+
+
+def test_snapshot_of_a_2000_block_pool_costs_well_under_a_millisecond(make_engine):
+    engine = make_engine(num_kv_blocks=2000)
+    rec = EngineRecorder(engine)
+    for i in range(16):
+        engine.add_request(f"r{i}", list(range(1, 200 + i)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    rec.build()
+    best = min(_timed(rec.build) for _ in range(30))
+    assert best < 0.001, f"a snapshot took {best * 1000:.2f} ms"
+    _run(engine)
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def test_page_assets_are_inlined_and_fetch_nothing_else():
+    html = page_html()
+    assert "/*__DASHBOARD" not in html and "function drawKV" in html and "--prefill" in html
+    lowered = html.lower()
+    for outside in ("http://", "https://", "<script src", "stylesheet", "@import", "url(", "new eventsource"):
+        assert outside not in lowered, outside
+
+
+# -- the routes, on a real server in this process ---------------------------------------------------
+
+
+class LiveServer:
+    """build_app + uvicorn on a free port, in a thread with its own event loop."""
+
+    def __init__(self, engine, api_key: str | None = None, **options):
+        self.async_llm = AsyncLLM(engine, num_threads=1)
+        self.app = build_app(self.async_llm, "tiny", api_key, shutdown_timeout=2,
+                             dashboard=DashboardOptions(**options))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on"))
+        self.server.install_signal_handlers = lambda: None  # not the main thread
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+        self.hub = self.app.state.dashboard if options.get("enabled", True) else None
+
+    def stats(self, **headers) -> dict:
+        return httpx.get(f"{self.url}/dashboard/stats", headers=headers, timeout=10).json()
+
+    def stop(self) -> None:
+        self.app.state.tokenloom.shutting_down = True  # as on SIGTERM: open streams end, uvicorn can stop
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture
+def live(make_engine):
+    servers: list[LiveServer] = []
+
+    def start(api_key=None, engine_kwargs=None, **options):
+        server = LiveServer(make_engine(**(engine_kwargs or {})), api_key, **options)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def read_frames(url: str, count: int, headers=None, params=None, timeout: float = 30) -> list[dict]:
+    frames = []
+    with httpx.stream("GET", f"{url}/dashboard/stream", headers=headers, params=params, timeout=timeout) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                frames.append(json.loads(line[6:]))
+                if len(frames) == count:
+                    break
+    return frames
+
+
+def error_of(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    return err
+
+
+def test_stream_sends_snapshots_while_the_engine_serves(live):
+    srv = live()
+    done = []
+
+    def complete():
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hello", "max_tokens": 40, "ignore_eos": True},
+                       timeout=60)
+        done.append(r.status_code)
+
+    worker = threading.Thread(target=complete)
+    worker.start()
+    frames = read_frames(srv.url, 6, params={"rate": "10"})
+    worker.join(60)
+    assert done == [200]
+    assert all(f["model"] == "tiny" and len(f["kv"]["map"]) == f["kv"]["num_blocks"] for f in frames)
+    assert [f["server"]["viewers"] for f in frames] == [1] * 6
+    steps = [f["step"]["number"] for f in frames]
+    assert steps == sorted(steps)
+    gaps = [b["now"] - a["now"] for a, b in itertools.pairwise(frames)]
+    assert min(gaps) >= 0.08, gaps  # at most 10 a second, whatever the engine does
+
+
+def test_stream_query_is_validated(live):
+    srv = live()
+    for query, param in [("rate=abc", "rate"), ("rate=0", "rate"), ("rate=11", "rate"), ("rate=nan", "rate"),
+                         ("rate=1&rate=2", "rate"), ("token=secret", "token"), ("rate=inf", "rate")]:
+        r = httpx.get(f"{srv.url}/dashboard/stream?{query}", timeout=10)
+        err = error_of(r, 400, param)
+        assert err["type"] == "invalid_request_error", query
+    assert srv.stats()["viewers"] == 0
+
+
+def test_dashboard_needs_the_api_key_and_never_in_the_url(live):
+    srv = live(api_key="sekrit")
+    for path in ("/dashboard", "/dashboard/stream", "/dashboard/stats"):
+        err = error_of(httpx.get(srv.url + path, timeout=10), 401)
+        assert err["code"] == "invalid_api_key"
+        error_of(httpx.get(srv.url + path, headers={"Authorization": "Bearer wrong"}, timeout=10), 401)
+    # A browser gets the key form, still as a 401, holding no engine data.
+    r = httpx.get(f"{srv.url}/dashboard", headers={"Accept": "text/html"}, timeout=10)
+    assert r.status_code == 401 and "sessionStorage" in r.text and "tiny" not in r.text and "kv" not in r.text
+    good = {"Authorization": "Bearer sekrit"}
+    r = httpx.get(f"{srv.url}/dashboard", headers=good, timeout=10)
+    assert r.status_code == 200 and "function drawKV" in r.text
+    assert read_frames(srv.url, 1, headers=good)[0]["model"] == "tiny"
+    # A key in the query string is not a way in (and is refused as an unknown parameter once in).
+    error_of(httpx.get(f"{srv.url}/dashboard/stream?api_key=sekrit", timeout=10), 401)
+    error_of(httpx.get(f"{srv.url}/dashboard/stream?api_key=sekrit", headers=good, timeout=10), 400, "api_key")
+
+
+def test_disabled_dashboard_is_404(live):
+    srv = live(enabled=False)
+    for path in ("/dashboard", "/dashboard/stream", "/dashboard/stats"):
+        error_of(httpx.get(srv.url + path, timeout=10), 404)
+    listeners = srv.async_llm.engine.step_listeners
+    assert not any(isinstance(getattr(fn, "__self__", None), EngineRecorder) for fn in listeners)  # no cost at all
+
+
+def test_viewer_cap_is_a_clear_503(live):
+    srv = live(max_viewers=2)
+    with contextlib.ExitStack() as stack:
+        readers = []  # each line iterator is kept: dropping one closes its connection
+        for _ in range(2):
+            r = stack.enter_context(httpx.stream("GET", f"{srv.url}/dashboard/stream", timeout=30))
+            assert r.status_code == 200
+            readers.append(r.iter_lines())
+            next(readers[-1])
+        assert srv.stats()["viewers"] == 2
+        with httpx.stream("GET", f"{srv.url}/dashboard/stream", timeout=10) as r:  # never hangs on a 200
+            r.read() if r.status_code != 200 else None
+        err = error_of(r, 503)
+        assert err["code"] == "too_many_viewers" and "--dashboard-max-viewers 2" in err["message"]
+        assert int(r.headers["Retry-After"]) >= 1
+    assert _wait(lambda: srv.stats()["viewers"] == 0)
+
+
+def _wait(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_fifty_vanishing_viewers_leave_no_task_or_viewer_behind(live):
+    srv = live()
+    assert _wait(lambda: srv.stats()["viewers"] == 0)
+    base_tasks = srv.stats()["tasks"]
+    for round_ in range(3):
+        for _ in range(50):
+            with httpx.stream("GET", f"{srv.url}/dashboard/stream", params={"rate": "10"}, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        break  # one frame, then the viewer vanishes (the connection closes)
+        assert _wait(lambda: srv.stats()["viewers"] == 0 and not srv.stats()["ticker_running"]), srv.stats()
+        assert srv.stats()["tasks"] <= base_tasks, (round_, srv.stats(), base_tasks)
+    assert srv.hub.snapshots >= 150
+    assert srv.async_llm.engine.has_unfinished_requests() is False
+
+
+def test_a_viewer_that_never_reads_does_not_stop_the_engine(live):
+    srv = live()
+    sock = socket.create_connection(("127.0.0.1", srv.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.sendall(b"GET /dashboard/stream?rate=10 HTTP/1.1\r\nHost: x\r\n\r\n")  # and never read
+    try:
+        assert _wait(lambda: srv.stats()["viewers"] == 1)
+        for _ in range(3):
+            r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 16}, timeout=60)
+            assert r.status_code == 200
+        frames = read_frames(srv.url, 3, params={"rate": "10"})  # another viewer still gets frames
+        assert frames[-1]["server"]["viewers"] == 2
+    finally:
+        sock.close()
+    assert _wait(lambda: srv.stats()["viewers"] == 0)
+
+
+def test_streams_end_when_the_server_shuts_down(live):
+    srv = live()
+    lines: list[str] = []
+
+    def watch():
+        with httpx.stream("GET", f"{srv.url}/dashboard/stream", timeout=30) as r:
+            lines.extend(r.iter_lines())
+
+    t = threading.Thread(target=watch)
+    t.start()
+    assert _wait(lambda: srv.stats()["viewers"] == 1)
+    started = time.monotonic()
+    srv.app.state.tokenloom.shutting_down = True  # as begin_shutdown does on SIGTERM
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - started < 5
+    assert "event: end" in lines
+    r = httpx.get(f"{srv.url}/dashboard/stream", timeout=10)
+    assert error_of(r, 503)["code"] == "shutting_down"
+
+
+def test_engine_call_runs_on_the_engine_thread(make_engine):
+    async def main():
+        async_llm = AsyncLLM(make_engine(), num_threads=1)
+        async_llm.start()
+        try:
+            name = await async_llm.call_on_engine(lambda engine: threading.current_thread().name)
+            with pytest.raises(ZeroDivisionError):
+                await async_llm.call_on_engine(lambda engine: 1 / 0)
+            assert async_llm.is_healthy  # a failing call is the caller's, not the engine's
+            return name
+        finally:
+            await async_llm.shutdown()
+
+    assert asyncio.run(main()) == "tokenloom-engine"

@@ -1,0 +1,236 @@
+"""The dashboard in a real browser: headless Chromium (Debian's `chromium`, driven by Playwright for
+Python) against a real `tokenloom serve` of the bundled SmolLM2 under load from concurrent requests.
+
+One server for the whole module (never two at once on a shared machine), with an API key (so every
+test also goes through the key form) and a KV cache of 24 blocks of 16 tokens: a few concurrent
+requests of ~170 tokens each cannot all keep their blocks, so the scheduler preempts.
+
+The views are read from the data-* attributes each view writes as it draws (what the page drew, not
+what the server sent). Run with TOKENLOOM_DASHBOARD_SCREENSHOT=docs/dashboard.png to save the
+screenshot of the page under load that the README shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+from conftest_server import ServerProcess, wait_for
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+KEY = "dash-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SERVER_ARGS = ["--num-kv-blocks", "24", "--block-size", "16", "--max-model-len", "384", "--max-num-seqs", "8",
+               "--dashboard-max-viewers", "64"]
+PROMPT = "Write a long story about a lighthouse keeper and the sea, with many details about the weather."
+
+
+@pytest.fixture(scope="module")
+def browser():
+    # A missing browser is a failure that says what to do, never a silent skip.
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: the dashboard's browser tests need Debian's chromium. Install it with "
+                    "`apt-get install chromium` (as root; `make install` does it), not `playwright install`.")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("playwright is missing: `pip install playwright` (in the test extras: `make install`)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess(SERVER_ARGS, api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+class Dashboard:
+    """One browser tab on /dashboard, logged in through the key form."""
+
+    def __init__(self, browser, server, key: str = KEY):
+        self.context = browser.new_context(viewport={"width": 1440, "height": 1100})
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.urls: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
+        self.page.on("request", lambda r: self.urls.append(r.url))
+        response = self.page.goto(f"{server.url}/dashboard")
+        assert response.status == 401  # no key yet: the form, not the page
+        self.page.fill("#key", key)
+        self.page.click("button[type=submit]")
+
+    def wait_live(self) -> None:
+        self.page.wait_for_selector("#status.live", timeout=60_000)
+        # The only console errors so far: Chromium's notice of the 401 that served the key form.
+        assert all("401" in e for e in self.errors), self.errors
+        self.errors.clear()
+
+    def data(self, selector: str) -> dict:
+        return self.page.eval_on_selector(selector, "el => Object.assign({}, el.dataset)")
+
+    def ids(self, selector: str) -> list[str]:
+        value = self.data(selector).get("ids", "")
+        return value.split(",") if value else []
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@pytest.fixture
+def dashboard(browser, server):
+    tabs: list[Dashboard] = []
+
+    def open_tab(**kwargs) -> Dashboard:
+        tab = Dashboard(browser, server, **kwargs)
+        tabs.append(tab)
+        return tab
+
+    yield open_tab
+    for tab in tabs:
+        tab.close()
+
+
+def stream_completion(url: str, body: dict, ids: list, stop: threading.Event | None = None,
+                      chunks_before_close: int | None = None) -> None:
+    """A streaming completion; with `chunks_before_close`, the client closes the connection after that
+    many chunks (or when `stop` is set): an abort by its client."""
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=300) as r:
+        assert r.status_code == 200
+        n = 0
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            if n == 0:
+                ids.append(json.loads(line[6:])["id"])
+            n += 1
+            if chunks_before_close is not None and (n >= chunks_before_close or (stop and stop.is_set())):
+                return  # leaving the block closes the connection mid-stream
+
+
+def test_page_follows_the_engine_under_load(dashboard, server):
+    tab = dashboard()
+    tab.wait_live()
+    assert tab.page.inner_text("#model") == "SmolLM2-135M-Instruct"
+    assert tab.page.inner_text("#plan").startswith("forward plan:")
+    assert tab.ids("#batch") == [] and tab.data("#kv")["used"] == "0"  # idle before the load
+    start_step = int(tab.page.eval_on_selector("body", "b => b.dataset.step"))
+
+    ids: list[str] = []
+    body = {"prompt": PROMPT, "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+    workers = [threading.Thread(target=stream_completion, args=(server.url, body, ids)) for _ in range(5)]
+    for w in workers:
+        w.start()
+        time.sleep(0.3)
+    seen_batches, seen_used, shot, started = set(), set(), False, time.monotonic()
+    most_rows = 0
+    while any(w.is_alive() for w in workers):
+        batch = tab.ids("#batch")
+        seen_batches.add(tuple(batch))
+        seen_used.add(int(tab.data("#kv")["used"]))
+        most_rows = max(most_rows, len(batch))
+        # The README's picture: a busy batch, after the first preemption when there is one by then.
+        if (not shot and len(batch) >= 3 and os.environ.get("TOKENLOOM_DASHBOARD_SCREENSHOT")
+                and (int(tab.data("#timeline")["preemptions"]) or time.monotonic() - started > 8)):
+            tab.page.screenshot(path=os.environ["TOKENLOOM_DASHBOARD_SCREENSHOT"], full_page=True)
+            shot = True
+        time.sleep(0.25)
+    for w in workers:
+        w.join()
+    assert len(ids) == 5
+    assert most_rows >= 2, seen_batches  # several requests batched together, as drawn
+    assert set().union(*map(set, seen_batches)) <= set(ids) | {""}
+    assert set(ids) <= set().union(*map(set, seen_batches)) | set(tab.ids("#timeline"))
+    assert len(seen_batches) >= 3 and len(seen_used) >= 3  # the views moved as requests came and went
+    # Once everything finished: nothing in the batch, no block in use, every request on the timeline.
+    assert wait_for(lambda: tab.ids("#batch") == [] and tab.data("#kv")["used"] == "0", 10), tab.data("#kv")
+    assert set(ids) <= set(tab.ids("#timeline"))
+    assert tab.data("#timeline")["live"] == ""
+    # 24 blocks for 5 requests of ~170 tokens: the scheduler preempted, and the page marked it.
+    assert int(tab.data("#timeline")["preemptions"]) >= 1
+    assert "preemptions" in tab.page.inner_text("#summary")
+    assert int(tab.data("#throughput")["points"]) > 0 and int(tab.data("#ttft")["points"]) >= 5
+    assert int(tab.page.eval_on_selector("body", "b => b.dataset.step")) > start_step
+    assert tab.errors == []
+
+
+def test_a_request_aborted_by_its_client_leaves_the_view(dashboard, server):
+    tab = dashboard()
+    tab.wait_live()
+    ids: list[str] = []
+    stop = threading.Event()
+    body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True}
+    t = threading.Thread(target=stream_completion, args=(server.url, body, ids, stop, 10_000))
+    t.start()
+    assert wait_for(lambda: ids and ids[0] in tab.ids("#batch"), 60), (ids, tab.ids("#batch"))
+    rid = ids[0]
+    assert rid in tab.ids("#running")
+    stop.set()  # the client closes its connection at its next chunk
+    t.join(60)
+    assert wait_for(lambda: rid not in tab.ids("#batch") and rid not in tab.ids("#running"), 10)
+    assert tab.data("#kv")["used"] == "0"
+    assert rid in tab.ids("#timeline") and rid not in tab.data("#timeline")["live"].split(",")
+    assert int(tab.data("#timeline")["aborted"]) >= 1
+    assert tab.errors == []
+
+
+def test_the_key_is_needed_and_stays_out_of_urls(dashboard, server):
+    for path in ("/dashboard", "/dashboard/stream", "/dashboard/stats"):
+        r = httpx.get(server.url + path, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(server.url + path, headers={"Authorization": "Bearer nope"}, timeout=10).status_code == 401
+    assert httpx.get(f"{server.url}/dashboard", headers=AUTH, timeout=10).status_code == 200
+    r = httpx.get(f"{server.url}/dashboard/stream?rate=fast", headers=AUTH, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rate"
+
+    wrong = dashboard(key="not-the-key")
+    wrong.page.wait_for_function("document.getElementById('message').textContent.length > 0")
+    assert "refused" in wrong.page.inner_text("#message")
+    assert wrong.page.query_selector("#kv") is None  # no page without the key
+
+    tab = dashboard()
+    tab.wait_live()
+    tab.page.reload()  # the key is kept for the tab: a reload goes straight back to the page
+    tab.page.wait_for_selector("#status.live", timeout=60_000)
+    for url in tab.urls + wrong.urls:
+        assert KEY not in url and "not-the-key" not in url, url
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_fifty_viewers_coming_and_going_leave_nothing_behind(server):
+    def stats() -> dict:
+        return httpx.get(f"{server.url}/dashboard/stats", headers=AUTH, timeout=10).json()
+
+    assert wait_for(lambda: stats()["viewers"] == 0, 10)
+    base = stats()["tasks"]
+    rss = []
+    for _ in range(4):
+        for _ in range(50):
+            with httpx.stream("GET", f"{server.url}/dashboard/stream", params={"rate": "10"}, headers=AUTH,
+                              timeout=30) as r:
+                assert r.status_code == 200
+                next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert wait_for(lambda: stats()["viewers"] == 0 and not stats()["ticker_running"], 10), stats()
+        assert stats()["tasks"] <= base, (stats(), base)
+        rss.append(_rss_kib(server.proc.pid))
+    # The first round may warm allocator arenas; after it, 50 more viewers must not grow the process.
+    assert rss[-1] - rss[1] < 8 * 1024, f"RSS per round (KiB): {rss}"
+    with server.client() as c:  # and the engine still serves
+        assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}).status_code == 200

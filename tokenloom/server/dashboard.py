@@ -1,0 +1,280 @@
+"""The live dashboard: `GET /dashboard` (one page) and `GET /dashboard/stream` (server-sent events of
+engine snapshots, engine/snapshot.py), plus `GET /dashboard/stats` (viewer and task counts).
+
+Cost and bounds:
+- Snapshots are built on the engine thread between two steps (`AsyncLLM.call_on_engine`) by one ticker
+  task, and only while a viewer is connected, at most MAX_RATE_HZ times a second. Each snapshot is
+  encoded once and handed to every viewer.
+- A viewer holds one frame: the newest. A viewer that falls behind loses the frames it did not take
+  (counted as dropped); nothing queues. A viewer whose socket accepts nothing for SEND_TIMEOUT_S is cut
+  off, so one that never reads holds no more than the socket's buffers, and not for long.
+- At most `max_viewers` streams at once; beyond that 503 + Retry-After. A viewer that goes away is
+  noticed through the ASGI disconnect message at once, and its slot and task go with it.
+
+Auth: with `--api-key` every dashboard route wants the key in `Authorization: Bearer`, like the API;
+it never goes in a URL (which would land in access logs and browser history). A browser opening
+/dashboard without it gets a 401 whose body is a small form (static/dashboard_login.html): it keeps the
+key in sessionStorage, fetches the page with the header and shows it; the page reads the stream with
+`fetch()` and the same header (EventSource cannot send one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from ..engine.async_llm import AsyncLLM
+from ..engine.snapshot import EngineRecorder
+from .errors import APIError
+
+logger = logging.getLogger("tokenloom.dashboard")
+
+DEFAULT_MAX_VIEWERS = 16
+MAX_RATE_HZ = 10.0
+MIN_RATE_HZ = 0.2
+DEFAULT_RATE_HZ = 5.0
+SEND_TIMEOUT_S = 10.0  # a viewer whose socket takes longer than this to take one frame is cut off
+BUILD_TIMEOUT_S = 30.0  # a snapshot waits for the step in progress; a step this long is an engine in trouble
+KEEPALIVE_S = 15.0  # an SSE comment when no frame went out for this long (proxies close idle streams)
+STOP_CHECK_S = 1.0  # how often a waiting stream looks whether the server is shutting down
+RETRY_AFTER_S = 5
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-store"),
+                (b"x-accel-buffering", b"no")]
+# The page and its login form are self-contained (inline CSS and JS, nothing fetched but the stream).
+_PAGE_HEADERS = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer",
+                 "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
+                 "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                 "form-action 'none'; frame-ancestors 'none'"}
+
+
+@dataclass
+class DashboardOptions:
+    enabled: bool = True
+    max_viewers: int = DEFAULT_MAX_VIEWERS
+    show_text: bool = False  # prompts and outputs in snapshots (--dashboard-show-text)
+
+
+@dataclass(eq=False)
+class Viewer:
+    interval: float  # seconds between this viewer's frames (its `rate`)
+    frame: bytes | None = None  # the newest frame not yet sent: one slot, overwritten
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    gone: bool = False
+    sent: int = 0
+    dropped: int = 0
+
+
+class DashboardHub:
+    """The viewers, and the one task that builds snapshots for them."""
+
+    def __init__(self, async_llm: AsyncLLM, recorder: EngineRecorder, max_viewers: int = DEFAULT_MAX_VIEWERS):
+        self.async_llm = async_llm
+        self.recorder = recorder
+        self.max_viewers = max_viewers
+        self.viewers: set[Viewer] = set()
+        self._ticker: asyncio.Task | None = None
+        self.snapshots = 0
+        self.frames_dropped = 0
+        self.viewers_cut_off = 0  # stalled viewers dropped after SEND_TIMEOUT_S
+        self.build_seconds = 0.0  # engine-thread time spent building snapshots (what the engine pays)
+
+    def join(self, rate: float) -> Viewer:
+        if len(self.viewers) >= self.max_viewers:
+            raise APIError(503, f"the dashboard has {len(self.viewers)} viewers, the most it takes "
+                           f"(--dashboard-max-viewers {self.max_viewers}); retry later", "server_error",
+                           code="too_many_viewers", headers={"Retry-After": str(RETRY_AFTER_S)})
+        viewer = Viewer(interval=1.0 / rate)
+        self.viewers.add(viewer)
+        self.recorder.watched = True
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="tokenloom-dashboard")
+        return viewer
+
+    def leave(self, viewer: Viewer) -> None:
+        self.viewers.discard(viewer)
+        if not self.viewers:
+            self.recorder.watched = False  # the ticker sees no viewer and ends
+
+    def stats(self) -> dict:
+        return {"viewers": len(self.viewers), "max_viewers": self.max_viewers,
+                "ticker_running": self._ticker is not None and not self._ticker.done(),
+                "tasks": len(asyncio.all_tasks()), "snapshots": self.snapshots,
+                "frames_dropped": self.frames_dropped, "viewers_cut_off": self.viewers_cut_off,
+                "build_ms_total": round(self.build_seconds * 1000, 3)}
+
+    def _build(self, engine) -> tuple[dict, float]:
+        started = time.perf_counter()
+        snap = self.recorder.build(engine)
+        return snap, time.perf_counter() - started
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.viewers:
+            started = loop.time()
+            try:
+                snap, cost = await asyncio.wait_for(self.async_llm.call_on_engine(self._build), BUILD_TIMEOUT_S)
+                self.build_seconds += cost
+            except Exception as exc:  # noqa: BLE001 - a dead or stuck engine is shown, not raised
+                snap = {"error": f"no snapshot: {exc!r}"}
+            self.snapshots += 1
+            snap["server"] = self.stats()
+            frame = b"data: " + json.dumps(snap, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
+            for viewer in self.viewers:
+                if viewer.frame is not None:
+                    viewer.dropped += 1
+                    self.frames_dropped += 1
+                viewer.frame = frame
+                viewer.wake.set()
+            if not self.viewers:
+                break
+            interval = max(min(v.interval for v in self.viewers), 1.0 / MAX_RATE_HZ)
+            await asyncio.sleep(max(interval - (loop.time() - started), 0.0))
+
+
+class SnapshotStream(Response):
+    """The SSE response of one viewer (pure ASGI: it watches for the disconnect itself and bounds
+    each write, which StreamingResponse does not)."""
+
+    def __init__(self, hub: DashboardHub, viewer: Viewer, stopping):
+        self.hub, self.viewer, self.stopping = hub, viewer, stopping
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        viewer = self.viewer
+        watcher = asyncio.create_task(self._watch_disconnect(receive))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            # `retry`: how long a browser EventSource would wait to reconnect; the page does the same.
+            if not await self._write(send, b"retry: 2000\n\n"):
+                return
+            last_write = asyncio.get_running_loop().time()
+            while not viewer.gone:
+                if self.stopping():
+                    await self._write(send, b"event: end\ndata: {\"reason\":\"shutting down\"}\n\n", more=False)
+                    return
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(STOP_CHECK_S):
+                        await viewer.wake.wait()
+                viewer.wake.clear()
+                now = asyncio.get_running_loop().time()
+                frame, viewer.frame = viewer.frame, None
+                if frame is None:
+                    if now - last_write < KEEPALIVE_S:
+                        continue
+                    frame = b": keep-alive\n\n"
+                if viewer.gone or not await self._write(send, frame):
+                    return
+                viewer.sent += 1
+                last_write = now
+                # This viewer's own rate: frames built meanwhile wait in its slot (only the newest).
+                await asyncio.sleep(max(viewer.interval - (asyncio.get_running_loop().time() - now), 0.0))
+        finally:
+            watcher.cancel()
+            self.hub.leave(viewer)
+
+    async def _watch_disconnect(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.viewer.gone = True
+        self.viewer.wake.set()
+
+    async def _write(self, send, data: bytes, more: bool = True) -> bool:
+        try:
+            async with asyncio.timeout(SEND_TIMEOUT_S):
+                await send({"type": "http.response.body", "body": data, "more_body": more})
+            return True
+        except TimeoutError:
+            self.viewer.gone = True
+            self.hub.viewers_cut_off += 1
+            logger.warning("dashboard: a viewer took no data for %.0fs; its stream is closed", SEND_TIMEOUT_S)
+            return False
+        except OSError:  # the connection went away mid-write
+            self.viewer.gone = True
+            return False
+
+
+def parse_stream_query(params) -> float:
+    """The stream's query: `rate` (frames per second, MIN_RATE_HZ..MAX_RATE_HZ) and nothing else."""
+    for name in params:
+        if name != "rate":
+            raise APIError(400, f"{name}: unknown parameter; /dashboard/stream takes only 'rate'", param=name)
+    values = params.getlist("rate")
+    if not values:
+        return DEFAULT_RATE_HZ
+    if len(values) > 1:
+        raise APIError(400, "rate: given more than once", param="rate")
+    try:
+        rate = float(values[0])
+    except ValueError:
+        rate = math.nan
+    if not MIN_RATE_HZ <= rate <= MAX_RATE_HZ:  # NaN fails both
+        raise APIError(400, f"rate: must be a number of frames per second in [{MIN_RATE_HZ}, {MAX_RATE_HZ}], "
+                       f"got {values[0][:40]!r}", param="rate")
+    return rate
+
+
+def _static(name: str) -> str:
+    return resources.files("tokenloom.server").joinpath("static", name).read_text("utf-8")
+
+
+def page_html() -> str:
+    """The page with its CSS and JS inlined: a browser sends no key with <script src>, so the page
+    must arrive whole with the one request that carries it. The files stay separate in the package."""
+    css, js = _static("dashboard.css"), _static("dashboard.js")
+    if "</script" in js.lower() or "</style" in css.lower():
+        raise RuntimeError("dashboard assets must not close their own inline element")
+    html = _static("dashboard.html")
+    return html.replace("/*__DASHBOARD_CSS__*/", css).replace("/*__DASHBOARD_JS__*/", js)
+
+
+def add_dashboard_routes(app: FastAPI, state, api_key: str | None, options: DashboardOptions) -> DashboardHub:
+    async_llm = state.async_llm
+    recorder = EngineRecorder(async_llm.engine, state.model_name, options.show_text)
+    hub = DashboardHub(async_llm, recorder, options.max_viewers)
+    app.state.dashboard = hub
+    page, login = page_html(), _static("dashboard_login.html")
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    def refused(request: Request) -> APIError | None:
+        if expected is None:
+            return None
+        given = request.headers.get("authorization", "").encode("latin-1", "replace")
+        if hmac.compare_digest(given, expected):
+            return None
+        return APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard_page(request: Request):
+        if (error := refused(request)) is not None:
+            if "text/html" in request.headers.get("accept", ""):  # a browser: the key form, still a 401
+                return HTMLResponse(login, 401, headers={**_PAGE_HEADERS, "WWW-Authenticate": "Bearer"})
+            return error.response()
+        return HTMLResponse(page, headers=_PAGE_HEADERS)
+
+    @app.get("/dashboard/stream", include_in_schema=False)
+    async def dashboard_stream(request: Request):
+        if (error := refused(request)) is not None:
+            return error.response()
+        rate = parse_stream_query(request.query_params)
+        if state.shutting_down:
+            return APIError(503, "the server is shutting down", "server_error", code="shutting_down").response()
+        return SnapshotStream(hub, hub.join(rate), lambda: state.shutting_down)
+
+    @app.get("/dashboard/stats", include_in_schema=False)
+    async def dashboard_stats(request: Request):
+        if (error := refused(request)) is not None:
+            return error.response()
+        return JSONResponse(hub.stats())
+
+    return hub
