@@ -63,11 +63,9 @@ class DraftModelProposer:
                     rows.append((i, mirror, behind))
         while rows or catching_up:
             plan = StepPlan()
-            fed = []
-            for i, mirror, n in rows:
+            for _, mirror, n in rows:
                 if self._allocate(mirror, n, seqs):
                     plan.scheduled.append((mirror, n))
-                    fed.append(i)
             for mirror, n in catching_up:
                 if self._allocate(mirror, n, seqs):
                     plan.scheduled.append((mirror, n))
