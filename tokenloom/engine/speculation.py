@@ -27,14 +27,11 @@ import json
 import math
 import time
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from ..step import Sequence
-
-if TYPE_CHECKING:
-    from .draft_model import DraftModelProposer
 
 # A row of 1 + k tokens must stay below runner.SHORT_CHUNK (16), so its tokens take the decode rows'
 # kernels (int4) and not the long-prompt ones (dense bf16): the same arithmetic as without drafts.
@@ -196,10 +193,23 @@ class SpecDecodeStats:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
+class Drafter(Protocol):
+    """What the policy asks of a draft model's proposer (engine/draft_model.py's `DraftModelProposer`)."""
+
+    size_ratio: float  # its weights' bytes over the target's
+    cost: StepCost  # a round's time against the tokens it feeds
+
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[list[int]]: ...
+
+    def lag(self, seq: Sequence) -> int: ...
+
+    def forget(self, seq: Sequence) -> None: ...
+
+
 class SpeculationPolicy:
     """Proposes drafts for the step's decoding sequences and keeps those worth their rows."""
 
-    def __init__(self, config: SpeculativeConfig, draft: DraftModelProposer | None = None):
+    def __init__(self, config: SpeculativeConfig, draft: Drafter | None = None):
         """`draft`: the draft model's proposer (engine/draft_model.py) for method "draft_model"."""
         self.config = config
         self.proposer = NgramProposer(config)
