@@ -1,0 +1,5 @@
+"""Past one machine: engine replicas as Ray Serve deployment replicas behind one OpenAI endpoint.
+
+`routing.py` (pure Python) holds the routing policies; everything else here imports Ray, which is an
+optional dependency (`pip install tokenloom[ray]`): a single-process `tokenloom serve` never loads it.
+"""
