@@ -11,15 +11,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import logging
 import os
 import re
 import signal
 import socket
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
+
+if TYPE_CHECKING:
+    from ..engine.async_llm import AsyncLLM
+    from ..engine.metrics import EngineMetrics
+
+from ..fleet.routing import POLICIES
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_QUEUE_LEN = 1024  # waiting sequences; beyond it new requests get 503 + Retry-After
@@ -78,6 +87,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="dashboard streams open at once; beyond it 503 + Retry-After (default: 16)")
     p.add_argument("--dashboard-show-text", action="store_true",
                    help="show prompts and outputs on the dashboard (default: request ids, counts and times only)")
+    fleet = p.add_argument_group("fleet (Ray Serve; needs `pip install tokenloom[ray]`)")
+    fleet.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                       help="engine replicas behind this endpoint, each with its own cores and KV cache, as Ray "
+                            "Serve replicas on a local Ray cluster (default 1: one process, no Ray)")
+    fleet.add_argument("--data-parallel-backend", choices=("ray",), default=None,
+                       help="ray: run through Ray Serve even with one replica (default: Ray from 2 replicas)")
+    fleet.add_argument("--routing-policy", choices=POLICIES, default="prefix-aware",
+                       help="which replica gets a request: prefix-aware (where its prompt's longest prefix is "
+                            "cached, unless that replica is much busier), least-loaded or round-robin")
+    fleet.add_argument("--autoscaling-config", type=_json_object, default=None,
+                       help="Ray Serve's autoscaling_config as JSON (e.g. '{\"min_replicas\": 1, "
+                            "\"max_replicas\": 2, \"target_ongoing_requests\": 16}'); replaces "
+                            "--data-parallel-size's fixed count")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -87,6 +109,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     # stall-free (decodes slow down at most 1.5x while a prompt prefills); --stall-free-factor 0: off.
     p.set_defaults(func=cmd_serve, quantization="auto", stall_free_factor=1.5)
     return p
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -136,11 +168,7 @@ def _bind(host: str, port: int) -> list[socket.socket]:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..config import engine_config_from_args
-    from ..engine.async_llm import AsyncLLM, default_num_threads
-    from ..engine.llm_engine import LLMEngine
-    from ..engine.metrics import EngineMetrics
     from ..model import catalog
-    from ..model.load import model_path, set_num_threads
     from .app import build_app
     from .dashboard import DashboardOptions
     from .lora_routes import parse_lora_modules
@@ -155,12 +183,58 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not config.enable_lora:
         raise ValueError("--lora-modules: adapters need --enable-lora")
+    if args.data_parallel_size > 1 or args.data_parallel_backend == "ray" or args.autoscaling_config:
+        from ..fleet.app import run_fleet  # imports Ray, which one process never needs
+
+        return run_fleet(args, config)
     # Everything that can fail in a second fails before the model loads: the source, then the port.
     to_pull = catalog.missing_pull(config.model)
     draft_to_pull = catalog.missing_pull(config.draft_model, "speculative_config.model")
     sockets = _bind(args.host, args.port)
     for name in (to_pull, draft_to_pull):
         catalog.pull_missing(name)
+    served = load_served_engine(args, config, lora_modules)
+    async_llm, metrics, names = served.async_llm, served.metrics, served.names
+    app = build_app(
+        async_llm, names, args.api_key, metrics=metrics, model_path=served.path,
+        max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
+        metrics_token=args.metrics_token, metrics_open=args.metrics_open,
+        client_priority=ClientPriorityRange(args.min_client_priority, args.max_client_priority),
+        trust_chat_messages=args.trust_chat_messages,
+        lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        dashboard=DashboardOptions(not args.disable_dashboard, args.dashboard_max_viewers, args.dashboard_show_text),
+    )
+    logging.getLogger("tokenloom.server").info(
+        "serving %s on http://%s:%d (torch threads %d, auth %s)",
+        names[0], args.host, sockets[0].getsockname()[1], async_llm.num_threads, "on" if args.api_key else "off",
+    )
+    from .connection import connection_limits  # read/idle timeouts, header size bound
+
+    server = _Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout + 5.0,  # a backstop: the app answers by the deadline
+        **connection_limits(args.request_read_timeout),
+    ))
+    server.run(sockets=sockets)
+    return 0
+
+
+@dataclass
+class ServedEngine:
+    async_llm: AsyncLLM
+    metrics: EngineMetrics
+    names: list[str]  # the served model names
+    path: str  # the model's file or directory
+
+
+def load_served_engine(args: argparse.Namespace, config, lora_modules=()) -> ServedEngine:
+    """The engine as `tokenloom serve` runs it (also each replica of a fleet): the model loaded, the
+    adapters checked, metrics and the AsyncLLM around it (its thread not started yet)."""
+    from ..engine.async_llm import AsyncLLM, default_num_threads
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.metrics import EngineMetrics
+    from ..model.load import model_path, set_num_threads
+
     path = model_path(config.model)
     num_threads = config.num_threads or default_num_threads()
     # The model runs on the engine thread, which sets its own thread count (AsyncLLM). The main thread
@@ -175,28 +249,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics = EngineMetrics(names[0], log_interval_s=args.log_interval, log_requests=not args.disable_log_requests)
     async_llm = AsyncLLM(engine, max_queue_len=args.max_queue_len, metrics=metrics, num_threads=num_threads,
                          exit_on_fatal=True)
-    app = build_app(
-        async_llm, names, args.api_key, metrics=metrics, model_path=path,
-        max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
-        metrics_token=args.metrics_token, metrics_open=args.metrics_open,
-        client_priority=ClientPriorityRange(args.min_client_priority, args.max_client_priority),
-        trust_chat_messages=args.trust_chat_messages,
-        lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-        dashboard=DashboardOptions(not args.disable_dashboard, args.dashboard_max_viewers, args.dashboard_show_text),
-    )
-    logging.getLogger("tokenloom.server").info(
-        "serving %s on http://%s:%d (torch threads %d, auth %s)",
-        names[0], args.host, sockets[0].getsockname()[1], num_threads, "on" if args.api_key else "off",
-    )
-    from .connection import connection_limits  # read/idle timeouts, header size bound
-
-    server = _Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout + 5.0,  # a backstop: the app answers by the deadline
-        **connection_limits(args.request_read_timeout),
-    ))
-    server.run(sockets=sockets)
-    return 0
+    return ServedEngine(async_llm, metrics, names, path)
 
 
 class _Server(uvicorn.Server):

@@ -1,0 +1,149 @@
+"""The fleet as a Ray Serve application: `tokenloom serve --data-parallel-size N`, or `serve run`.
+
+Two deployments:
+- `engine`: N replicas of `EngineReplica` (replica.py), each an engine with its own KV cache and
+  `cores / N` torch threads, routed to by `FleetRequestRouter` (ray_router.py) with the policy of
+  `--routing-policy`. Ray Serve restarts a replica that dies or fails its health check, and scales
+  between `min_replicas` and `max_replicas` on queue depth when `--autoscaling-config` is given.
+- `ingress`: the same FastAPI app as `tokenloom serve` (tokenloom/server) over a `FleetClient`
+  (client.py), behind Ray Serve's HTTP proxy on --host/--port: same routes, auth, errors and limits.
+
+`serve run tokenloom.fleet.app:build model=... data-parallel-size=2` builds it from `tokenloom serve`'s
+own flags (each `key=value` is `--key value`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from ..model.load import usable_cores
+from .ray_router import FleetRequestRouter, fleet_stats
+from .replica import EngineReplica
+
+logger = logging.getLogger("tokenloom.fleet")
+
+ROUTING_STATS_PERIOD_S = 1.0  # how fresh the replicas' load and metrics are at the ingress
+HEALTH_CHECK_PERIOD_S = 2.0
+HEALTH_CHECK_TIMEOUT_S = 10.0
+INGRESS_MAX_ONGOING = 100_000  # the ingress only forwards; the replicas' queues are the limit
+
+
+@serve.ingress()
+class FleetIngress:
+    def __init__(self, engines, serve_args: dict):
+        self.engines = engines
+        self.args = argparse.Namespace(**serve_args)
+
+    async def __serve_build_asgi_app__(self):
+        from ..model.load import model_path
+        from ..model.tokenizer import load_tokenizer
+        from ..server.app import build_app
+        from ..server.cli import _default_served_name
+        from ..server.dashboard import DashboardOptions
+        from ..server.tenancy import ClientPriorityRange
+        from .client import FleetClient, ModelFacts
+        from .metrics import FleetMetrics
+
+        args = self.args
+        facts = ModelFacts(**await self.engines.describe.remote())
+        path = model_path(args.model)
+        client = FleetClient(self.engines, load_tokenizer(path), facts, fleet_stats)
+        names = args.served_model_name or [_default_served_name(args.model, path)]
+        return build_app(
+            client, names, args.api_key, metrics=FleetMetrics(fleet_stats), model_path=path,
+            max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
+            metrics_token=args.metrics_token, metrics_open=args.metrics_open,
+            client_priority=ClientPriorityRange(args.min_client_priority, args.max_client_priority),
+            trust_chat_messages=args.trust_chat_messages,
+            dashboard=DashboardOptions(False),  # a page per replica is not built yet
+        )
+
+
+def build_fleet(args: argparse.Namespace):
+    """The Ray Serve application for parsed `tokenloom serve` flags."""
+    autoscaling = args.autoscaling_config
+    replicas = args.data_parallel_size
+    most = autoscaling.get("max_replicas", replicas) if autoscaling else replicas  # each gets its share at most
+    cores = max(1, usable_cores() // most)
+    engine_args = {k: v for k, v in vars(args).items() if k != "func"}
+    engine_args["num_threads"] = args.num_threads or cores
+    engine = serve.deployment(
+        EngineReplica, name="engine",
+        num_replicas=None if autoscaling else replicas,
+        autoscaling_config=autoscaling,
+        ray_actor_options={"num_cpus": cores},
+        # Ray only caps what it sends a replica; the engine's own queue (--max-queue-len) says 503.
+        max_ongoing_requests=args.max_queue_len + args.max_num_seqs,
+        max_queued_requests=args.max_queue_len,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+        graceful_shutdown_timeout_s=args.shutdown_timeout,
+        logging_config={"enable_access_log": False},  # the engine logs one line per request itself
+        request_router_config=RequestRouterConfig(
+            request_router_class=FleetRequestRouter,
+            request_router_kwargs=_router_kwargs(args),
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        ),
+    )
+    ingress = serve.deployment(FleetIngress, name="ingress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=INGRESS_MAX_ONGOING, logging_config={"enable_access_log": False})
+    return ingress.bind(engine.bind(engine_args), engine_args)
+
+
+def _router_kwargs(args: argparse.Namespace) -> dict:
+    if args.routing_policy != "prefix-aware":
+        return {"policy": args.routing_policy}
+    return {"policy": "prefix-aware", "block_size": args.block_size}
+
+
+def build(cli_args: dict):
+    """`serve run tokenloom.fleet.app:build key=value ...`: `tokenloom serve`'s flags as key=value."""
+    from ..cli import build_parser
+
+    argv = ["serve"]
+    for key, value in cli_args.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    args = build_parser().parse_args(argv)
+    check_fleet_args(args)
+    return build_fleet(args)
+
+
+def check_fleet_args(args: argparse.Namespace) -> None:
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size: must be at least 1, got {args.data_parallel_size}")
+    if args.lora_modules or args.enable_lora:
+        raise ValueError("--enable-lora: adapters are not served by a fleet (--data-parallel-size) yet")
+
+
+def run_fleet(args: argparse.Namespace, config) -> int:
+    """`tokenloom serve --data-parallel-size N`: a local Ray cluster running the application until
+    Ctrl-C or SIGTERM, then Serve's graceful drain (`--shutdown-timeout`) and the cluster's end."""
+    import ray
+
+    from ..model import catalog
+
+    check_fleet_args(args)
+    for source, field in ((config.model, "model"), (config.draft_model, "speculative_config.model")):
+        catalog.pull_missing(catalog.missing_pull(source, field))  # once, before N replicas want it
+    signal.signal(signal.SIGTERM, _interrupt)
+    ray.init(num_cpus=usable_cores(), include_dashboard=False, namespace="tokenloom")
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        logger.info("fleet: %d engine replica(s), routing %s, on http://%s:%d", args.data_parallel_size,
+                    args.routing_policy, args.host, args.port)
+        serve.run(build_fleet(args), name="tokenloom", route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt

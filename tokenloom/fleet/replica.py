@@ -1,0 +1,101 @@
+"""One engine replica of a fleet: the engine `tokenloom serve` runs, as a Ray Serve deployment replica.
+
+The class is plain Python; app.py makes it a deployment. Ray Serve calls three of its methods by name:
+- `generate` (a streaming call from the ingress): `ACCEPTED` or a `Refusal` first, then the request's
+  first output whole and `OutputDelta`s after it (wire.py). If the caller goes away, Ray cancels the
+  generator and the request is aborted at once (its KV blocks freed).
+- `record_routing_stats` (every second, from the Serve controller): the load the router ranks by, the
+  engine's health, and its Prometheus text for the ingress's /metrics.
+- `check_health` (Serve's health check): raises while the engine is dead or stalled, so Ray takes
+  the replica out of rotation and starts a new one. A fatal engine error exits the process
+  (AsyncLLM's `exit_on_fatal`), which Ray also replaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+
+from ..outputs import RequestOutput
+from .wire import ACCEPTED, REFUSALS, Refusal, output_delta
+
+logger = logging.getLogger("tokenloom.fleet")
+REFUSED = tuple(REFUSALS.values())
+STATS_TIMEOUT_S = 5.0
+
+
+class EngineReplica:
+    def __init__(self, engine_args: dict):
+        from ..config import engine_config_from_args
+        from ..model import catalog
+        from ..server.cli import load_served_engine
+
+        args = argparse.Namespace(**engine_args)
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        config = engine_config_from_args(args)
+        for source, field in ((config.model, "model"), (config.draft_model, "speculative_config.model")):
+            catalog.pull_missing(catalog.missing_pull(source, field))
+        served = load_served_engine(args, config)
+        self.async_llm, self.metrics = served.async_llm, served.metrics
+        self._started = False
+
+    def _start(self) -> None:
+        # The engine thread posts outputs to the loop that started it: Serve's replica loop, which
+        # runs the methods below (it does not exist yet in __init__).
+        if not self._started:
+            self.async_llm.start()
+            self._started = True
+
+    async def describe(self) -> dict:
+        """What the ingress needs to know about the model it fronts."""
+        engine = self.async_llm.engine
+        return {"max_model_len": self.async_llm.config.max_model_len, "vocab_size": engine.model_config.vocab_size,
+                "block_size": self.async_llm.config.block_size, "num_kv_blocks": engine.kv.num_blocks}
+
+    async def generate(self, request: dict):
+        self._start()
+        elapsed = max(0.0, time.time() - request["sent_at"])  # time already spent at the ingress
+        rid = request["request_id"]
+        try:
+            stream = await self.async_llm.add(rid, {"prompt_token_ids": request["prompt_token_ids"]},
+                                              request["params"], time.monotonic() - elapsed)
+        except REFUSED as exc:  # travels back as data, raised again as itself at the ingress
+            yield Refusal.of(exc)
+            return
+        yield ACCEPTED
+        prev: RequestOutput | None = None
+        try:
+            async for out in stream:
+                yield out if prev is None else output_delta(prev, out)
+                prev = out
+        finally:
+            if not stream.finished:  # the ingress went away (client gone) or was cancelled
+                self.async_llm.abort(rid)
+
+    async def record_routing_stats(self) -> dict:
+        self._start()
+        st, problem = None, self.async_llm.health_problem()
+        if problem is None:
+            try:  # read between two steps, on the engine thread
+                st = await asyncio.wait_for(self.async_llm.call_on_engine(lambda engine: engine.stats()),
+                                            STATS_TIMEOUT_S)
+            except TimeoutError:
+                problem = f"the engine thread did not answer within {STATS_TIMEOUT_S:.0f} s"
+        return {
+            "waiting": st.num_waiting if st else 0,
+            "running": st.num_running if st else 0,
+            "kv_usage": st.kv_usage if st else 0.0,
+            "health_problem": problem,
+            "metrics": self.metrics.render().decode(),
+        }
+
+    async def check_health(self) -> None:
+        self._start()
+        if (problem := self.async_llm.health_problem()) is not None:
+            raise RuntimeError(problem)
+
+    async def __del__(self):
+        # Serve calls an async __del__ when it stops the replica: finish the engine thread cleanly.
+        await self.async_llm.shutdown(0.0)
