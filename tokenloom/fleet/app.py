@@ -15,6 +15,7 @@ own flags (each `key=value` is `--key value`).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 
@@ -22,12 +23,13 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from ..model.load import usable_cores
-from .ray_router import FleetRequestRouter, fleet_stats
+from . import board
+from .board import FleetBoard
+from .ray_router import FleetRequestRouter
 from .replica import EngineReplica
 
 logger = logging.getLogger("tokenloom.fleet")
 
-ROUTING_STATS_PERIOD_S = 1.0  # how fresh the replicas' load and metrics are at the ingress
 HEALTH_CHECK_PERIOD_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 10.0
 INGRESS_MAX_ONGOING = 100_000  # the ingress only forwards; the replicas' queues are the limit
@@ -35,9 +37,17 @@ INGRESS_MAX_ONGOING = 100_000  # the ingress only forwards; the replicas' queues
 
 @serve.ingress()
 class FleetIngress:
-    def __init__(self, engines, serve_args: dict):
-        self.engines = engines
+    def __init__(self, engines, fleet_board, serve_args: dict):
+        self.engines, self.board = engines, fleet_board
         self.args = argparse.Namespace(**serve_args)
+
+    async def _read_board_forever(self) -> None:
+        while True:
+            try:
+                board.LATEST = await self.board.read.remote()
+            except Exception as exc:  # noqa: BLE001 - the board restarting must not stop the ingress
+                logger.warning("could not read the fleet board: %r", exc)
+            await asyncio.sleep(board.REPORT_PERIOD_S)
 
     async def __serve_build_asgi_app__(self):
         from ..model.load import model_path
@@ -50,12 +60,13 @@ class FleetIngress:
         from .metrics import FleetMetrics
 
         args = self.args
+        asyncio.get_running_loop().create_task(self._read_board_forever())
         facts = ModelFacts(**await self.engines.describe.remote())
         path = model_path(args.model)
-        client = FleetClient(self.engines, load_tokenizer(path), facts, fleet_stats)
+        client = FleetClient(self.engines, load_tokenizer(path), facts, board.latest)
         names = args.served_model_name or [_default_served_name(args.model, path)]
         return build_app(
-            client, names, args.api_key, metrics=FleetMetrics(fleet_stats), model_path=path,
+            client, names, args.api_key, metrics=FleetMetrics(board.latest), model_path=path,
             max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
             metrics_token=args.metrics_token, metrics_open=args.metrics_open,
             client_priority=ClientPriorityRange(args.min_client_priority, args.max_client_priority),
@@ -85,14 +96,13 @@ def build_fleet(args: argparse.Namespace):
         graceful_shutdown_timeout_s=args.shutdown_timeout,
         logging_config={"enable_access_log": False},  # the engine logs one line per request itself
         request_router_config=RequestRouterConfig(
-            request_router_class=FleetRequestRouter,
-            request_router_kwargs=_router_kwargs(args),
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-        ),
+            request_router_class=FleetRequestRouter, request_router_kwargs=_router_kwargs(args)),
     )
     ingress = serve.deployment(FleetIngress, name="ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=INGRESS_MAX_ONGOING, logging_config={"enable_access_log": False})
-    return ingress.bind(engine.bind(engine_args), engine_args)
+    notice_board = serve.deployment(FleetBoard, name="board", ray_actor_options={"num_cpus": 0},
+                                    logging_config={"enable_access_log": False}).bind()
+    return ingress.bind(engine.bind(engine_args, notice_board), notice_board, engine_args)
 
 
 def _router_kwargs(args: argparse.Namespace) -> dict:
@@ -130,8 +140,8 @@ def run_fleet(args: argparse.Namespace, config) -> int:
     check_fleet_args(args)
     for source, field in ((config.model, "model"), (config.draft_model, "speculative_config.model")):
         catalog.pull_missing(catalog.missing_pull(source, field))  # once, before N replicas want it
-    signal.signal(signal.SIGTERM, _interrupt)
     ray.init(num_cpus=usable_cores(), include_dashboard=False, namespace="tokenloom")
+    signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which installs a handler of its own
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         logger.info("fleet: %d engine replica(s), routing %s, on http://%s:%d", args.data_parallel_size,

@@ -3,28 +3,16 @@
 Ray Serve runs this router inside whichever process holds the deployment's handle (the ingress), picks
 among the replicas the Serve controller reports running, and sends the request to the first replica in
 our ranking that has room (`max_ongoing_requests`), backing off and asking again when none has.
-Each replica's `record_routing_stats` result (replica.py) arrives here as `routing_stats`; the ingress
-reads the latest ones through `fleet_stats()` for /health and /metrics.
+The replicas' own reports of their load and health come from the fleet's board (board.py), which the
+ingress reads every second.
 """
 
 from __future__ import annotations
 
-import weakref
-
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from . import board
 from .routing import ReplicaLoad, make_policy
-
-_ROUTERS: weakref.WeakSet = weakref.WeakSet()  # the routers living in this process
-
-
-def fleet_stats() -> dict[str, dict]:
-    """The latest routing stats of every running replica, by replica id (as the routers here saw them)."""
-    stats: dict[str, dict] = {}
-    for router in list(_ROUTERS):
-        for rid, replica in router.curr_replicas.items():
-            stats[rid.unique_id] = dict(replica.routing_stats or {})
-    return stats
 
 
 def _prompt_ids(pending: PendingRequest | None) -> list[int]:
@@ -34,7 +22,7 @@ def _prompt_ids(pending: PendingRequest | None) -> list[int]:
 
 
 def replica_load(replica: RunningReplica) -> ReplicaLoad:
-    s = replica.routing_stats or {}
+    s = board.LATEST.get(replica.replica_id.unique_id, {})
     return ReplicaLoad(replica.replica_id.unique_id, int(s.get("waiting", 0)), int(s.get("running", 0)),
                        float(s.get("kv_usage", 0.0)), s.get("health_problem"))
 
@@ -42,7 +30,6 @@ def replica_load(replica: RunningReplica) -> ReplicaLoad:
 class FleetRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: str = "prefix-aware", **policy_kwargs) -> None:
         self.policy = make_policy(policy, **policy_kwargs)
-        _ROUTERS.add(self)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

@@ -1,11 +1,12 @@
 """One engine replica of a fleet: the engine `tokenloom serve` runs, as a Ray Serve deployment replica.
 
-The class is plain Python; app.py makes it a deployment. Ray Serve calls three of its methods by name:
+The class is plain Python; app.py makes it a deployment. Ray Serve calls two of its methods by name:
 - `generate` (a streaming call from the ingress): `ACCEPTED` or a `Refusal` first, then the request's
   first output whole and `OutputDelta`s after it (wire.py). If the caller goes away, Ray cancels the
   generator and the request is aborted at once (its KV blocks freed).
-- `record_routing_stats` (every second, from the Serve controller): the load the router ranks by, the
-  engine's health, and its Prometheus text for the ingress's /metrics.
+- `check_health` (below).
+Every second it posts its load (what the router ranks by), the engine's health and its Prometheus
+text to the fleet's board (board.py), from which the ingress reads them.
 - `check_health` (Serve's health check): raises while the engine is dead or stalled, so Ray takes
   the replica out of rotation and starts a new one. A fatal engine error exits the process
   (AsyncLLM's `exit_on_fatal`), which Ray also replaces.
@@ -19,6 +20,7 @@ import logging
 import time
 
 from ..outputs import RequestOutput
+from .board import REPORT_PERIOD_S
 from .wire import ACCEPTED, REFUSALS, Refusal, output_delta
 
 logger = logging.getLogger("tokenloom.fleet")
@@ -27,7 +29,7 @@ STATS_TIMEOUT_S = 5.0
 
 
 class EngineReplica:
-    def __init__(self, engine_args: dict):
+    def __init__(self, engine_args: dict, board):
         from ..config import engine_config_from_args
         from ..model import catalog
         from ..server.cli import load_served_engine
@@ -39,14 +41,26 @@ class EngineReplica:
             catalog.pull_missing(catalog.missing_pull(source, field))
         served = load_served_engine(args, config)
         self.async_llm, self.metrics = served.async_llm, served.metrics
-        self._started = False
+        self.board = board
+        self._reporter: asyncio.Task | None = None
 
     def _start(self) -> None:
         # The engine thread posts outputs to the loop that started it: Serve's replica loop, which
         # runs the methods below (it does not exist yet in __init__).
-        if not self._started:
+        if self._reporter is None:
             self.async_llm.start()
-            self._started = True
+            self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
+
+    async def _report_forever(self) -> None:
+        from ray import serve
+
+        replica_id = serve.get_replica_context().replica_id.unique_id
+        while True:
+            try:
+                await self.board.post.remote(replica_id, await self.report())
+            except Exception as exc:  # noqa: BLE001 - the board restarting must not stop the replica
+                logger.warning("could not post to the fleet board: %r", exc)
+            await asyncio.sleep(REPORT_PERIOD_S)
 
     async def describe(self) -> dict:
         """What the ingress needs to know about the model it fronts."""
@@ -74,8 +88,7 @@ class EngineReplica:
             if not stream.finished:  # the ingress went away (client gone) or was cancelled
                 self.async_llm.abort(rid)
 
-    async def record_routing_stats(self) -> dict:
-        self._start()
+    async def report(self) -> dict:
         st, problem = None, self.async_llm.health_problem()
         if problem is None:
             try:  # read between two steps, on the engine thread

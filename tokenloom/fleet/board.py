@@ -1,0 +1,34 @@
+"""The fleet's notice board: each engine replica posts its load, health and metrics every second; the
+ingress reads them all back every second.
+
+A Serve deployment of one replica (app.py), so Ray Serve owns its life with the application's. The
+ingress keeps the last read in `LATEST`, a process-local table that its request router (ray_router.py,
+running in the same process) ranks replicas by and that /health and /metrics read. A replica that
+stops posting (dead, or its event loop frozen) drops off the board after `MAX_AGE_S`.
+"""
+
+from __future__ import annotations
+
+import time
+
+REPORT_PERIOD_S = 1.0
+MAX_AGE_S = 5.0
+
+LATEST: dict[str, dict] = {}  # replica id -> its last report, as the ingress last read the board
+
+
+class FleetBoard:
+    def __init__(self) -> None:
+        self._reports: dict[str, tuple[float, dict]] = {}
+
+    async def post(self, replica_id: str, report: dict) -> None:
+        self._reports[replica_id] = (time.monotonic(), report)
+
+    async def read(self) -> dict[str, dict]:
+        now = time.monotonic()
+        self._reports = {rid: (t, r) for rid, (t, r) in self._reports.items() if now - t <= MAX_AGE_S}
+        return {rid: r for rid, (_, r) in self._reports.items()}
+
+
+def latest() -> dict[str, dict]:
+    return LATEST
