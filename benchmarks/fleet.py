@@ -1,0 +1,191 @@
+"""The fleet on this machine, measured: what Ray Serve costs, and what prefix-aware routing buys.
+
+1. Overhead: plain `tokenloom serve` against the same engine behind Ray Serve with one replica
+   (`--data-parallel-backend ray`: proxy -> ingress -> replica), same cores, serving defaults. Cells
+   (`tokenloom bench serve`, streaming): c=1 (16 requests, 128-token prompts, 64 tokens out) and c=32
+   (64 requests, 32 concurrent, outputs alternating 16 / 256). The target: throughput and TTFT within 10%.
+2. Routing: two replicas of one core each (`--data-parallel-size 2`) under each routing policy, on a
+   shared-prefix workload: 8 system prompts (~300 tokens) x 16 users, shuffled, Poisson arrivals at
+   `--rate` requests/s, 32 tokens out. Reported: TTFT, throughput, and the fleet's prefix-cache hit rate
+   (tokens, from the change in the summed /metrics counters over the run).
+
+Servers take turns (one up at a time). Run on a quiet machine:
+
+    .venv/bin/python benchmarks/fleet.py [--parts overhead,routing] [--out benchmarks/results/fleet.json]
+
+Waits while /work/notes/BENCH_LOCK exists (another benchmark runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_process import start_server, stop
+
+ROOT = Path(__file__).resolve().parent
+PORT = 8391
+LOCK = Path("/work/notes/BENCH_LOCK")
+TOKENLOOM = os.path.join(os.path.dirname(sys.executable), "tokenloom")
+
+OVERHEAD_CELLS = {
+    "c1": ["--dataset", "random", "--num-prompts", "16", "--max-concurrency", "1", "--input-len", "128",
+           "--output-len", "64"],
+    "c32": ["--dataset", "mixed", "--num-prompts", "64", "--max-concurrency", "32", "--input-len", "128"],
+}
+OVERHEAD_SETUPS = {"plain": [], "ray-1-replica": ["--data-parallel-backend", "ray"]}
+POLICIES = ("round-robin", "least-loaded", "prefix-aware")
+
+
+def wait_for_lock() -> None:
+    while LOCK.exists():
+        print("waiting: another benchmark holds", LOCK, flush=True)
+        time.sleep(20)
+
+
+def bench(cell_args: list[str], out: Path) -> dict:
+    cmd = [TOKENLOOM, "bench", "serve", "--base-url", f"http://127.0.0.1:{PORT}", "--no-progress",
+           "--no-align-prompts", "--seed", "0", "--out", str(out), *cell_args]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def summed(name: str) -> float:
+    """A counter's fleet total (the line without a `replica` label; a single server has only that)."""
+    for line in httpx.get(f"http://127.0.0.1:{PORT}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") and "replica=" not in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+def serve(extra: list[str], log: Path):
+    cmd = [TOKENLOOM, "serve", "--port", str(PORT), "--disable-log-requests", "--metrics-open", *extra]
+    return start_server(cmd, PORT, log)
+
+
+def row(res: dict) -> dict:
+    return {"output_tok_s": res["output_throughput"], "median_ttft_ms": res["median_ttft_ms"],
+            "p90_ttft_ms": res.get("p90_ttft_ms"), "median_tpot_ms": res["median_tpot_ms"],
+            "completed": res["completed"], "failed": res.get("failed", 0)}
+
+
+def overhead(raw: Path) -> dict:
+    rows: dict[str, dict] = {}
+    for setup, extra in OVERHEAD_SETUPS.items():
+        print(f"== overhead: {setup}", flush=True)
+        proc = serve(extra, raw / f"{setup}.log")
+        try:
+            bench(["--num-prompts", "4", "--output-len", "8"], raw / "warm-up.json")
+            rows[setup] = {}
+            for cell, cell_args in OVERHEAD_CELLS.items():
+                rows[setup][cell] = row(bench(cell_args, raw / f"{setup}-{cell}.json"))
+                print(f"  {cell}: {rows[setup][cell]}", flush=True)
+        finally:
+            stop(proc)
+    ratios = {cell: {"throughput": rows["ray-1-replica"][cell]["output_tok_s"] / rows["plain"][cell]["output_tok_s"],
+                     "median_ttft": rows["ray-1-replica"][cell]["median_ttft_ms"] / rows["plain"][cell]["median_ttft_ms"]}
+              for cell in OVERHEAD_CELLS}
+    return {"rows": rows, "ray_over_plain": ratios}
+
+
+def shared_prefix_dataset(path: Path, systems: int = 8, users: int = 16, seed: int = 0) -> Path:
+    """8 system prompts of ~300 tokens, each with 16 users' questions, shuffled (a bench serve jsonl)."""
+    rng = random.Random(seed)
+    topics = ["billing", "shipping", "returns", "warranty", "accounts", "security", "orders", "refunds"]
+    lines = []
+    for s in range(systems):
+        rules = " ".join(f"Rule {k}: when a customer asks about {topics[(s + k) % 8]}, answer in at most "
+                         f"{k + 2} sentences, cite policy section {s}.{k}, and never promise a date." for k in range(12))
+        system = f"You are the support assistant of shop number {s}. {rules}"
+        for u in range(users):
+            lines.append({"prompt": f"{system}\nCustomer {u}: my order {1000 + 37 * u + s} has not arrived; "
+                                    f"what should I do?\nAssistant:", "max_tokens": 32})
+    rng.shuffle(lines)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def routing(raw: Path, rate: float) -> dict:
+    data = shared_prefix_dataset(raw / "shared_prefix.jsonl")
+    cell = ["--dataset", str(data), "--num-prompts", "128", "--request-rate", str(rate)]
+    rows: dict[str, dict] = {}
+    for policy in POLICIES:
+        print(f"== routing: {policy}", flush=True)
+        proc = serve(["--data-parallel-size", "2", "--routing-policy", policy], raw / f"routing-{policy}.log")
+        try:
+            bench(["--num-prompts", "2", "--output-len", "4"], raw / "warm-up.json")
+            time.sleep(2.5)  # the replicas' counters reach the ingress every second
+            hits0, queries0 = summed("tokenloom:prefix_cache_hits_total"), summed("tokenloom:prefix_cache_queries_total")
+            rows[policy] = row(bench(cell, raw / f"routing-{policy}.json"))
+            time.sleep(2.5)
+            hits = summed("tokenloom:prefix_cache_hits_total") - hits0
+            queries = summed("tokenloom:prefix_cache_queries_total") - queries0
+            rows[policy]["prefix_hit_rate"] = hits / queries if queries else None
+            print(f"  {rows[policy]}", flush=True)
+        finally:
+            stop(proc)
+    return {"rate_req_s": rate, "requests": 128, "rows": rows}
+
+
+def write_markdown(result: dict, path: Path) -> None:
+    lines = ["# Fleet on Ray Serve: overhead and routing", "",
+             f"Command: `{result['command']}`", "", result["machine"], ""]
+    if "overhead" in result:
+        o = result["overhead"]
+        lines += ["## One replica behind Ray Serve vs plain `tokenloom serve` (same cores)", "",
+                  "| cell | plain tok/s | Ray tok/s | ratio | plain TTFT p50 | Ray TTFT p50 | ratio |",
+                  "|---|---|---|---|---|---|---|"]
+        for cell in OVERHEAD_CELLS:
+            p, r, q = o["rows"]["plain"][cell], o["rows"]["ray-1-replica"][cell], o["ray_over_plain"][cell]
+            lines.append(f"| {cell} | {p['output_tok_s']:.1f} | {r['output_tok_s']:.1f} | {q['throughput']:.3f} | "
+                         f"{p['median_ttft_ms']:.1f} ms | {r['median_ttft_ms']:.1f} ms | {q['median_ttft']:.3f} |")
+        lines.append("")
+    if "routing" in result:
+        r = result["routing"]
+        lines += [f"## Two replicas, shared-prefix workload (128 requests, Poisson {r['rate_req_s']} req/s)", "",
+                  "| policy | prefix hit rate | TTFT p50 | TTFT p90 | TPOT p50 | tok/s | failed |", "|---|---|---|---|---|---|---|"]
+        for policy, x in r["rows"].items():
+            lines.append(f"| {policy} | {x['prefix_hit_rate']:.3f} | {x['median_ttft_ms']:.1f} ms | "
+                         f"{x['p90_ttft_ms']:.1f} ms | {x['median_tpot_ms']:.1f} ms | {x['output_tok_s']:.1f} | "
+                         f"{x['failed']} |")
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", default="overhead,routing")
+    ap.add_argument("--rate", type=float, default=4.0, help="routing part: requests per second (Poisson)")
+    ap.add_argument("--out", default=str(ROOT / "results/fleet.json"))
+    args = ap.parse_args()
+    wait_for_lock()
+    out = Path(args.out)
+    raw = out.with_suffix("")
+    raw.mkdir(parents=True, exist_ok=True)
+    import platform
+
+    from tokenloom.model.load import usable_cores
+
+    result: dict = {"command": "python " + " ".join(sys.argv),
+                    "machine": f"{platform.processor() or platform.machine()}, {usable_cores()} cores"}
+    parts = args.parts.split(",")
+    if "overhead" in parts:
+        result["overhead"] = overhead(raw)
+    if "routing" in parts:
+        result["routing"] = routing(raw, args.rate)
+    out.write_text(json.dumps(result, indent=2))
+    write_markdown(result, out.with_suffix(".md"))
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
