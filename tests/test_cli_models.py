@@ -10,7 +10,7 @@ import pytest
 
 from tokenloom import cli
 from tokenloom.model import catalog
-from tokenloom.server.cli import _default_served_name
+from tokenloom.server.loading import default_served_name
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_serve_the_model_given_twice_is_refused(no_model_load, capsys):
     ("/m/tiny-F16.gguf", "/m/tiny-F16.gguf", "tiny"),
 ])
 def test_one_default_served_name(model, path, name):
-    assert _default_served_name(model, path) == name
+    assert default_served_name(model, path) == name
 
 
 def test_models_lists_what_is_here(tmp_path, monkeypatch, capsys):

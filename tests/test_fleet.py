@@ -34,9 +34,8 @@ KV_BLOCKS = 96  # per replica: 1,536 tokens, below the 2,048-token context, so o
 class FleetProcess(ServerProcess):
     """A fleet server; stopped with SIGTERM so it takes its Ray cluster down with it."""
 
-    def __init__(self, args: list[str], **kwargs):
-        super().__init__(["--data-parallel-size", "2", "--num-kv-blocks", str(KV_BLOCKS), *args],
-                         startup_timeout=300.0, **kwargs)
+    def __init__(self, args: list[str], replicas: list[str] = ("--data-parallel-size", "2"), **kwargs):
+        super().__init__([*replicas, "--num-kv-blocks", str(KV_BLOCKS), *args], startup_timeout=300.0, **kwargs)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -64,9 +63,17 @@ def replica_totals(url: str, name: str) -> tuple[dict[str, float], float]:
     return per, total
 
 
+STALL_TIMEOUT_S = 8
+
+
 @pytest.fixture(scope="module")
 def fleet():
-    srv = FleetProcess(["--routing-policy", "prefix-aware"])
+    # Armed for the last test: a request marked STALLME hangs its replica's engine (others are untouched).
+    os.environ["TOKENLOOM_FAULTS"] = "stall:STALLME"
+    try:
+        srv = FleetProcess(["--routing-policy", "prefix-aware", "--engine-stall-timeout", str(STALL_TIMEOUT_S)])
+    finally:
+        del os.environ["TOKENLOOM_FAULTS"]
     yield srv
     srv.stop()
 
@@ -209,3 +216,23 @@ def test_a_killed_replica_loses_no_request_silently(fleet):
         assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
     assert wait_for(lambda: len(_engine_replica_pids()) == 2 and pids[0] not in _engine_replica_pids(), 120)
     assert wait_for(lambda: len(replica_totals(fleet.url, "tokenloom:generation_tokens_total")[0]) == 2, 120)
+
+
+def test_a_hung_replica_is_taken_out_of_rotation_and_replaced(fleet):
+    """One replica's engine hangs inside a step (an injected stall, for the request marked STALLME): the
+    replica says so within --engine-stall-timeout, the router sends everything else to the other one,
+    and Ray Serve's health check replaces it. (Last in the module: it leaves a replica being replaced.)"""
+    assert wait_for(lambda: len(_engine_replica_pids()) == 2, 120)
+    before = set(_engine_replica_pids())
+    with pytest.raises(httpx.TimeoutException):  # the client gives up; its replica stays hung
+        httpx.post(f"{fleet.url}/v1/completions", json={"prompt": "STALLME please", "max_tokens": 4}, timeout=2)
+    time.sleep(STALL_TIMEOUT_S + 3)  # the stall timeout, then a report and a read of the board
+    with fleet.client(timeout=60) as http:
+        assert http.get("/health").status_code == 200  # one replica serves
+        started = time.monotonic()
+        for prompt in PROMPTS * 2:
+            r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+        assert time.monotonic() - started < 50  # none waited on the hung replica
+    # Ray's health check (every 2 s, 3 failures) replaces the hung replica's process.
+    assert wait_for(lambda: len(set(_engine_replica_pids()) - before) == 1, 120), _engine_replica_pids()

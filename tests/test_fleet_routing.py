@@ -2,7 +2,14 @@
 
 import pytest
 
-from tokenloom.fleet.routing import LeastLoaded, PrefixAware, ReplicaLoad, RoundRobin, make_policy, prefix_hashes
+from tokenloom.fleet.routing import (
+    LeastLoaded,
+    PrefixAware,
+    ReplicaLoad,
+    RoundRobin,
+    make_policy,
+    prefix_hashes,
+)
 
 A, B, C = (ReplicaLoad(x) for x in "abc")
 

@@ -2,6 +2,7 @@
 pure Python, no Ray."""
 
 import copy
+import itertools
 
 import pytest
 from hypothesis import given
@@ -35,7 +36,7 @@ def _growing_outputs(steps: list[list[tuple[str, int]]], logprobs: bool) -> list
 def test_deltas_rebuild_every_cumulative_output(steps, logprobs):
     outs = _growing_outputs(steps, logprobs)
     rebuilt = outs[0]
-    for prev, cur in zip(outs, outs[1:], strict=False):
+    for prev, cur in itertools.pairwise(outs):
         rebuilt = apply_delta(rebuilt, output_delta(prev, cur))
         assert rebuilt == cur
     assert rebuilt == outs[-1]

@@ -11,7 +11,9 @@ Sites and targets:
   incremental detokenization), `logprobs` (recording its logprobs). The target matches a request
   whose id contains it or whose prompt text contains it (so an HTTP client, who does not choose the
   request id, can put a marker in its prompt); `*` matches every request.
-- per step: `forward` (the batched forward, before it runs) and `scheduler` (inside schedule()).
+- per step: `forward` (the batched forward, before it runs), `scheduler` (inside schedule()) and
+  `stall` (before the forward, like `forward`, but it hangs the engine thread for
+  TOKENLOOM_FAULT_STALL_S seconds, default 3600, instead of raising: a hung step).
   The target is an engine step number counted from 1: `3` (the third step only), `3+` (every
   step from the third on), `*` (every one). A `forward` target that is not a step number is a
   request marker: the forward of any step that computes a matching request fails (failing every
@@ -21,12 +23,14 @@ Sites and targets:
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 ACTIVE = False
 
 REQUEST_SITES = ("sampler", "detok", "logprobs")
-STEP_SITES = ("forward", "scheduler")
+STEP_SITES = ("forward", "scheduler", "stall")
+STALL_S = float(os.environ.get("TOKENLOOM_FAULT_STALL_S", "3600"))
 
 
 class InjectedFault(RuntimeError):
@@ -115,6 +119,9 @@ def untrack(prompt_token_ids: list[int]) -> None:
 
 def _raise(rule: Rule, what: str) -> None:
     rule.fired += 1
+    if rule.site == "stall":
+        time.sleep(STALL_S)
+        return
     raise InjectedFault(f"injected fault: {rule.site} ({what})")
 
 

@@ -350,6 +350,7 @@ class LLMEngine:
             if faults.ACTIVE and not plan.is_empty:
                 in_step = {(seq.request_id, self.requests[seq.request_id].fault_text) for seq, _ in plan.scheduled}
                 faults.maybe_raise_step("forward", self.num_steps, tuple(in_step))
+                faults.maybe_raise_step("stall", self.num_steps, tuple(in_step))
             results = self.runner.execute(plan)
         except Exception as exc:  # noqa: BLE001 - not one request's fault: fail the step's requests
             results = []

@@ -8,8 +8,8 @@ Two deployments:
 - `ingress`: the same FastAPI app as `tokenloom serve` (tokenloom/server) over a `FleetClient`
   (client.py), behind Ray Serve's HTTP proxy on --host/--port: same routes, auth, errors and limits.
 
-`serve run tokenloom.fleet.app:build model=... data-parallel-size=2` builds it from `tokenloom serve`'s
-own flags (each `key=value` is `--key value`).
+`serve run tokenloom.fleet.serve_run:build model=... data-parallel-size=2` builds it from `tokenloom
+serve`'s own flags (serve_run.py).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class FleetIngress:
         from ..model.load import model_path
         from ..model.tokenizer import load_tokenizer
         from ..server.app import build_app
-        from ..server.cli import _default_served_name
         from ..server.dashboard import DashboardOptions
+        from ..server.loading import default_served_name
         from ..server.tenancy import ClientPriorityRange
         from .client import FleetClient, ModelFacts
         from .metrics import FleetMetrics
@@ -64,7 +64,7 @@ class FleetIngress:
         facts = ModelFacts(**await self.engines.describe.remote())
         path = model_path(args.model)
         client = FleetClient(self.engines, load_tokenizer(path), facts, board.latest)
-        names = args.served_model_name or [_default_served_name(args.model, path)]
+        names = args.served_model_name or [default_served_name(args.model, path)]
         return build_app(
             client, names, args.api_key, metrics=FleetMetrics(board.latest), model_path=path,
             max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
@@ -109,18 +109,6 @@ def _router_kwargs(args: argparse.Namespace) -> dict:
     if args.routing_policy != "prefix-aware":
         return {"policy": args.routing_policy}
     return {"policy": "prefix-aware", "block_size": args.block_size}
-
-
-def build(cli_args: dict):
-    """`serve run tokenloom.fleet.app:build key=value ...`: `tokenloom serve`'s flags as key=value."""
-    from ..cli import build_parser
-
-    argv = ["serve"]
-    for key, value in cli_args.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
-    args = build_parser().parse_args(argv)
-    check_fleet_args(args)
-    return build_fleet(args)
 
 
 def check_fleet_args(args: argparse.Namespace) -> None:

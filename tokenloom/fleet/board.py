@@ -4,7 +4,8 @@ ingress reads them all back every second.
 A Serve deployment of one replica (app.py), so Ray Serve owns its life with the application's. The
 ingress keeps the last read in `LATEST`, a process-local table that its request router (ray_router.py,
 running in the same process) ranks replicas by and that /health and /metrics read. A replica that
-stops posting (dead, or its event loop frozen) drops off the board after `MAX_AGE_S`.
+stops posting (its event loop frozen, or dead) reads as unhealthy after `STALE_S`, with no load or
+metrics, and drops off the board after `FORGET_S` (Ray Serve will have replaced it by then).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import time
 
 REPORT_PERIOD_S = 1.0
-MAX_AGE_S = 5.0
+STALE_S = 5.0
+FORGET_S = 60.0
 
 LATEST: dict[str, dict] = {}  # replica id -> its last report, as the ingress last read the board
 
@@ -26,8 +28,9 @@ class FleetBoard:
 
     async def read(self) -> dict[str, dict]:
         now = time.monotonic()
-        self._reports = {rid: (t, r) for rid, (t, r) in self._reports.items() if now - t <= MAX_AGE_S}
-        return {rid: r for rid, (_, r) in self._reports.items()}
+        self._reports = {rid: (t, r) for rid, (t, r) in self._reports.items() if now - t <= FORGET_S}
+        return {rid: r if now - t <= STALE_S else {"health_problem": f"no report for {now - t:.0f} s"}
+                for rid, (t, r) in self._reports.items()}
 
 
 def latest() -> dict[str, dict]:

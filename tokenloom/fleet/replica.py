@@ -32,7 +32,7 @@ class EngineReplica:
     def __init__(self, engine_args: dict, board):
         from ..config import engine_config_from_args
         from ..model import catalog
-        from ..server.cli import load_served_engine
+        from ..server.loading import load_served_engine
 
         args = argparse.Namespace(**engine_args)
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

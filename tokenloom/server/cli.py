@@ -14,19 +14,11 @@ import errno
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import threading
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import uvicorn
-
-if TYPE_CHECKING:
-    from ..engine.async_llm import AsyncLLM
-    from ..engine.metrics import EngineMetrics
 
 from ..fleet.routing import POLICIES
 
@@ -81,6 +73,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--request-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT,
                    help="seconds a connection may take to send a whole request (headers and body); "
                         "slower clients are disconnected")
+    p.add_argument("--engine-stall-timeout", type=float, default=120.0,
+                   help="seconds one engine step may run before /health says the engine is stalled (503; in a "
+                        "fleet the replica is taken out of rotation and replaced)")
     p.add_argument("--disable-dashboard", action="store_true",
                    help="no /dashboard page and stream (404); the page is behind --api-key like the API")
     p.add_argument("--dashboard-max-viewers", type=_positive_int, default=16,
@@ -128,21 +123,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-# llama.cpp's file-name suffix for the weight format (`.Q4_1`, `.Q4_K_M`, `-F16`): not part of a model's name.
-_QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|[BF]F?16|F32)$", re.IGNORECASE)
-
-
-def _default_served_name(model: str | None, path: str) -> str:
-    """One name, as vLLM serves the model under the name it was given: a catalog name as given; a path's
-    file or directory name without `.gguf` and its quantization suffix (the bundled model is
-    `SmolLM2-135M-Instruct`, `Qwen2.5-0.5B` stays whole). --served-model-name renames."""
-    from ..model.catalog import CATALOG
-
-    if model in CATALOG and not os.path.exists(model):
-        return model
-    return _QUANT_SUFFIX.sub("", Path(path).name.removesuffix(".gguf"))
-
-
 def _bind(host: str, port: int) -> list[socket.socket]:
     """The listening sockets, bound before the model loads (seconds to minutes): a busy port fails at
     once instead of after the load, and nothing can take the port meanwhile. uvicorn listens on them
@@ -171,6 +151,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..model import catalog
     from .app import build_app
     from .dashboard import DashboardOptions
+    from .loading import load_served_engine
     from .lora_routes import parse_lora_modules
     from .tenancy import ClientPriorityRange
 
@@ -217,39 +198,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ))
     server.run(sockets=sockets)
     return 0
-
-
-@dataclass
-class ServedEngine:
-    async_llm: AsyncLLM
-    metrics: EngineMetrics
-    names: list[str]  # the served model names
-    path: str  # the model's file or directory
-
-
-def load_served_engine(args: argparse.Namespace, config, lora_modules=()) -> ServedEngine:
-    """The engine as `tokenloom serve` runs it (also each replica of a fleet): the model loaded, the
-    adapters checked, metrics and the AsyncLLM around it (its thread not started yet)."""
-    from ..engine.async_llm import AsyncLLM, default_num_threads
-    from ..engine.llm_engine import LLMEngine
-    from ..engine.metrics import EngineMetrics
-    from ..model.load import model_path, set_num_threads
-
-    path = model_path(config.model)
-    num_threads = config.num_threads or default_num_threads()
-    # The model runs on the engine thread, which sets its own thread count (AsyncLLM). The main thread
-    # loads with one: once it owns an OpenMP team of two, the engine thread's team shares the cores with
-    # it and a decode step takes twice as long (measured 9.6 vs 19.7 ms at batch 1 on 2 cores).
-    config.num_threads = None
-    set_num_threads(1)
-    engine = LLMEngine(config)
-    for lora in lora_modules:  # a bad adapter stops the start, named, rather than failing its first request
-        engine.adapters.load(lora)
-    names = args.served_model_name or [_default_served_name(config.model, path)]
-    metrics = EngineMetrics(names[0], log_interval_s=args.log_interval, log_requests=not args.disable_log_requests)
-    async_llm = AsyncLLM(engine, max_queue_len=args.max_queue_len, metrics=metrics, num_threads=num_threads,
-                         exit_on_fatal=True)
-    return ServedEngine(async_llm, metrics, names, path)
 
 
 class _Server(uvicorn.Server):

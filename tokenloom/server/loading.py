@@ -1,0 +1,58 @@
+"""The engine as `tokenloom serve` loads it, for one server process and for each replica of a fleet:
+the model and adapters loaded, metrics and the AsyncLLM around it, and the name it is served under."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..engine.async_llm import AsyncLLM
+from ..engine.llm_engine import LLMEngine
+from ..engine.metrics import EngineMetrics
+from ..model.load import default_num_threads, model_path, set_num_threads
+
+# llama.cpp's file-name suffix for the weight format (`.Q4_1`, `.Q4_K_M`, `-F16`): not part of a model's name.
+_QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|[BF]F?16|F32)$", re.IGNORECASE)
+
+
+def default_served_name(model: str | None, path: str) -> str:
+    """One name, as vLLM serves the model under the name it was given: a catalog name as given; a path's
+    file or directory name without `.gguf` and its quantization suffix (the bundled model is
+    `SmolLM2-135M-Instruct`, `Qwen2.5-0.5B` stays whole). --served-model-name renames."""
+    from ..model.catalog import CATALOG
+
+    if model in CATALOG and not os.path.exists(model):
+        return model
+    return _QUANT_SUFFIX.sub("", Path(path).name.removesuffix(".gguf"))
+
+
+@dataclass
+class ServedEngine:
+    async_llm: AsyncLLM
+    metrics: EngineMetrics
+    names: list[str]  # the served model names
+    path: str  # the model's file or directory
+
+
+def load_served_engine(args: argparse.Namespace, config, lora_modules=()) -> ServedEngine:
+    """The engine as `tokenloom serve` runs it (also each replica of a fleet): the model loaded, the
+    adapters checked, metrics and the AsyncLLM around it (its thread not started yet)."""
+    path = model_path(config.model)
+    num_threads = config.num_threads or default_num_threads()
+    # The model runs on the engine thread, which sets its own thread count (AsyncLLM). The main thread
+    # loads with one: once it owns an OpenMP team of two, the engine thread's team shares the cores with
+    # it and a decode step takes twice as long (measured 9.6 vs 19.7 ms at batch 1 on 2 cores).
+    config.num_threads = None
+    set_num_threads(1)
+    engine = LLMEngine(config)
+    for lora in lora_modules:  # a bad adapter stops the start, named, rather than failing its first request
+        engine.adapters.load(lora)
+    names = args.served_model_name or [default_served_name(config.model, path)]
+    metrics = EngineMetrics(names[0], log_interval_s=args.log_interval, log_requests=not args.disable_log_requests)
+    async_llm = AsyncLLM(engine, max_queue_len=args.max_queue_len, metrics=metrics, num_threads=num_threads,
+                         exit_on_fatal=True, stall_timeout_s=args.engine_stall_timeout)
+    return ServedEngine(async_llm, metrics, names, path)
+
