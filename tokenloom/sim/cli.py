@@ -92,10 +92,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def add_calibrate_parser(subparsers) -> None:
-    from ..config import add_engine_args
+    from ..config import SERVING_FORWARD_DEFAULTS, add_engine_args
 
     p = subparsers.add_parser("calibrate", help="measure real step times and fit the simulator's cost model")
     p.add_argument("--out", default="calibration.json")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
     add_engine_args(p)
-    p.set_defaults(func=cmd_calibrate)
+    # The forward `tokenloom serve` runs (--quantization auto), so the fitted costs are a server's;
+    # --quantization none measures the exact float32 path.
+    p.set_defaults(func=cmd_calibrate, **SERVING_FORWARD_DEFAULTS)
