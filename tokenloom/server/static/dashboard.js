@@ -2,6 +2,8 @@
 // tokenloom/engine/snapshot.py) with fetch() so the API key travels in a header, never in the URL
 // (EventSource cannot send headers), and draws each snapshot on canvases. Plain JS, no build step.
 // Every view writes what it drew into data-* attributes too, so tests read the page, not our guesses.
+// In replay mode (body data-mode="replay", `tokenloom dashboard-replay`) the page opens no stream:
+// dashboard_replay.js feeds recorded frames to the same `render` (window.tokenloomDashboard).
 "use strict";
 (function () {
   const KEY_ITEM = "tokenloom-dashboard-key";  // set by the login form (dashboard_login.html)
@@ -135,7 +137,7 @@
     document.body.dataset.step = snap.step.number;
     $("model").textContent = snap.model;
     $("plan").textContent = snap.plan;
-    const s = snap.server || {};
+    const s = snap.server;
     const summary = [
       ["step", snap.step.number],
       ["step time", fmt(snap.step.duration_ms, 1) + " ms"],
@@ -144,7 +146,8 @@
       ["swapped", snap.num_swapped],
       ["preemptions", snap.num_preemptions],
       ["batching", snap.config.batching],
-      ["viewers", s.viewers + " / " + s.max_viewers],
+      // Live: who else watches; a recorded frame has no server, but a time on its run's engine clock.
+      s ? ["viewers", s.viewers + " / " + s.max_viewers] : ["engine time", fmt(snap.now, 2) + " s"],
     ];
     $("summary").replaceChildren(...summary.map(([k, v]) => {
       const span = document.createElement("span");
@@ -452,5 +455,6 @@
   }
 
   window.addEventListener("resize", () => { if (lastSnap) render(lastSnap); });
-  connect();
+  window.tokenloomDashboard = { render, setStatus };
+  if (document.body.dataset.mode !== "replay") connect();
 })();
