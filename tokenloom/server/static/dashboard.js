@@ -8,7 +8,9 @@
 (function () {
   const KEY_ITEM = "tokenloom-dashboard-key";  // set by the login form (dashboard_login.html)
   const RATE = 5;  // frames per second asked of the server (it allows 0.2 to 10)
-  const TIMELINE_S = 60;  // the timeline shows the last minute
+  // The timeline shows the last minute; a replay sets the window to its runs' length (setWindow), so a
+  // run of seconds is not a sliver at the right edge. The charts' window never gets shorter than it.
+  let TIMELINE_S = 60;
   const css = getComputedStyle(document.documentElement);
   const C = {};
   for (const name of ["ink", "muted", "line", "prefill", "decode", "draft", "queued", "free", "used", "cached",
@@ -315,9 +317,11 @@
     ctx.beginPath(); ctx.moveTo(left, y); ctx.lineTo(left + plot, y); ctx.stroke();
     ctx.fillStyle = C.muted;
     ctx.textAlign = "center";
-    for (let t = -windowS; t <= 0; t += step) {
+    const ticks = Math.round(windowS / step);  // counted in whole ticks: fractional steps do not drift
+    for (let k = 0; k <= ticks; k++) {
+      const t = -windowS + k * step;
       const x = left + plot * (t + windowS) / windowS;
-      ctx.fillText(t === 0 ? "now" : String(t), x, y + 9);
+      ctx.fillText(k === ticks ? "now" : String(+t.toFixed(2)), x, y + 9);
     }
   }
 
@@ -371,7 +375,7 @@
         ctx.fill();
       }
     });
-    timeAxis(ctx, left, plot, height - bottom + 6, TIMELINE_S, 10);
+    timeAxis(ctx, left, plot, height - bottom + 6, TIMELINE_S, niceMax(TIMELINE_S / 6));
     ctx.fillStyle = C.muted;
     ctx.textAlign = "left";
     ctx.fillText("seconds ago", left, height - 6);
@@ -407,7 +411,7 @@
     ctx.textAlign = "center";
     ctx.fillText(yLabel, 0, 0);
     ctx.restore();
-    timeAxis(ctx, left, plotW, top + plotH, windowS, windowS > 120 ? 60 : 20);
+    timeAxis(ctx, left, plotW, top + plotH, windowS, windowS > 120 ? 60 : windowS >= 60 ? 20 : niceMax(windowS / 6));
     ctx.textAlign = "right";
     ctx.fillText("seconds ago", left + plotW, height - 5);
     let count = 0;
@@ -435,7 +439,7 @@
     const buckets = series.buckets;
     // The window grows with the history, a minute at a time, up to what the server keeps.
     const oldest = buckets.length ? -buckets[0][cols.t] : 0;
-    const windowS = Math.min(Math.max(Math.ceil(oldest / 60) * 60, 60), series.window_s);
+    const windowS = oldest <= TIMELINE_S ? TIMELINE_S : Math.min(Math.max(Math.ceil(oldest / 60) * 60, 60), series.window_s);
     // Seconds without a step have no bucket: fill them with zeros so the throughput line drops.
     const byT = new Map(buckets.map((b) => [Math.round(b[cols.t]), b]));
     const gen = [], prompt = [], itl = [];
@@ -455,6 +459,8 @@
   }
 
   window.addEventListener("resize", () => { if (lastSnap) render(lastSnap); });
-  window.tokenloomDashboard = { render, setStatus };
+  // For the replay: seconds the timeline and charts span at least (a nice round number above `seconds`).
+  function setWindow(seconds) { TIMELINE_S = Math.min(niceMax(seconds), 60); }
+  window.tokenloomDashboard = { render, setStatus, setWindow };
   if (document.body.dataset.mode !== "replay") connect();
 })();

@@ -120,6 +120,9 @@
       return;
     }
     data = await res.json();
+    D.setWindow(Math.max(...data.runs.map((rec) => rec.frames[rec.frames.length - 1].now), 1));
+    document.querySelector("h1 .sub").textContent = "replay";
+    document.title = "tokenloom · replay";
     buildControls();
     show(0, 0);
     D.setStatus("replay", "live");
