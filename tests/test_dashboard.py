@@ -68,6 +68,23 @@ def test_snapshot_shows_batch_queues_kv_and_is_json(make_engine):
     assert snap["series"]["ttft_ms"] and sum(b[1] for b in snap["series"]["buckets"]) == 4 + 8 + 2
 
 
+def test_rows_name_their_blocks_as_runs_of_ids(make_engine):
+    from tokenloom.engine.snapshot import block_runs
+
+    assert block_runs([]) == [] and block_runs([4, 5, 6, 9, 10, 2]) == [[4, 3], [9, 2], [2, 1]]
+    engine = make_engine(block_size=16, max_num_seqs=2)
+    rec = EngineRecorder(engine)
+    engine.add_request("a", list(range(100, 140)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("b", list(range(200, 220)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    snap = rec.build()
+    owned = {r["id"]: [b for first, n in r["block_runs"] for b in range(first, first + n)] for r in snap["running"]}
+    by_seq = {s.request_id: s.block_table for s in engine.scheduler.running}
+    assert owned == by_seq and len(owned["a"]) == 3 and len(owned["b"]) == 2
+    assert all(snap["kv"]["map"][b] == "1" for ids in owned.values() for b in ids)
+    _run(engine)
+
+
 def test_snapshot_kv_map_codes_cached_and_shared_blocks(make_engine):
     engine = make_engine(block_size=16)
     rec = EngineRecorder(engine)

@@ -298,6 +298,14 @@ def test_replay_steps_through_the_lab_runs(browser, replay_server):
 
         page.click("#replay-forward")
         assert body()["replayFrame"] == "1" and int(body()["step"]) > 1
+        # The KV map by request: a running request picked in its table has its blocks outlined.
+        row = page.eval_on_selector("#running tbody tr", "tr => [tr.dataset.id, tr.cells[4].textContent]")
+        page.click("#running tbody tr")
+        kv = page.eval_on_selector("#kv", "el => Object.assign({}, el.dataset)")
+        assert kv["selected"] == row[0] and kv["selectedBlocks"] == row[1] != "0"
+        assert page.eval_on_selector("#running tbody tr.selected", "tr => tr.dataset.id") == row[0]
+        page.click("#running tbody tr.selected")  # again: cleared
+        assert page.eval_on_selector("#kv", "el => el.dataset.selected") == ""
         page.keyboard.press("ArrowRight")
         assert body()["replayFrame"] == "2"
         step_at_2 = body()["step"]

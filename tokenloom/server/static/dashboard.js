@@ -159,7 +159,7 @@
       return span;
     }));
     drawBatch(snap);
-    drawKV(snap.kv, snap.config.block_size);
+    drawKV(snap);
     fillQueues(snap);
     drawTimeline(snap.timeline);
     drawCharts(snap.series);
@@ -241,7 +241,31 @@
       [C.aborted, "budget (max_num_batched_tokens, dashed)"]]);
   }
 
-  function drawKV(kv, blockSize) {
+  // Which request holds each block (from the rows' block_runs): for the hover text and the selection.
+  function kvOwners(snap) {
+    const owners = new Map();
+    for (const r of [...snap.running, ...snap.waiting]) {
+      for (const [first, count] of r.block_runs || []) {
+        for (let b = first; b < first + count; b++) {
+          if (!owners.has(b)) owners.set(b, []);
+          owners.get(b).push(r.id);
+        }
+      }
+    }
+    return owners;
+  }
+
+  const KV_STATES = ["free", "in use", "cached for reuse", "shared"];
+  let selected = null;  // a request picked in the Running table or on the map: its blocks are outlined
+  let kvLayout = null;  // what the last drawKV put where, for the pointer
+
+  function select(id) {
+    selected = selected === id ? null : id;
+    if (lastSnap) render(lastSnap);
+  }
+
+  function drawKV(snap) {
+    const kv = snap.kv, blockSize = snap.config.block_size;
     const { cv, ctx, width, height } = canvas2d("kv");
     const hostRows = kv.host_blocks ? 1 : 0;
     const n = kv.num_blocks;
@@ -255,6 +279,19 @@
     for (let i = 0; i < n; i++) {
       ctx.fillStyle = colors[map.charCodeAt(i) - 48] || C.free;
       ctx.fillRect((i % cols) * cell, Math.floor(i / cols) * cell, cell - gap, cell - gap);
+    }
+    const owners = kvOwners(snap);
+    kvLayout = { cell, cols, n, map, owners };
+    let selectedBlocks = 0;
+    if (selected !== null) {  // the selected request's blocks, outlined in ink over their state colour
+      ctx.strokeStyle = C.ink;
+      ctx.lineWidth = Math.max(Math.min(cell / 4, 2), 1);
+      for (const [b, ids] of owners) {
+        if (!ids.includes(selected) || b >= n) continue;
+        selectedBlocks++;
+        ctx.strokeRect((b % cols) * cell + 0.5, Math.floor(b / cols) * cell + 0.5, cell - gap - 1, cell - gap - 1);
+      }
+      ctx.lineWidth = 1;
     }
     if (hostRows) {
       const y = height - 18;
@@ -271,10 +308,14 @@
     $("kv-caption").textContent = n + " blocks of " + blockSize + " tokens · in use " +
       (100 * kv.usage).toFixed(1) + "% · prefix-cache hit rate " + hit;
     Object.assign(cv.dataset, { free: kv.free, used: kv.used, cached: kv.cached, shared: kv.shared,
-      hostUsed: kv.host_used, hitRate: kv.hit_rate === null ? "" : kv.hit_rate });
-    legend("kv-legend", [[C.free, "free " + kv.free], [C.used, "in use " + kv.used],
+      hostUsed: kv.host_used, hitRate: kv.hit_rate === null ? "" : kv.hit_rate,
+      selected: selected === null ? "" : selected, selectedBlocks });
+    const items = [[C.free, "free " + kv.free], [C.used, "in use " + kv.used],
       [C.cached, "cached for reuse " + kv.cached], [C.shared, "shared (>1 request) " + kv.shared],
-      [C.swapped, "swapped to host " + kv.host_used]]);
+      [C.swapped, "swapped to host " + kv.host_used]];
+    items.push(selected === null ? [C.line, "click a block or a running request to outline its blocks"]
+      : [C.ink, "outlined: " + selectedBlocks + " blocks of " + shortId(selected) + " (click again to clear)"]);
+    legend("kv-legend", items);
   }
 
   function fillTable(id, rows, cells, countId, total) {
@@ -287,6 +328,8 @@
         tr.append(td);
       }
       tr.title = r.id + (r.prompt !== undefined ? "\nprompt: " + r.prompt + "\noutput: " + r.output : "");
+      tr.dataset.id = r.id;
+      if (r.id === selected) tr.className = "selected";
       return tr;
     });
     if (!trs.length) {
@@ -457,6 +500,31 @@
     chart("itl", [{ points: itl, color: C.decode }], windowS, "ITL (ms)");
     legend("itl-legend", [[C.decode, "mean gap between a sequence's tokens, per second, ms"]]);
   }
+
+  function kvBlockAt(event) {
+    if (!kvLayout) return null;
+    const rect = $("kv").getBoundingClientRect();
+    const col = Math.floor((event.clientX - rect.left) / kvLayout.cell);
+    const row = Math.floor((event.clientY - rect.top) / kvLayout.cell);
+    const b = row * kvLayout.cols + col;
+    return col < kvLayout.cols && b >= 0 && b < kvLayout.n ? b : null;
+  }
+
+  $("kv").addEventListener("mousemove", (event) => {
+    const b = kvBlockAt(event);
+    const ids = b === null ? [] : kvLayout.owners.get(b) || [];
+    $("kv").title = b === null ? "" : "block " + b + ": " + KV_STATES[kvLayout.map.charCodeAt(b) - 48] +
+      (ids.length ? " · " + ids.join(", ") : "");
+  });
+  $("kv").addEventListener("click", (event) => {
+    const b = kvBlockAt(event);
+    const ids = b === null ? [] : kvLayout.owners.get(b) || [];
+    if (ids.length) select(ids[0]); else if (selected !== null) select(selected);
+  });
+  $("running").addEventListener("click", (event) => {
+    const tr = event.target.closest("tr");
+    if (tr && tr.dataset.id) select(tr.dataset.id);
+  });
 
   window.addEventListener("resize", () => { if (lastSnap) render(lastSnap); });
   // For the replay: seconds the timeline and charts span at least (a nice round number above `seconds`).
