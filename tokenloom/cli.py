@@ -1,4 +1,5 @@
-"""`tokenloom` command line: serve | generate | pull | models | bench | kv-calc | simulate | calibrate | lab."""
+"""`tokenloom` command line: serve | generate | pull | models | bench | kv-calc | simulate | calibrate | lab |
+dashboard-replay."""
 
 from __future__ import annotations
 
