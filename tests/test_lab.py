@@ -200,3 +200,27 @@ def test_dynamic_batch_waits_for_its_timer(tiny_model, tokenizer):
     a, b = res.requests["a"], res.requests["b"]
     assert a.first_scheduled == pytest.approx(0.05, abs=0.01)  # alone after its 50 ms wait
     assert b.first_scheduled >= max(0.25, a.finished) - 1e-9
+
+
+def test_progress_prints_every_interval_and_once_when_a_run_ends():
+    from types import SimpleNamespace
+
+    now = [0.0]
+    out = io.StringIO()
+    progress = LabProgress(interval_s=5.0, stream=out, clock=lambda: now[0])
+    runs = [SimpleNamespace(label=label, done=False, finished_requests=0, total_requests=4, generated_tokens=0,
+                            total_tokens=64, steps=0, engine_seconds=0.0) for label in ("static", "continuous")]
+    for t in (1.0, 4.9):  # within the interval: quiet
+        now[0] = t
+        progress.update(runs)
+    assert out.getvalue() == ""
+    now[0], runs[0].generated_tokens, runs[0].steps = 5.0, 32, 32
+    progress.update(runs)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and "static" in lines[0] and "tokens 32/64 ( 50%)" in lines[0] and "[    5.0 s]" in lines[0]
+    now[0], runs[1].done, runs[1].finished_requests = 6.0, True, 4
+    progress.update(runs)  # a run that ends says so at once, once
+    now[0] = 11.0
+    progress.update(runs)  # and is not repeated by the periodic lines
+    lines = out.getvalue().splitlines()
+    assert [line.split()[3:5] for line in lines[2:]] == [["continuous", "done"], ["static", "requests"]]
