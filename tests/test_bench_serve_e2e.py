@@ -19,14 +19,26 @@ def server():
     srv.stop()
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_bench_serve_against_tokenloom_serve(server, tmp_path, endpoint):
+def _ours(url: str, out) -> list[str]:
+    return ["--base-url", url, "--endpoint", "completions", "--dataset", "random", "--input-len", "24",
+            "--output-len", "8", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--no-progress", "--out", str(out)]
+
+
+def _vllms(url: str, out) -> list[str]:
+    # As a `vllm bench serve` command line is written, chat endpoint, port and result file in its words.
+    port = url.rsplit(":", 1)[1]
+    return ["--host", "127.0.0.1", "--port", port, "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            "--dataset-name", "random", "--random-input-len", "24", "--random-output-len", "8",
+            "--goodput", "ttft:60000", "tpot:60000", "--disable-tqdm", "--save-result",
+            "--result-dir", str(out.parent), "--result-filename", out.name]
+
+
+@pytest.mark.parametrize("spelling", [_ours, _vllms], ids=["ours-completions", "vllm-chat"])
+def test_bench_serve_against_tokenloom_serve(server, tmp_path, spelling):
     out = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "tokenloom.cli", "bench", "serve", "--base-url", server.url,
-         "--endpoint", endpoint, "--dataset", "random", "--num-prompts", "6", "--input-len", "24",
-         "--output-len", "8", "--request-rate", "20", "--seed", "1", "--slo-ttft-ms", "60000",
-         "--slo-tpot-ms", "60000", "--no-progress", "--out", str(out)],
+        [sys.executable, "-m", "tokenloom.cli", "bench", "serve", *spelling(server.url, out),
+         "--num-prompts", "6", "--request-rate", "20", "--seed", "1"],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -40,3 +52,4 @@ def test_bench_serve_against_tokenloom_serve(server, tmp_path, endpoint):
     assert result["request_goodput"] > 0
     assert len(result["ttfts"]) == 6 and all(t > 0 for t in result["ttfts"])
     assert "Successful requests" in proc.stdout
+    assert result["endpoint"] == ("chat" if spelling is _vllms else "completions")

@@ -12,6 +12,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -65,6 +66,23 @@ def test_snapshot_shows_batch_queues_kv_and_is_json(make_engine):
     for r in snap["timeline"]:
         assert r["arrival"] <= r["scheduled"] <= r["first_token"] <= r["end"] <= 0
     assert snap["series"]["ttft_ms"] and sum(b[1] for b in snap["series"]["buckets"]) == 4 + 8 + 2
+
+
+def test_rows_name_their_blocks_as_runs_of_ids(make_engine):
+    from tokenloom.engine.snapshot import block_runs
+
+    assert block_runs([]) == [] and block_runs([4, 5, 6, 9, 10, 2]) == [[4, 3], [9, 2], [2, 1]]
+    engine = make_engine(block_size=16, max_num_seqs=2)
+    rec = EngineRecorder(engine)
+    engine.add_request("a", list(range(100, 140)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request("b", list(range(200, 220)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    snap = rec.build()
+    owned = {r["id"]: [b for first, n in r["block_runs"] for b in range(first, first + n)] for r in snap["running"]}
+    by_seq = {s.request_id: s.block_table for s in engine.scheduler.running}
+    assert owned == by_seq and len(owned["a"]) == 3 and len(owned["b"]) == 2
+    assert all(snap["kv"]["map"][b] == "1" for ids in owned.values() for b in ids)
+    _run(engine)
 
 
 def test_snapshot_kv_map_codes_cached_and_shared_blocks(make_engine):
@@ -367,3 +385,132 @@ def test_engine_call_runs_on_the_engine_thread(make_engine):
             await async_llm.shutdown()
 
     assert asyncio.run(main()) == "tokenloom-engine"
+
+
+# -- recorded snapshots and their replay --------------------------------------------------------------
+
+
+def _recorded(make_engine, max_frames: int, num_requests: int = 6, max_tokens: int = 20):
+    from tokenloom.engine.snapshot_recording import SnapshotRecording
+
+    engine = make_engine(max_num_seqs=2)
+    recording = SnapshotRecording(engine, "continuous", max_frames)
+    for i in range(num_requests):
+        engine.add_request(f"r{i}", [10 + i, 11, 12], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        recording.capture()
+        recording.capture()  # no step in between: no second frame
+    recording.finish()
+    return engine, recording
+
+
+def test_recording_keeps_live_frames_bounded_and_evenly_spaced(make_engine):
+    engine, rec = _recorded(make_engine, max_frames=8)
+    steps = engine.num_steps
+    assert steps > 40  # 6 requests x 20 tokens, two at a time
+    numbers = [f["step"]["number"] for f in rec.frames]
+    assert 4 <= len(rec.frames) <= 8
+    assert numbers[0] == 1 and numbers[-1] == steps  # the first and the last step are kept
+    assert rec.stride >= steps // 8 and all(b - a == rec.stride for a, b in itertools.pairwise(numbers[:-1]))
+    live = EngineRecorder(engine).build()
+    assert set(rec.frames[-1]) == set(live)  # the live page's frame format, key for key
+    assert rec.frames[-1]["step"]["rows"] == [] and len(rec.frames[-1]["timeline"]) == 6
+
+    _, small = _recorded(make_engine, max_frames=100, num_requests=1, max_tokens=5)
+    assert [f["step"]["number"] for f in small.frames] == [1, 2, 3, 4, 5] and small.stride == 1
+
+
+def test_replay_file_round_trip_and_bad_files(make_engine, tmp_path):
+    import gzip
+
+    from tokenloom.engine.snapshot_recording import read_replay, write_replay
+
+    _, rec = _recorded(make_engine, max_frames=6, num_requests=2, max_tokens=4)
+    path = write_replay(str(tmp_path), [rec], {"command": "test", "model": "tiny", "plan": ""})
+    assert path == str(tmp_path / "replay.json.gz")
+    data = read_replay(str(tmp_path))
+    assert data["runs"][0]["label"] == "continuous" and data["runs"][0]["frames"] == json.loads(json.dumps(rec.frames))
+    bad = tmp_path / "bad.json.gz"
+    for content, message in [(b"not gzip", "not a gzipped JSON replay"),
+                             (gzip.compress(b"{\"format\": \"other\"}"), "not a tokenloom-replay file"),
+                             (gzip.compress(b"{\"format\": \"tokenloom-replay\", \"version\": 9}"), "version 9"),
+                             (gzip.compress(b"{\"format\": \"tokenloom-replay\", \"version\": 1, \"runs\": []}"),
+                              "no run with frames")]:
+        bad.write_bytes(content)
+        with pytest.raises(ValueError, match=message):
+            read_replay(str(bad))
+    with pytest.raises(ValueError, match="no file at"):
+        read_replay(str(tmp_path / "missing"))
+
+
+def test_replay_app_serves_the_page_in_replay_mode_and_the_file(make_engine, tmp_path):
+    import gzip
+
+    from fastapi.testclient import TestClient
+
+    from tokenloom.engine.snapshot_recording import write_replay
+    from tokenloom.server.dashboard_replay import PAGE_PATH, build_replay_app
+
+    _, rec = _recorded(make_engine, max_frames=6, num_requests=2, max_tokens=4)
+    path = write_replay(str(tmp_path), [rec], {"command": "test", "model": "tiny", "plan": ""})
+    client = TestClient(build_replay_app(str(tmp_path)))
+    page = client.get(PAGE_PATH)
+    assert page.status_code == 200 and 'data-mode="replay"' in page.text and "replay-slider" in page.text
+    assert "tokenloomDashboard" in page.text and "function drawKV" in page.text  # the live page's drawing
+    assert page.headers["content-security-policy"].startswith("default-src 'none'")
+    data = client.get(PAGE_PATH + "/data")
+    assert data.headers["content-encoding"] == "gzip"
+    assert data.json() == json.loads(gzip.decompress(Path(path).read_bytes()))
+    assert client.get("/", follow_redirects=False).headers["location"] == PAGE_PATH
+    for url in (PAGE_PATH + "?frame=3", PAGE_PATH + "/data?run=x"):
+        error_of(client.get(url), 400, url.split("?")[1].split("=")[0])
+    live = page_html()
+    assert 'data-mode="live"' in live and "replay-slider" in live and "function show(" not in live  # no replay JS
+    with pytest.raises(ValueError, match="no file at"):
+        build_replay_app(str(tmp_path / "nowhere"))
+
+
+# -- a flood of viewers ----------------------------------------------------------------------------
+
+
+def test_a_flood_of_viewers_beyond_the_cap_gets_503_and_the_engine_keeps_serving(live):
+    srv = live(max_viewers=3)
+    assert _wait(lambda: srv.stats()["viewers"] == 0)
+    base_tasks = srv.stats()["tasks"]
+
+    async def flood() -> tuple[list[httpx.Response], list[int], int]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=30,
+                                     limits=httpx.Limits(max_connections=None)) as client:
+            holders = []
+            async with contextlib.AsyncExitStack() as stack:
+                for _ in range(3):  # the cap, held open for the whole flood
+                    r = await stack.enter_async_context(client.stream("GET", "/dashboard/stream"))
+                    assert r.status_code == 200
+                    holders.append(r.aiter_lines())
+                    await anext(holders[-1])
+
+                async def refused_viewer() -> httpx.Response:
+                    async with client.stream("GET", "/dashboard/stream", params={"rate": "10"}) as r:
+                        await r.aread()
+                        return r
+
+                async def completion() -> int:
+                    r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 12, "ignore_eos": True})
+                    return r.status_code
+
+                results = await asyncio.gather(*[refused_viewer() for _ in range(60)],
+                                               *[completion() for _ in range(4)])
+                viewers_during = (await client.get("/dashboard/stats")).json()["viewers"]
+        return list(results[:60]), list(results[60:]), viewers_during
+
+    refused, served, viewers_during = asyncio.run(flood())
+    assert served == [200] * 4  # the engine kept serving through the flood
+    assert viewers_during == 3
+    for r in refused:
+        err = error_of(r, 503)
+        assert err["code"] == "too_many_viewers" and int(r.headers["Retry-After"]) >= 1
+    assert _wait(lambda: srv.stats()["viewers"] == 0 and not srv.stats()["ticker_running"]), srv.stats()
+    assert srv.stats()["tasks"] <= base_tasks
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "after", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200

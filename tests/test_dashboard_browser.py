@@ -234,3 +234,103 @@ def test_fifty_viewers_coming_and_going_leave_nothing_behind(server):
     assert rss[-1] - rss[1] < 8 * 1024, f"RSS per round (KiB): {rss}"
     with server.client() as c:  # and the engine still serves
         assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}).status_code == 200
+
+
+# -- replay of a recorded lab run --------------------------------------------------------------------
+
+
+@pytest.fixture
+def replay_server(tiny_model, tokenizer, tmp_path):
+    """`tokenloom dashboard-replay`'s app over a small lab recording (the tiny random model, three modes),
+    on a free port in this process."""
+    import socket
+
+    import uvicorn
+
+    from tokenloom.bench.workload import make_workload
+    from tokenloom.engine.snapshot_recording import write_replay
+    from tokenloom.lab import LabRun, run_workloads
+    from tokenloom.server.dashboard_replay import build_replay_app
+
+    reqs = make_workload("mixed", 6, seed=0, output_lens=(3, 12))
+    runs = [LabRun(mode, 2, max_wait_ms=5.0) for mode in ("static", "dynamic", "continuous")]
+    results = run_workloads(tiny_model, tokenizer, reqs, runs, max_frames=10, max_model_len=1024, num_kv_blocks=64)
+    write_replay(str(tmp_path), [r.snapshots for r in results], {"command": "tokenloom lab (test)", "model": "tiny",
+                                                                 "plan": tiny_model.plan.line()})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(build_replay_app(str(tmp_path)), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    server.install_signal_handlers = lambda: None  # not the main thread
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert wait_for(lambda: server.started, 30), "replay server did not start"
+    yield f"http://127.0.0.1:{port}", results
+    server.should_exit = True
+    thread.join(30)
+
+
+def test_replay_steps_through_the_lab_runs(browser, replay_server):
+    url, results = replay_server
+    context = browser.new_context(viewport={"width": 1440, "height": 1100})
+    page = context.new_page()
+    errors, urls = [], []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
+    page.on("request", lambda r: urls.append(r.url))
+    try:
+        assert page.goto(f"{url}/dashboard/replay").status == 200
+        page.wait_for_selector("#status.live", timeout=30_000)
+        assert page.inner_text("#status") == "replay" and page.is_visible("#replay")
+
+        def body() -> dict:
+            return page.eval_on_selector("body", "b => Object.assign({}, b.dataset)")
+
+        def strip() -> list[list[str]]:
+            return page.eval_on_selector_all("#replay-strip tbody tr",
+                                             "rows => rows.map(r => Array.from(r.cells, c => c.textContent))")
+
+        assert body()["replayRun"] == "static" and body()["replayFrame"] == "0" and body()["step"] == "1"
+        assert page.inner_text("#model") == "tiny" and page.inner_text("#plan").startswith("forward plan:")
+        assert [row[0] for row in strip()] == ["static", "dynamic", "continuous"]  # side by side
+        first_batch = page.eval_on_selector("#batch", "el => el.dataset.ids")
+
+        page.click("#replay-forward")
+        assert body()["replayFrame"] == "1" and int(body()["step"]) > 1
+        # The KV map by request: a running request picked in its table has its blocks outlined.
+        row = page.eval_on_selector("#running tbody tr", "tr => [tr.dataset.id, tr.cells[4].textContent]")
+        page.click("#running tbody tr")
+        kv = page.eval_on_selector("#kv", "el => Object.assign({}, el.dataset)")
+        assert kv["selected"] == row[0] and kv["selectedBlocks"] == row[1] != "0"
+        assert page.eval_on_selector("#running tbody tr.selected", "tr => tr.dataset.id") == row[0]
+        page.click("#running tbody tr.selected")  # again: cleared
+        assert page.eval_on_selector("#kv", "el => el.dataset.selected") == ""
+        page.keyboard.press("ArrowRight")
+        assert body()["replayFrame"] == "2"
+        step_at_2 = body()["step"]
+        page.click("#replay-back")
+        assert body()["replayFrame"] == "1" and body()["step"] != step_at_2
+        page.click("#replay-first")
+        assert body()["replayFrame"] == "0" and page.eval_on_selector("#batch", "el => el.dataset.ids") == first_batch
+
+        # The slider's end is the run's last step: everything finished, nothing in the batch.
+        page.eval_on_selector("#replay-slider", "s => { s.value = s.max; s.dispatchEvent(new Event('input')); }")
+        static = results[0]
+        assert body()["step"] == str(len(static.steps)) and page.eval_on_selector("#batch", "el => el.dataset.ids") == ""
+        assert "done" in strip()[0][-1]
+
+        # Another run at the same engine time (each run's own clock): its last frame at or before that time.
+        t = static.snapshots.frames[-1]["now"]
+        continuous = results[2].snapshots.frames
+        expected = [f for f in continuous if f["now"] <= t] or continuous[:1]
+        page.click("#replay-runs button:has-text('continuous')")
+        assert body()["replayRun"] == "continuous"
+        assert int(body()["step"]) == expected[-1]["step"]["number"]
+        page.click("#replay-play")
+        page.click("#replay-first")  # stops playing, back to the start
+        assert body()["replayFrame"] == "0"
+        assert errors == [], errors
+        assert all(u.startswith(url) for u in urls), urls  # nothing fetched from anywhere else
+    finally:
+        context.close()

@@ -93,6 +93,18 @@ def test_kv_blocks_all_free_and_preemption_under_pressure(tokenizer):
     assert not engine.has_unfinished_requests()
 
 
+def test_simulation_records_dashboard_frames_on_its_virtual_clock(tokenizer):
+    wl = make_workload("uniform", 16, 48, 64, seed=1)
+    cfg = EngineConfig(num_kv_blocks=24, block_size=16, max_model_len=128)
+    res = simulate(const_model(0.01), wl, cfg, tokenizer=tokenizer, record_frames=20)
+    frames = res.snapshots.frames
+    assert 10 <= len(frames) <= 20 and frames[-1]["step"]["number"] == res.num_steps
+    assert [f["now"] for f in frames] == sorted(f["now"] for f in frames)  # virtual seconds, moving on
+    assert frames[-1]["now"] == pytest.approx(res.duration, abs=0.011)
+    assert max(f["num_preemptions"] for f in frames) > 0  # the KV pressure shows in the frames
+    assert simulate(const_model(0.01), wl[:2], cfg, tokenizer=tokenizer).snapshots is None  # off by default
+
+
 def test_fit_recovers_known_coefficients():
     rng = random.Random(0)
     true = {"tokens": 2e-4, "sampled": 5e-5, "seqs": 0.0, "prefill_seqs": 1e-3, "decode_kv": 3e-7,

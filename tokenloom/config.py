@@ -17,6 +17,16 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 QUANTIZATIONS = ("none", "auto", "int4", "q4", "q4_1", "int8", "q8")
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: ~46k tokens of SmolLM2-135M KV in float32
 
+# The fields that decide how a forward runs: which weights in which format, the residual and KV cache
+# dtypes, where and on how many threads. The lab and `calibrate` take exactly these from `serve`'s flags,
+# so what they measure is a path a server runs.
+FORWARD_PATH_FIELDS = ("model", "dtype", "quantization", "kv_cache_dtype", "device", "num_threads")
+# What `tokenloom serve` runs unless told otherwise; EngineConfig's own defaults are the exact float32
+# path (the offline `LLM`). The forward part is shared with the lab and `calibrate`; stall-free batching
+# is a scheduling choice of the server's.
+SERVING_FORWARD_DEFAULTS = {"quantization": "auto"}
+SERVING_DEFAULTS = {**SERVING_FORWARD_DEFAULTS, "stall_free_factor": 1.5}
+
 
 @dataclass
 class EngineConfig:
@@ -138,12 +148,14 @@ _FLAG_HELP = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every EngineConfig field as --kebab-case option (vLLM's names), with its choices. The help shows
-    the parser's default when --help runs (`%(default)s`), so a command's set_defaults (serve: auto, 1.5)
-    is what it prints."""
+def add_engine_args(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """Every EngineConfig field (or those in `only`) as --kebab-case option (vLLM's names), with its
+    choices. The help shows the parser's default when --help runs (`%(default)s`), so a command's
+    set_defaults (serve: auto, 1.5) is what it prints."""
     defaults, hints = EngineConfig(), get_type_hints(EngineConfig)
     for f in fields(EngineConfig):
+        if only is not None and f.name not in only:
+            continue
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         if isinstance(default, bool):
@@ -160,3 +172,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def forward_path_from_args(args: argparse.Namespace) -> dict:
+    """The FORWARD_PATH_FIELDS of parsed flags (`add_engine_args(parser, only=FORWARD_PATH_FIELDS)`), as
+    EngineConfig keyword arguments."""
+    return {name: getattr(args, name) for name in FORWARD_PATH_FIELDS}

@@ -7,7 +7,9 @@ English words; one such word with its leading space is about one token for BPE t
 matches --input-len (best effort: any failure leaves the prompts as they are).
 
 Datasets:
-- ``random``: N prompts of --input-len words, output length from --output-len-dist (default fixed).
+- ``random``: N prompts of --input-len words, output length from --output-len-dist (default fixed);
+  with a range ratio r > 0 (vLLM's --random-range-ratio) each prompt's and each output's length is
+  drawn uniformly from [floor(len * (1 - r)), ceil(len * (1 + r))] instead, as vLLM draws them.
 - ``mixed``: like random, default output lengths half short half long (`bench.workload`'s
   ``MIXED_OUTPUT_LENS``, 16 and 256), shuffled (seeded).
 - ``*.jsonl``: one {"prompt": str, "max_tokens": int?} per line, cycled if --num-prompts exceeds the
@@ -20,6 +22,7 @@ Output-length distributions (`parse_output_len_dist`): ``fixed`` (= --output-len
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -86,10 +89,15 @@ def load_samples(
     output_len: int = 128,
     output_len_dist: str | None = None,
     seed: int = 0,
+    range_ratio: float = 0.0,
 ) -> list[SampleRequest]:
     """Build `num_prompts` samples of `dataset` (random | mixed | path to a .jsonl file)."""
     if num_prompts <= 0:
         raise ValueError("--num-prompts must be positive")
+    if range_ratio:
+        if dataset != "random":
+            raise ValueError(f"--random-range-ratio: only for the random dataset (got {dataset!r})")
+        return _ranged_random_samples(num_prompts, input_len, output_len, range_ratio, seed)
     if dataset in ("random", "mixed"):
         dist = output_len_dist or ("mixed" if dataset == "mixed" else "fixed")
         lens = parse_output_len_dist(dist, output_len, num_prompts, seed + 1)
@@ -120,6 +128,25 @@ def load_samples(
     return samples
 
 
+def _length_range(length: int, ratio: float) -> tuple[int, int]:
+    return max(1, math.floor(length * (1 - ratio))), max(1, math.ceil(length * (1 + ratio)))
+
+
+def _ranged_random_samples(
+    num_prompts: int, input_len: int, output_len: int, ratio: float, seed: int
+) -> list[SampleRequest]:
+    """Random prompts whose input and output lengths vary by +-ratio around the given ones."""
+    if not 0 <= ratio < 1:
+        raise ValueError(f"--random-range-ratio: must be in [0, 1), got {ratio}")
+    rng, len_rng = random.Random(seed), random.Random(seed + 1)
+    samples = []
+    for _ in range(num_prompts):
+        n_in = len_rng.randint(*_length_range(input_len, ratio))
+        n_out = len_rng.randint(*_length_range(output_len, ratio))
+        samples.append(SampleRequest(random_prompt(rng, n_in), n_in, n_out))
+    return samples
+
+
 async def _count_tokens(client: httpx.AsyncClient, url: str, model: str, prompt: str) -> int:
     resp = await client.post(url, json={"model": model, "prompt": prompt})
     resp.raise_for_status()
@@ -128,27 +155,29 @@ async def _count_tokens(client: httpx.AsyncClient, url: str, model: str, prompt:
 
 
 async def align_prompts(
-    client: httpx.AsyncClient, base_url: str, model: str, samples: list[SampleRequest], target_len: int
+    client: httpx.AsyncClient, base_url: str, model: str, samples: list[SampleRequest], target_len: int | None = None
 ) -> list[SampleRequest]:
-    """Best effort: make each synthetic prompt exactly `target_len` tokens by the server's count.
+    """Best effort: make each synthetic prompt exactly `target_len` tokens by the server's count (None: each
+    sample's own ``prompt_len``, the length it was drawn with).
 
     Words are appended/removed (at most 8 rounds per prompt); the server's final count becomes
     ``prompt_len`` (exact). If /tokenize is unavailable the samples are returned unchanged.
     """
     url = base_url.rstrip("/") + "/tokenize"
     out: list[SampleRequest] = []
-    rng = random.Random(target_len)
+    rng = random.Random(target_len or 0)
     try:
         for s in samples:
+            target = s.prompt_len if target_len is None else target_len
             words = s.prompt.split()
             count = await _count_tokens(client, url, model, s.prompt)
             for _ in range(8):
-                if count == target_len:
+                if count == target:
                     break
-                if count > target_len:
-                    words = words[: max(1, len(words) - (count - target_len))]
+                if count > target:
+                    words = words[: max(1, len(words) - (count - target))]
                 else:
-                    words += [rng.choice(WORDS) for _ in range(target_len - count)]
+                    words += [rng.choice(WORDS) for _ in range(target - count)]
                 count = await _count_tokens(client, url, model, " ".join(words))
             out.append(replace(s, prompt=" ".join(words), prompt_len=count, prompt_len_exact=True))
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:

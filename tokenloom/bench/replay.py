@@ -67,6 +67,7 @@ class ReplayResult:
     duration: float
     num_steps: int
     metrics: BenchmarkMetrics = field(init=False)
+    snapshots: object | None = field(default=None, compare=False)  # a SnapshotRecording, when one was made
 
     def __post_init__(self):
         self.metrics = compute_metrics(self.requests, self.duration)

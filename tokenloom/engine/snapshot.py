@@ -38,6 +38,19 @@ _ITL_GAP_LIMIT_S = 5.0  # a gap this long between steps is an idle engine, not a
 _REF_CNT = operator.attrgetter("ref_cnt")
 
 
+def block_runs(block_ids: list[int]) -> list[list[int]]:
+    """A block table as [first id, count] runs of consecutive ids: blocks are mostly taken from the free
+    queue in order, so a request's table is a few runs, not one number per block (the KV map's
+    per-request view, without a frame growing with every block in use)."""
+    runs: list[list[int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1][1] += 1
+        else:
+            runs.append([block_id, 1])
+    return runs
+
+
 class EngineRecorder:
     """Feeds on the engine's steps (`engine.step_listeners`) and builds snapshots on request."""
 
@@ -167,7 +180,7 @@ class EngineRecorder:
         row = {"id": seq_name(seq), "age_s": round(now - seq.times.arrival, 3), "priority": seq.params.priority,
                "prompt_tokens": seq.num_prompt_tokens, "output_tokens": seq.num_output_tokens,
                "computed": seq.num_computed_tokens, "blocks": len(seq.block_table), "host_blocks": len(seq.host_blocks),
-               "preemptions": seq.num_preemptions}
+               "block_runs": block_runs(seq.block_table), "preemptions": seq.num_preemptions}
         if self.show_text:
             state = self.engine.requests.get(seq.request_id)
             prompt = state.prompt if state is not None and state.prompt is not None else ""

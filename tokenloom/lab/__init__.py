@@ -9,6 +9,7 @@
 - `slots`: batch-slot assignment for the slot timeline (static keeps finished slots idle).
 - `driver`: drives engines over a workload (runs interleaved step by step, each a
   `tokenloom.bench.replay.Replay`) into `LabResult`s.
+- `progress`: a progress line per run on stderr every few seconds.
 - `summary`: throughput, latency, TTFT and occupancy of a run.
 - `plots`, `trace`, `report`: PNG plots, Chrome-trace JSON, report.md.
 - `cli`: `add_lab_parser` for the `tokenloom lab` command.

@@ -3,11 +3,15 @@
     tokenloom lab --workload mixed|uniform|long-prompt [--num-prompts N] [--batch-size B]
                   [--max-wait-ms MS] [--policies fcfs,sjf,priority]
                   [--modes static,dynamic,continuous]
+                  [MODEL] [--dtype ...] [--quantization ...] [--kv-cache-dtype ...]  (serve's forward flags)
                   --out DIR
 
-The model is loaded once; each mode x policy gets its own engine with max_num_seqs = B, and the runs
-are interleaved step by step (see `driver`). Workloads are `tokenloom.bench.workload`'s. Writes
-DIR/report.md, DIR/*.png, DIR/trace.json and DIR/summary.json.
+The model is loaded once, on the forward path `tokenloom serve` runs unless told otherwise (the same
+flags and defaults: `config.FORWARD_PATH_FIELDS`, `SERVING_FORWARD_DEFAULTS`); the report names it with
+the forward plan's line. Each mode x policy gets its own engine with max_num_seqs = B, and the runs
+are interleaved step by step (see `driver`), with a progress line per run on stderr every few seconds.
+Workloads are `tokenloom.bench.workload`'s. Writes DIR/report.md, DIR/*.png, DIR/trace.json,
+DIR/summary.json and DIR/replay.json.gz (dashboard snapshots: `tokenloom dashboard-replay DIR`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ import sys
 import time
 
 from ..bench.workload import WORKLOADS, WorkloadRequest, make_workload
+from ..config import FORWARD_PATH_FIELDS, SERVING_FORWARD_DEFAULTS, add_engine_args, forward_path_from_args
+from ..engine.snapshot_recording import DEFAULT_MAX_FRAMES
 from .driver import LabResult, LabRun, run_workloads, warm_up
+from .progress import DEFAULT_INTERVAL_S, LabProgress
 
 MODES = ("static", "dynamic", "continuous")
 POLICIES = ("fcfs", "sjf", "priority")
@@ -50,29 +57,37 @@ def add_lab_parser(subparsers) -> argparse.ArgumentParser:
         "--request-rate", type=float, default=None, help="Poisson arrivals (req/s); default all at t=0"
     )
     lab.add_argument("--seed", type=int, default=0)
-    lab.add_argument(
-        "--model", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2-135M)"
-    )
-    lab.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     lab.add_argument("--max-num-batched-tokens", type=int, default=512)
+    lab.add_argument("--progress-interval", type=float, default=DEFAULT_INTERVAL_S,
+                     help="seconds between progress lines on stderr (0: none)")
+    lab.add_argument("--replay-max-frames", type=int, default=DEFAULT_MAX_FRAMES,
+                     help="dashboard snapshots kept per run in DIR/replay.json.gz (evenly spaced in steps; "
+                          "0: no replay file)")
     lab.add_argument("--out", required=True, help="output directory")
-    lab.set_defaults(func=cmd_lab)
+    # The forward path as `tokenloom serve` takes it, with serve's defaults (--quantization auto): the
+    # lab's figures then describe what a server runs; --quantization none is the exact float32 path.
+    add_engine_args(lab, only=FORWARD_PATH_FIELDS)
+    lab.set_defaults(func=cmd_lab, **SERVING_FORWARD_DEFAULTS)
     return lab
 
 
-def load_real_model(model: str | None = None, dtype: str = "float32", quantization: str | None = None):
-    """Load weights and tokenizer once, for every engine of a lab run."""
-    from ..model.load import load
+def load_real_model(model: str | None = None, dtype: str = "float32", quantization: str | None = None,
+                    kv_cache_dtype: str = "auto", device: str = "cpu", num_threads: int | None = None):
+    """Load weights and tokenizer once, for every engine of a lab run (`FORWARD_PATH_FIELDS` as keywords)."""
+    from ..model.load import load, set_num_threads
 
-    return load(model, dtype, quantization=quantization)[:2]
+    set_num_threads(num_threads)
+    return load(model, dtype, device, quantization, kv_cache_dtype)[:2]
 
 
-def run_all(model, tokenizer, requests: list[WorkloadRequest], runs: list[LabRun], log=print, **engine_kwargs):
+def run_all(model, tokenizer, requests: list[WorkloadRequest], runs: list[LabRun], log=print,
+            progress: LabProgress | None = None, max_frames: int | None = None, **engine_kwargs):
     """Warm up, then run every configuration interleaved step by step (see `driver`)."""
     for size in sorted({run.batch_size for run in runs}):
         warm_up(model, tokenizer, size, **engine_kwargs)
     t = time.perf_counter()
-    results: list[LabResult] = run_workloads(model, tokenizer, requests, runs, **engine_kwargs)
+    results: list[LabResult] = run_workloads(model, tokenizer, requests, runs, progress=progress,
+                                             max_frames=max_frames, **engine_kwargs)
     log(
         f"  {len(runs)} runs interleaved in {time.perf_counter() - t:.1f} s: "
         + ", ".join(f"{r.label} {len(r.steps)} steps / {r.wall_time:.1f} s" for r in results)
@@ -90,20 +105,40 @@ def lab_command(args: argparse.Namespace) -> str:
     return "tokenloom lab " + shlex.join(argv)
 
 
+def _model_name(source: str | None) -> str:
+    from ..model.load import model_path
+
+    return os.path.basename(model_path(source)).removesuffix(".gguf")
+
+
 def cmd_lab(args: argparse.Namespace) -> int:
+    from ..model import catalog
+    from ..model.plan import plan_line
     from .output import write_lab_outputs
 
+    if args.replay_max_frames and args.replay_max_frames < 2:
+        raise ValueError(f"--replay-max-frames: 0 (no replay) or at least 2, got {args.replay_max_frames}")
+    if args.progress_interval < 0:
+        raise ValueError(f"--progress-interval: must be >= 0, got {args.progress_interval}")
     requests = make_workload(args.workload, args.num_prompts, seed=args.seed, request_rate=args.request_rate)
     runs = [LabRun(mode, args.batch_size, policy, args.max_wait_ms) for policy in args.policies for mode in args.modes]
+    forward = forward_path_from_args(args)
+    catalog.pull_missing(forward["model"])
+    engine_forward = {k: v for k, v in forward.items() if k != "model"}  # the model object is passed in
     print(f"loading model; {len(runs)} runs of {len(requests)} {args.workload} requests", flush=True)
-    model, tokenizer = load_real_model(args.model, args.dtype)
+    model, tokenizer = load_real_model(**forward)
+    plan = plan_line(model)
+    print(plan, flush=True)
+    progress = LabProgress(args.progress_interval) if args.progress_interval else None
     results = run_all(
         model,
         tokenizer,
         requests,
         runs,
         lambda m: print(m, flush=True),
-        dtype=args.dtype,
+        progress=progress,
+        max_frames=args.replay_max_frames or None,
+        **engine_forward,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     command = lab_command(args)
@@ -115,7 +150,8 @@ def cmd_lab(args: argparse.Namespace) -> int:
         "request_rate": args.request_rate or "all at t=0",
         "seed": args.seed,
     }
-    report = write_lab_outputs(args.out, command, workload, requests, results)
+    report = write_lab_outputs(args.out, command, workload, requests, results, forward_plan=plan,
+                               model_name=_model_name(forward["model"]))
     for c in report.get("comparisons", []):
         print(
             f"continuous / {c['static']}: measured {c['measured_ratio']:.2f}x, ideal {c['ideal_ratio']:.2f}x "

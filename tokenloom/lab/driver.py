@@ -9,6 +9,10 @@ during that engine's turns, so its step times, TTFTs and latencies are what it w
 A turn is one iteration of `tokenloom.bench.replay.Replay` (requests added at their arrival times on the
 engine's clock, all at 0 for an offline workload); an idle engine skips its clock ahead to the next
 arrival instead of sleeping.
+
+Optionally each run records dashboard snapshots (`engine.snapshot_recording`, for `tokenloom
+dashboard-replay`), captured after its turn with its clock paused, so recording costs the measured run
+nothing; and a `LabProgress` prints where every run is, every few seconds.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from ..bench.replay import Replay
 from ..bench.workload import WorkloadRequest
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
+from ..engine.snapshot_recording import SnapshotRecording
+from .progress import LabProgress
 from .recorder import Recorder, RequestRecord, StepRecord
 from .slots import SlotTimeline, assign_slots
 
@@ -49,6 +55,7 @@ class LabResult:
     slots: SlotTimeline
     engine_config: dict = field(default_factory=dict)
     num_preemptions: int = 0
+    snapshots: SnapshotRecording | None = None  # dashboard frames, when recorded
 
     @property
     def label(self) -> str:
@@ -87,7 +94,8 @@ class EngineClock:
 class _Driver:
     """One run in progress: its engine, clock, recorder and replay of the workload."""
 
-    def __init__(self, model, tokenizer, requests: list[WorkloadRequest], run: LabRun, engine_kwargs: dict):
+    def __init__(self, model, tokenizer, requests: list[WorkloadRequest], run: LabRun, engine_kwargs: dict,
+                 max_frames: int | None = None):
         self.run = run
         self.config = EngineConfig(
             batching=run.mode,
@@ -102,11 +110,33 @@ class _Driver:
         self.engine.step_listeners.append(self.recorder)
         self.replay = Replay(self.engine, requests)
         self.total_tokens = max(sum(r.max_tokens for r in requests), 1)
+        self.total_requests = len(requests)
+        self.snapshots = SnapshotRecording(self.engine, run.label, max_frames) if max_frames else None
+
+    @property
+    def label(self) -> str:
+        return self.run.label
 
     @property
     def progress(self) -> float:
         """Fraction of the run's output tokens generated so far."""
         return self.engine.num_generation_tokens / self.total_tokens
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.engine.num_generation_tokens
+
+    @property
+    def finished_requests(self) -> int:
+        return len(self.recorder.requests)
+
+    @property
+    def steps(self) -> int:
+        return self.engine.num_steps
+
+    @property
+    def engine_seconds(self) -> float:
+        return self.clock()
 
     @property
     def done(self) -> bool:
@@ -119,8 +149,12 @@ class _Driver:
             self.replay.turn()
         finally:
             self.clock.pause()
+        if self.snapshots is not None:
+            self.snapshots.capture()
 
     def result(self) -> LabResult:
+        if self.snapshots is not None:
+            self.snapshots.finish()
         records = self.recorder.requests
         end = max((r.finished for r in records.values()), default=self.clock())
         return LabResult(
@@ -134,25 +168,38 @@ class _Driver:
             ),
             engine_config={k: v for k, v in vars(self.config).items() if k != "model"},
             num_preemptions=self.engine.stats().num_preemptions,
+            snapshots=self.snapshots,
         )
 
 
 def run_workloads(
-    model, tokenizer, requests: list[WorkloadRequest], runs: list[LabRun], interleave: bool = True, **engine_kwargs
+    model,
+    tokenizer,
+    requests: list[WorkloadRequest],
+    runs: list[LabRun],
+    interleave: bool = True,
+    progress: LabProgress | None = None,
+    max_frames: int | None = None,
+    **engine_kwargs,
 ) -> list[LabResult]:
     """Run `requests` through one engine per run; `engine_kwargs` are extra EngineConfig fields shared by
     all runs. Interleaved (the default), the next turn always goes to the run that is least far through its
     output tokens, so runs needing fewer steps take fewer turns and all runs end together: every run
     is measured over the same stretch of machine conditions (plain round robin would leave the slow
-    runs to finish alone, under whatever load arrives late)."""
-    drivers = [_Driver(model, tokenizer, requests, run, engine_kwargs) for run in runs]
+    runs to finish alone, under whatever load arrives late). `progress` is told after every turn;
+    `max_frames` > 0 records up to that many dashboard snapshots per run (`LabResult.snapshots`)."""
+    drivers = [_Driver(model, tokenizer, requests, run, engine_kwargs, max_frames) for run in runs]
     if interleave:
         while active := [d for d in drivers if not d.done]:
             min(active, key=lambda d: d.progress).turn()
+            if progress is not None:
+                progress.update(drivers)
     else:
         for d in drivers:
             while not d.done:
                 d.turn()
+                if progress is not None:
+                    progress.update(drivers)
     results = [d.result() for d in drivers]
     del drivers  # free the KV caches before the caller goes on
     return results

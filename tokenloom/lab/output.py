@@ -1,4 +1,5 @@
-"""Writes everything a lab run set produces into one directory: report.md, PNGs, trace.json, summary.json."""
+"""Writes everything a lab run set produces into one directory: report.md, PNGs, trace.json, summary.json,
+and replay.json.gz when the runs recorded dashboard snapshots."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import platform
 import torch
 
 from ..bench.workload import WorkloadRequest
+from ..engine.snapshot_recording import REPLAY_FILE, write_replay
 from .driver import LabResult
 from .plots import write_plots
 from .report import write_report
@@ -41,14 +43,27 @@ def comparisons(summaries: list[dict], requests: list[WorkloadRequest]) -> list[
 
 
 def write_lab_outputs(
-    out_dir: str, command: str, workload: dict, requests: list[WorkloadRequest], results: list[LabResult]
+    out_dir: str,
+    command: str,
+    workload: dict,
+    requests: list[WorkloadRequest],
+    results: list[LabResult],
+    forward_plan: str = "",
+    model_name: str = "",
 ) -> dict:
+    """`forward_plan`: the model's forward-plan line (`model/plan.py`), named in the report; `model_name`
+    goes with it into the replay file."""
     os.makedirs(out_dir, exist_ok=True)
     summaries = [summarize(r) for r in results]
     cmps = comparisons(summaries, requests)
     plots = write_plots(results, summaries, out_dir)
     trace_path = os.path.join(out_dir, "trace.json")
     write_trace(results, trace_path)
+    recordings = [r.snapshots for r in results if r.snapshots is not None]
+    replay_path = None
+    if recordings:
+        meta = {"command": command, "model": model_name, "plan": forward_plan, "workload": workload}
+        replay_path = write_replay(os.path.join(out_dir, REPLAY_FILE), recordings, meta)
     write_report(
         os.path.join(out_dir, "report.md"),
         command,
@@ -58,8 +73,10 @@ def write_lab_outputs(
         plots,
         trace_path,
         environment(),
+        forward_plan,
+        replay_path,
     )
-    data = {"command": command, "workload": workload, "runs": summaries}
+    data = {"command": command, "forward_plan": forward_plan, "workload": workload, "runs": summaries}
     if cmps:
         data["comparisons"] = cmps
     with open(os.path.join(out_dir, "summary.json"), "w") as f:

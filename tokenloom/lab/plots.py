@@ -81,14 +81,16 @@ def slot_image(res: LabResult) -> np.ndarray:
     return img
 
 
-def plot_slots(results: list[LabResult], path: str) -> None:
+def slot_figure(results: list[LabResult]):
+    """One panel per run, each over its own whole run: runs differ in length (static takes the most
+    steps), and a shared axis would either squeeze the short runs or cut the long ones. Every x axis is
+    in the same unit, steps, and says so."""
     colours = ["white", "black", *REQUEST_COLOURS]
     cmap = ListedColormap(colours)
-    fig, axes = plt.subplots(
-        len(results), 1, figsize=(11, 1.2 + 1.3 * len(results)), squeeze=False, sharex=True
-    )
+    fig, axes = plt.subplots(len(results), 1, figsize=(11, 1.2 + 1.5 * len(results)), squeeze=False)
     for ax, res in zip(axes[:, 0], results, strict=True):
         img = slot_image(res)
+        num_steps = max(len(res.steps), 1)
         ax.imshow(
             img,
             aspect="auto",
@@ -96,14 +98,22 @@ def plot_slots(results: list[LabResult], path: str) -> None:
             cmap=cmap,
             vmin=0,
             vmax=len(colours) - 1,
-            extent=(0, max(len(res.steps), 1), res.slots.num_slots - 0.5, -0.5),
+            extent=(0, num_steps, res.slots.num_slots - 0.5, -0.5),
         )
+        ax.set_xlim(0, num_steps)
         ax.set_ylabel("slot")
+        ax.set_xlabel("step", fontsize=8, labelpad=1)
+        ax.tick_params(axis="x", labelsize=8)
         idle = res.slots.idle_slot_steps()
-        ax.set_title(f"{res.label}: {len(res.steps)} steps, {idle} idle slot-steps (black)", fontsize=9)
-    axes[-1, 0].set_xlabel("step")
+        ax.set_title(f"{res.label}: {len(res.steps)} steps (x axis: steps 0-{len(res.steps)}), "
+                     f"{idle} idle slot-steps (black)", fontsize=9)
     fig.suptitle("Slot timeline: colour = request computing in the slot, black = held idle, white = free")
     fig.tight_layout()
+    return fig
+
+
+def plot_slots(results: list[LabResult], path: str) -> None:
+    fig = slot_figure(results)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

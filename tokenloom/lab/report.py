@@ -53,6 +53,8 @@ def write_report(
     plots: dict[str, str],
     trace_path: str,
     environment: str,
+    forward_plan: str = "",
+    replay_path: str | None = None,
 ) -> None:
     def rel(p: str) -> str:
         return os.path.relpath(p, os.path.dirname(path))
@@ -61,6 +63,7 @@ def write_report(
         "# Batching lab report\n\n",
         f"Command: `{command}`\n\n",
         f"{environment}\n\n",
+        f"Forward path (the engine's start-up line): `{forward_plan or 'not reported by this model'}`\n\n",
         "Workload: " + ", ".join(f"{k} {v}" for k, v in workload.items()) + "\n\n",
         (
             "Every request arrives at t = 0 unless a request rate is given; greedy sampling with ignore_eos, "
@@ -81,5 +84,10 @@ def write_report(
         f"Chrome trace of every step and request: [{rel(trace_path)}]({rel(trace_path)}) "
         "(open in https://ui.perfetto.dev).\n"
     )
+    if replay_path:
+        parts.append(
+            f"\nDashboard replay of every run, step by step: [{rel(replay_path)}]({rel(replay_path)}) "
+            f"(`tokenloom dashboard-replay {os.path.dirname(path) or '.'}`, then open the URL it prints).\n"
+        )
     with open(path, "w") as f:
         f.write("".join(parts))

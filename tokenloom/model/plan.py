@@ -32,6 +32,12 @@ class ForwardPlan:
                 f"decoder loop {self.decoder_loop}")
 
 
+def plan_line(model) -> str:
+    """The one line of a loaded model's plan; "" for a model object without one."""
+    plan = getattr(model, "plan", None)
+    return plan.line() if plan is not None else ""
+
+
 def _dtype(t: torch.dtype | None) -> str:
     return str(t).removeprefix("torch.")
 

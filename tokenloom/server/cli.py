@@ -28,7 +28,7 @@ DEFAULT_READ_TIMEOUT = 30.0
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from ..config import add_engine_args
+    from ..config import SERVING_DEFAULTS, add_engine_args
 
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     # The model as `vllm serve MODEL` takes it; --model (an engine flag) still works.
@@ -102,7 +102,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     # Serving takes the fastest weights that passed the quality check (int4 where it runs, with a
     # float32 residual); --quantization none gives the exact float32 path. Prefill slices are sized
     # stall-free (decodes slow down at most 1.5x while a prompt prefills); --stall-free-factor 0: off.
-    p.set_defaults(func=cmd_serve, quantization="auto", stall_free_factor=1.5)
+    p.set_defaults(func=cmd_serve, **SERVING_DEFAULTS)
     return p
 
 

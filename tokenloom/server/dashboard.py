@@ -51,7 +51,7 @@ RETRY_AFTER_S = 5
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-store"),
                 (b"x-accel-buffering", b"no")]
 # The page and its login form are self-contained (inline CSS and JS, nothing fetched but the stream).
-_PAGE_HEADERS = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer",
+PAGE_HEADERS = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer",
                  "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; "
                  "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
                  "form-action 'none'; frame-ancestors 'none'"}
@@ -227,14 +227,20 @@ def _static(name: str) -> str:
     return resources.files("tokenloom.server").joinpath("static", name).read_text("utf-8")
 
 
-def page_html() -> str:
+def page_html(replay: bool = False) -> str:
     """The page with its CSS and JS inlined: a browser sends no key with <script src>, so the page
-    must arrive whole with the one request that carries it. The files stay separate in the package."""
+    must arrive whole with the one request that carries it. The files stay separate in the package.
+    `replay`: the same page in replay mode (`server/dashboard_replay.py`): no stream, recorded frames
+    drawn by the same code, with a step control."""
     css, js = _static("dashboard.css"), _static("dashboard.js")
-    if "</script" in js.lower() or "</style" in css.lower():
+    replay_js = _static("dashboard_replay.js") if replay else ""
+    if "</script" in (js + replay_js).lower() or "</style" in css.lower():
         raise RuntimeError("dashboard assets must not close their own inline element")
     html = _static("dashboard.html")
-    return html.replace("/*__DASHBOARD_CSS__*/", css).replace("/*__DASHBOARD_JS__*/", js)
+    if replay:
+        html = html.replace('<body data-mode="live">', '<body data-mode="replay">')
+    return (html.replace("/*__DASHBOARD_CSS__*/", css).replace("/*__DASHBOARD_JS__*/", js)
+            .replace("/*__REPLAY_JS__*/", replay_js))
 
 
 def add_dashboard_routes(app: FastAPI, state, api_key: str | None, options: DashboardOptions) -> DashboardHub:
@@ -258,9 +264,9 @@ def add_dashboard_routes(app: FastAPI, state, api_key: str | None, options: Dash
     async def dashboard_page(request: Request):
         if (error := refused(request)) is not None:
             if "text/html" in request.headers.get("accept", ""):  # a browser: the key form, still a 401
-                return HTMLResponse(login, 401, headers={**_PAGE_HEADERS, "WWW-Authenticate": "Bearer"})
+                return HTMLResponse(login, 401, headers={**PAGE_HEADERS, "WWW-Authenticate": "Bearer"})
             return error.response()
-        return HTMLResponse(page, headers=_PAGE_HEADERS)
+        return HTMLResponse(page, headers=PAGE_HEADERS)
 
     @app.get("/dashboard/stream", include_in_schema=False)
     async def dashboard_stream(request: Request):

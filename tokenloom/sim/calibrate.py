@@ -22,6 +22,7 @@ import torch
 
 from ..bench.workload import random_prompt_ids
 from ..engine.llm_engine import LLMEngine
+from ..model.plan import plan_line
 from ..sampling_params import SamplingParams
 from .cost_model import LinearCostModel, StepFeatures, fit_linear, step_features
 
@@ -89,7 +90,8 @@ def calibrate(
     finally:
         rec.detach()
     source = (f"tokenloom calibrate on {platform.machine()} / {torch.get_num_threads()} torch threads, "
-              f"dtype {engine.config.dtype}, {'quick' if quick else 'full'} grid")
+              f"dtype {engine.config.dtype}, quantization {engine.config.quantization or 'none'}, "
+              f"{'quick' if quick else 'full'} grid")
     return fit_linear(rec.samples, source=source), rec.samples
 
 
@@ -98,8 +100,10 @@ def calibration_record(model: LinearCostModel, engine: LLMEngine, quick: bool) -
     cfg = engine.config
     return {
         "engine": {"model": cfg.model or "bundled SmolLM2-135M-Instruct", "dtype": cfg.dtype,
+                   "quantization": cfg.quantization or "none", "kv_cache_dtype": cfg.kv_cache_dtype,
                    "max_num_batched_tokens": cfg.max_num_batched_tokens, "block_size": cfg.block_size,
                    "num_threads": torch.get_num_threads()},
+        "forward_plan": plan_line(engine.model),
         "grid": QUICK_GRID if quick else [*GRID, STAGGERED],
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
         "formula": "step_s = intercept + sum(coef[f] * feature f); features in tokenloom/sim/cost_model.py",

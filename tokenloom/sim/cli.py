@@ -14,9 +14,11 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 
 from ..bench.workload import WORKLOADS, make_workload
 from ..config import DEFAULT_KV_CACHE_MEMORY_BYTES
+from ..engine.snapshot_recording import DEFAULT_MAX_FRAMES
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -39,7 +41,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             config.kv_cache_memory_bytes = cost.kv_memory_bytes()
     workload = make_workload(args.workload, args.num_prompts, args.input_len, args.output_len,
                              args.request_rate, args.workload_seed)
-    result = simulate(cost, workload, config, model_config)
+    if args.record_replay and args.replay_max_frames < 2:
+        raise ValueError(f"--replay-max-frames: must be at least 2, got {args.replay_max_frames}")
+    record_frames = args.replay_max_frames if args.record_replay else 0
+    result = simulate(cost, workload, config, model_config, record_frames=record_frames)
+    if result.snapshots is not None:
+        from ..engine.snapshot_recording import write_replay
+
+        meta = {"command": "tokenloom simulate", "model": f"simulated ({cost.kind}: {cost.source})",
+                "plan": "", "workload": {"name": args.workload, "num_prompts": args.num_prompts}}
+        path = write_replay(args.record_replay, [result.snapshots], meta)
+        print(f"wrote {path} (tokenloom dashboard-replay {path})", file=sys.stderr)
     summary = result.summary()
     report = {
         "workload": args.workload, "num_prompts": args.num_prompts, "request_rate": args.request_rate,
@@ -70,6 +82,10 @@ def add_simulate_parser(subparsers) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--record-replay", metavar="FILE", default=None,
+                   help="write the run's dashboard snapshots here (.json.gz; open with `tokenloom dashboard-replay`)")
+    p.add_argument("--replay-max-frames", type=int, default=DEFAULT_MAX_FRAMES,
+                   help="snapshots kept in --record-replay, evenly spaced in steps")
     add_engine_args(p)
     p.set_defaults(func=cmd_simulate)
 
@@ -92,10 +108,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def add_calibrate_parser(subparsers) -> None:
-    from ..config import add_engine_args
+    from ..config import SERVING_FORWARD_DEFAULTS, add_engine_args
 
     p = subparsers.add_parser("calibrate", help="measure real step times and fit the simulator's cost model")
     p.add_argument("--out", default="calibration.json")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
     add_engine_args(p)
-    p.set_defaults(func=cmd_calibrate)
+    # The forward `tokenloom serve` runs (--quantization auto), so the fitted costs are a server's;
+    # --quantization none measures the exact float32 path.
+    p.set_defaults(func=cmd_calibrate, **SERVING_FORWARD_DEFAULTS)

@@ -16,6 +16,7 @@ from ..bench.replay import ReplayResult, VirtualClock, replay
 from ..bench.workload import WorkloadRequest
 from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
+from ..engine.snapshot_recording import SnapshotRecording
 from ..model.config import ModelConfig
 from ..step import Runner, StepPlan, StepResult, samples
 from .cost_model import MODELS, CostModel, StepFeatures, step_features
@@ -76,9 +77,16 @@ def simulate(
     config: EngineConfig | None = None,
     model_config: ModelConfig | None = None,
     tokenizer=None,
+    record_frames: int = 0,
 ) -> ReplayResult:
-    """Run `workload` through the real scheduler and KV cache on a virtual clock."""
+    """Run `workload` through the real scheduler and KV cache on a virtual clock. `record_frames` > 0:
+    also record up to that many dashboard snapshots (`result.snapshots`, a `SnapshotRecording`), the
+    same hook and frames as the lab's, for `tokenloom dashboard-replay`."""
     engine, _ = build_sim_engine(cost_model, config, model_config, tokenizer)
-    result = replay(engine, workload)
+    recording = SnapshotRecording(engine, "simulated", record_frames) if record_frames else None
+    result = replay(engine, workload, on_step=recording.capture if recording else None)
     engine.check_kv_invariants()
+    if recording is not None:
+        recording.finish()
+        result.snapshots = recording
     return result

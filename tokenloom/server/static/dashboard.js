@@ -2,11 +2,15 @@
 // tokenloom/engine/snapshot.py) with fetch() so the API key travels in a header, never in the URL
 // (EventSource cannot send headers), and draws each snapshot on canvases. Plain JS, no build step.
 // Every view writes what it drew into data-* attributes too, so tests read the page, not our guesses.
+// In replay mode (body data-mode="replay", `tokenloom dashboard-replay`) the page opens no stream:
+// dashboard_replay.js feeds recorded frames to the same `render` (window.tokenloomDashboard).
 "use strict";
 (function () {
   const KEY_ITEM = "tokenloom-dashboard-key";  // set by the login form (dashboard_login.html)
   const RATE = 5;  // frames per second asked of the server (it allows 0.2 to 10)
-  const TIMELINE_S = 60;  // the timeline shows the last minute
+  // The timeline shows the last minute; a replay sets the window to its runs' length (setWindow), so a
+  // run of seconds is not a sliver at the right edge. The charts' window never gets shorter than it.
+  let TIMELINE_S = 60;
   const css = getComputedStyle(document.documentElement);
   const C = {};
   for (const name of ["ink", "muted", "line", "prefill", "decode", "draft", "queued", "free", "used", "cached",
@@ -135,7 +139,7 @@
     document.body.dataset.step = snap.step.number;
     $("model").textContent = snap.model;
     $("plan").textContent = snap.plan;
-    const s = snap.server || {};
+    const s = snap.server;
     const summary = [
       ["step", snap.step.number],
       ["step time", fmt(snap.step.duration_ms, 1) + " ms"],
@@ -144,7 +148,8 @@
       ["swapped", snap.num_swapped],
       ["preemptions", snap.num_preemptions],
       ["batching", snap.config.batching],
-      ["viewers", s.viewers + " / " + s.max_viewers],
+      // Live: who else watches; a recorded frame has no server, but a time on its run's engine clock.
+      s ? ["viewers", s.viewers + " / " + s.max_viewers] : ["engine time", fmt(snap.now, 2) + " s"],
     ];
     $("summary").replaceChildren(...summary.map(([k, v]) => {
       const span = document.createElement("span");
@@ -154,7 +159,7 @@
       return span;
     }));
     drawBatch(snap);
-    drawKV(snap.kv, snap.config.block_size);
+    drawKV(snap);
     fillQueues(snap);
     drawTimeline(snap.timeline);
     drawCharts(snap.series);
@@ -236,7 +241,31 @@
       [C.aborted, "budget (max_num_batched_tokens, dashed)"]]);
   }
 
-  function drawKV(kv, blockSize) {
+  // Which request holds each block (from the rows' block_runs): for the hover text and the selection.
+  function kvOwners(snap) {
+    const owners = new Map();
+    for (const r of [...snap.running, ...snap.waiting]) {
+      for (const [first, count] of r.block_runs || []) {
+        for (let b = first; b < first + count; b++) {
+          if (!owners.has(b)) owners.set(b, []);
+          owners.get(b).push(r.id);
+        }
+      }
+    }
+    return owners;
+  }
+
+  const KV_STATES = ["free", "in use", "cached for reuse", "shared"];
+  let selected = null;  // a request picked in the Running table or on the map: its blocks are outlined
+  let kvLayout = null;  // what the last drawKV put where, for the pointer
+
+  function select(id) {
+    selected = selected === id ? null : id;
+    if (lastSnap) render(lastSnap);
+  }
+
+  function drawKV(snap) {
+    const kv = snap.kv, blockSize = snap.config.block_size;
     const { cv, ctx, width, height } = canvas2d("kv");
     const hostRows = kv.host_blocks ? 1 : 0;
     const n = kv.num_blocks;
@@ -250,6 +279,19 @@
     for (let i = 0; i < n; i++) {
       ctx.fillStyle = colors[map.charCodeAt(i) - 48] || C.free;
       ctx.fillRect((i % cols) * cell, Math.floor(i / cols) * cell, cell - gap, cell - gap);
+    }
+    const owners = kvOwners(snap);
+    kvLayout = { cell, cols, n, map, owners };
+    let selectedBlocks = 0;
+    if (selected !== null) {  // the selected request's blocks, outlined in ink over their state colour
+      ctx.strokeStyle = C.ink;
+      ctx.lineWidth = Math.max(Math.min(cell / 4, 2), 1);
+      for (const [b, ids] of owners) {
+        if (!ids.includes(selected) || b >= n) continue;
+        selectedBlocks++;
+        ctx.strokeRect((b % cols) * cell + 0.5, Math.floor(b / cols) * cell + 0.5, cell - gap - 1, cell - gap - 1);
+      }
+      ctx.lineWidth = 1;
     }
     if (hostRows) {
       const y = height - 18;
@@ -266,10 +308,14 @@
     $("kv-caption").textContent = n + " blocks of " + blockSize + " tokens · in use " +
       (100 * kv.usage).toFixed(1) + "% · prefix-cache hit rate " + hit;
     Object.assign(cv.dataset, { free: kv.free, used: kv.used, cached: kv.cached, shared: kv.shared,
-      hostUsed: kv.host_used, hitRate: kv.hit_rate === null ? "" : kv.hit_rate });
-    legend("kv-legend", [[C.free, "free " + kv.free], [C.used, "in use " + kv.used],
+      hostUsed: kv.host_used, hitRate: kv.hit_rate === null ? "" : kv.hit_rate,
+      selected: selected === null ? "" : selected, selectedBlocks });
+    const items = [[C.free, "free " + kv.free], [C.used, "in use " + kv.used],
       [C.cached, "cached for reuse " + kv.cached], [C.shared, "shared (>1 request) " + kv.shared],
-      [C.swapped, "swapped to host " + kv.host_used]]);
+      [C.swapped, "swapped to host " + kv.host_used]];
+    items.push(selected === null ? [C.line, "click a block or a running request to outline its blocks"]
+      : [C.ink, "outlined: " + selectedBlocks + " blocks of " + shortId(selected) + " (click again to clear)"]);
+    legend("kv-legend", items);
   }
 
   function fillTable(id, rows, cells, countId, total) {
@@ -282,6 +328,8 @@
         tr.append(td);
       }
       tr.title = r.id + (r.prompt !== undefined ? "\nprompt: " + r.prompt + "\noutput: " + r.output : "");
+      tr.dataset.id = r.id;
+      if (r.id === selected) tr.className = "selected";
       return tr;
     });
     if (!trs.length) {
@@ -312,9 +360,11 @@
     ctx.beginPath(); ctx.moveTo(left, y); ctx.lineTo(left + plot, y); ctx.stroke();
     ctx.fillStyle = C.muted;
     ctx.textAlign = "center";
-    for (let t = -windowS; t <= 0; t += step) {
+    const ticks = Math.round(windowS / step);  // counted in whole ticks: fractional steps do not drift
+    for (let k = 0; k <= ticks; k++) {
+      const t = -windowS + k * step;
       const x = left + plot * (t + windowS) / windowS;
-      ctx.fillText(t === 0 ? "now" : String(t), x, y + 9);
+      ctx.fillText(k === ticks ? "now" : String(+t.toFixed(2)), x, y + 9);
     }
   }
 
@@ -368,7 +418,7 @@
         ctx.fill();
       }
     });
-    timeAxis(ctx, left, plot, height - bottom + 6, TIMELINE_S, 10);
+    timeAxis(ctx, left, plot, height - bottom + 6, TIMELINE_S, niceMax(TIMELINE_S / 6));
     ctx.fillStyle = C.muted;
     ctx.textAlign = "left";
     ctx.fillText("seconds ago", left, height - 6);
@@ -404,7 +454,7 @@
     ctx.textAlign = "center";
     ctx.fillText(yLabel, 0, 0);
     ctx.restore();
-    timeAxis(ctx, left, plotW, top + plotH, windowS, windowS > 120 ? 60 : 20);
+    timeAxis(ctx, left, plotW, top + plotH, windowS, windowS > 120 ? 60 : windowS >= 60 ? 20 : niceMax(windowS / 6));
     ctx.textAlign = "right";
     ctx.fillText("seconds ago", left + plotW, height - 5);
     let count = 0;
@@ -432,7 +482,7 @@
     const buckets = series.buckets;
     // The window grows with the history, a minute at a time, up to what the server keeps.
     const oldest = buckets.length ? -buckets[0][cols.t] : 0;
-    const windowS = Math.min(Math.max(Math.ceil(oldest / 60) * 60, 60), series.window_s);
+    const windowS = oldest <= TIMELINE_S ? TIMELINE_S : Math.min(Math.max(Math.ceil(oldest / 60) * 60, 60), series.window_s);
     // Seconds without a step have no bucket: fill them with zeros so the throughput line drops.
     const byT = new Map(buckets.map((b) => [Math.round(b[cols.t]), b]));
     const gen = [], prompt = [], itl = [];
@@ -451,6 +501,34 @@
     legend("itl-legend", [[C.decode, "mean gap between a sequence's tokens, per second, ms"]]);
   }
 
+  function kvBlockAt(event) {
+    if (!kvLayout) return null;
+    const rect = $("kv").getBoundingClientRect();
+    const col = Math.floor((event.clientX - rect.left) / kvLayout.cell);
+    const row = Math.floor((event.clientY - rect.top) / kvLayout.cell);
+    const b = row * kvLayout.cols + col;
+    return col < kvLayout.cols && b >= 0 && b < kvLayout.n ? b : null;
+  }
+
+  $("kv").addEventListener("mousemove", (event) => {
+    const b = kvBlockAt(event);
+    const ids = b === null ? [] : kvLayout.owners.get(b) || [];
+    $("kv").title = b === null ? "" : "block " + b + ": " + KV_STATES[kvLayout.map.charCodeAt(b) - 48] +
+      (ids.length ? " · " + ids.join(", ") : "");
+  });
+  $("kv").addEventListener("click", (event) => {
+    const b = kvBlockAt(event);
+    const ids = b === null ? [] : kvLayout.owners.get(b) || [];
+    if (ids.length) select(ids[0]); else if (selected !== null) select(selected);
+  });
+  $("running").addEventListener("click", (event) => {
+    const tr = event.target.closest("tr");
+    if (tr && tr.dataset.id) select(tr.dataset.id);
+  });
+
   window.addEventListener("resize", () => { if (lastSnap) render(lastSnap); });
-  connect();
+  // For the replay: seconds the timeline and charts span at least (a nice round number above `seconds`).
+  function setWindow(seconds) { TIMELINE_S = Math.min(niceMax(seconds), 60); }
+  window.tokenloomDashboard = { render, setStatus, setWindow };
+  if (document.body.dataset.mode !== "replay") connect();
 })();
