@@ -13,12 +13,13 @@ Servers take turns (one up at a time). Run on a quiet machine:
 
     .venv/bin/python benchmarks/fleet.py [--parts overhead,routing] [--out benchmarks/results/fleet.json]
 
-Waits while /work/notes/BENCH_LOCK exists (another benchmark runs).
+Waits while /work/notes/BENCH_LOCK exists (another benchmark runs), then holds it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -46,10 +47,17 @@ OVERHEAD_SETUPS = {"plain": [], "ray-1-replica": ["--data-parallel-backend", "ra
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 
 
-def wait_for_lock() -> None:
+@contextlib.contextmanager
+def holding_lock():
+    """Wait for another benchmark to finish, then hold the lock (helpers and benchmarks wait on it)."""
     while LOCK.exists():
         print("waiting: another benchmark holds", LOCK, flush=True)
         time.sleep(20)
+    LOCK.write_text(f"benchmarks/fleet.py, pid {os.getpid()}\n")
+    try:
+        yield
+    finally:
+        LOCK.unlink(missing_ok=True)
 
 
 def bench(cell_args: list[str], out: Path) -> dict:
@@ -167,7 +175,11 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0, help="routing part: requests per second (Poisson)")
     ap.add_argument("--out", default=str(ROOT / "results/fleet.json"))
     args = ap.parse_args()
-    wait_for_lock()
+    with holding_lock():
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
     raw = out.with_suffix("")
     raw.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,24 @@ class ModelRunner(Runner):
             slots = (ids[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)
             dst[:, :, slots[1].to(dst.device)] = src[:, :, slots[0].to(src.device)].to(dst.device)
 
+    # -- KV handed between engines (disaggregated prefill) -------------------------------------
+
+    def _slots(self, block_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size)).flatten().to(self.device)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the blocks' K/V: [layer, K/V, len(block_ids) * block_size, kv head, head dim]."""
+        return self.kv_cache[:, :, self._slots(block_ids)].cpu()
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Fill the blocks with K/V that `read_blocks` gave (of an engine running the same model)."""
+        expected = (*self.kv_cache.shape[:2], len(block_ids) * self.block_size, *self.kv_cache.shape[3:])
+        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
+            raise ValueError(f"kv: a {tuple(kv.shape)} {kv.dtype} tensor does not fit {len(block_ids)} blocks of this "
+                             f"cache ({expected}, {self.dtype})")
+        self.kv_cache[:, :, self._slots(block_ids)] = kv.to(self.device)
+
     # -- one step --------------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -162,6 +162,37 @@ class KVCacheManager:
             keys.append(block_key(keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs], salt, adapter))
         return keys[:num_full_blocks]
 
+    def prefix_keys(self, token_ids, salt: str | None = None) -> list[BlockKey]:
+        """The keys of the full blocks of `token_ids` (a base-model sequence's, under `salt`)."""
+        keys: list[BlockKey] = []
+        for i in range(len(token_ids) // self.block_size):
+            bs = self.block_size
+            keys.append(block_key(keys[-1] if keys else None, token_ids[i * bs : (i + 1) * bs], salt))
+        return keys
+
+    def cached_prefix(self, keys: list[BlockKey]) -> list[KVBlock]:
+        """The cached blocks holding the longest run of `keys` from the first."""
+        return list(itertools.takewhile(lambda block: block is not None, (self.cached.get(k) for k in keys)))
+
+    def adopt(self, keys: list[BlockKey]) -> list[tuple[int, KVBlock]]:
+        """Make `keys` cached blocks, free for any sequence to hit (their K/V must be written before the
+        next step: the caller does it at once, on the engine thread). Keys already cached are left as
+        they are; returns (index in keys, block) of those given new blocks. Stops early rather than take
+        more than a quarter of the free blocks (a handed-over prefix must not evict a busy engine's cache)."""
+        budget = self.num_free_blocks // 4
+        adopted: list[tuple[int, KVBlock]] = []
+        for i, key in enumerate(keys):
+            if key in self.cached:
+                continue
+            if len(adopted) >= budget:
+                break
+            block = self._take_free_block()
+            block.key, block.ref_cnt = key, 0
+            self.cached[key] = block
+            self.free_queue.append(block)  # the most recently freed: the last to be evicted
+            adopted.append((i, block))
+        return adopted
+
     def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
         """Cached blocks holding the longest prefix of `seq`'s tokens. At least one token is always
         left to compute, because its logits are needed to sample."""

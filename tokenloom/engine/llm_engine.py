@@ -317,6 +317,33 @@ class LLMEngine:
         if state is not None:
             self._forget(state)
 
+    # -- KV handed between engines (disaggregated prefill) ---------------------------------------
+
+    def export_prefix_kv(self, token_ids: list[int], cache_salt: str | None = None):
+        """(tokens, K/V) of the longest cached prefix of `token_ids` (whole blocks), as the runner's
+        `read_blocks` gives it; (0, None) when nothing is cached. A prefill engine calls this right after
+        the prompt's request finished, while its blocks are still cached."""
+        blocks = self.kv.cached_prefix(self.kv.prefix_keys(token_ids, cache_salt))
+        if not blocks:
+            return 0, None
+        return len(blocks) * self.kv.block_size, self.runner.read_blocks([b.block_id for b in blocks])
+
+    def import_prefix_kv(self, token_ids: list[int], kv, cache_salt: str | None = None) -> int:
+        """Put another engine's K/V of `token_ids`' first blocks (export_prefix_kv) into this engine's
+        prefix cache, so a request with that prompt starts from a cache hit; returns the tokens now
+        cached. The blocks stay free, so memory pressure may evict them: that costs a recompute, never a
+        wrong token."""
+        if kv is None:
+            return 0
+        bs = self.kv.block_size
+        num_blocks = kv.shape[2] // bs
+        keys = self.kv.prefix_keys(token_ids[: num_blocks * bs], cache_salt)
+        adopted = self.kv.adopt(keys)
+        if adopted:
+            rows = torch.cat([torch.arange(i * bs, (i + 1) * bs) for i, _ in adopted])
+            self.runner.write_blocks([b.block_id for _, b in adopted], kv[:, :, rows])
+        return len(self.kv.cached_prefix(keys)) * bs
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -3,7 +3,8 @@
 Two deployments:
 - `engine`: N replicas of `EngineReplica` (replica.py), each an engine with its own KV cache and
   `cores / N` torch threads, routed to by `FleetRequestRouter` (ray_router.py) with the policy of
-  `--routing-policy`. Ray Serve restarts a replica that dies or fails its health check, and scales
+  `--routing-policy`. With `--prefill-replicas P`, P more replicas (`prefill`) compute each prompt's
+  K/V first and hand it to an `engine` replica (disaggregated prefill; see replica.py). Ray Serve restarts a replica that dies or fails its health check, and scales
   between `min_replicas` and `max_replicas` on queue depth when `--autoscaling-config` is given.
 - `ingress`: the same FastAPI app as `tokenloom serve` (tokenloom/server) over a `FleetClient`
   (client.py), behind Ray Serve's HTTP proxy on --host/--port: same routes, auth, errors and limits.
@@ -37,8 +38,8 @@ INGRESS_MAX_ONGOING = 100_000  # the ingress only forwards; the replicas' queues
 
 @serve.ingress()
 class FleetIngress:
-    def __init__(self, engines, fleet_board, serve_args: dict):
-        self.engines, self.board = engines, fleet_board
+    def __init__(self, engines, prefill, fleet_board, serve_args: dict):
+        self.engines, self.prefill, self.board = engines, prefill, fleet_board
         self.args = argparse.Namespace(**serve_args)
 
     async def _read_board_forever(self) -> None:
@@ -63,7 +64,7 @@ class FleetIngress:
         asyncio.get_running_loop().create_task(self._read_board_forever())
         facts = ModelFacts(**await self.engines.describe.remote())
         path = model_path(args.model)
-        client = FleetClient(self.engines, load_tokenizer(path), facts, board.latest)
+        client = FleetClient(self.engines, load_tokenizer(path), facts, board.latest, self.prefill)
         names = args.served_model_name or [default_served_name(args.model, path)]
         return build_app(
             client, names, args.api_key, metrics=FleetMetrics(board.latest), model_path=path,
@@ -79,12 +80,31 @@ def build_fleet(args: argparse.Namespace):
     """The Ray Serve application for parsed `tokenloom serve` flags."""
     autoscaling = args.autoscaling_config
     replicas = args.data_parallel_size
-    most = autoscaling.get("max_replicas", replicas) if autoscaling else replicas  # each gets its share at most
-    cores = max(1, usable_cores() // most)
+    most = autoscaling.get("max_replicas", replicas) if autoscaling else replicas
+    cores = max(1, usable_cores() // (most + args.prefill_replicas))  # each replica's share at most
     engine_args = {k: v for k, v in vars(args).items() if k != "func"}
     engine_args["num_threads"] = args.num_threads or cores
-    engine = serve.deployment(
-        EngineReplica, name="engine",
+    notice_board = serve.deployment(FleetBoard, name="board", ray_actor_options={"num_cpus": 0},
+                                    logging_config={"enable_access_log": False}).bind()
+    prefill = None
+    if args.prefill_replicas:
+        # Prefill replicas are where prefixes are cached: they take the routing policy; decode
+        # replicas get their K/V handed over and are picked by load.
+        prefill = _engine_deployment("prefill", args, cores, args.routing_policy, args.prefill_replicas
+                                     ).bind(engine_args, notice_board)
+    decode_policy = "least-loaded" if args.prefill_replicas else args.routing_policy
+    engines = _engine_deployment("engine", args, cores, decode_policy, replicas, autoscaling
+                                 ).bind(engine_args, notice_board)
+    ingress = serve.deployment(FleetIngress, name="ingress", ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=INGRESS_MAX_ONGOING, logging_config={"enable_access_log": False})
+    return ingress.bind(engines, prefill, notice_board, engine_args)
+
+
+def _engine_deployment(name: str, args: argparse.Namespace, cores: int, policy: str, replicas: int,
+                       autoscaling: dict | None = None):
+    router_kwargs = {"policy": policy, **({"block_size": args.block_size} if policy == "prefix-aware" else {})}
+    return serve.deployment(
+        EngineReplica, name=name,
         num_replicas=None if autoscaling else replicas,
         autoscaling_config=autoscaling,
         ray_actor_options={"num_cpus": cores},
@@ -96,24 +116,15 @@ def build_fleet(args: argparse.Namespace):
         graceful_shutdown_timeout_s=args.shutdown_timeout,
         logging_config={"enable_access_log": False},  # the engine logs one line per request itself
         request_router_config=RequestRouterConfig(
-            request_router_class=FleetRequestRouter, request_router_kwargs=_router_kwargs(args)),
+            request_router_class=FleetRequestRouter, request_router_kwargs=router_kwargs),
     )
-    ingress = serve.deployment(FleetIngress, name="ingress", ray_actor_options={"num_cpus": 0},
-                               max_ongoing_requests=INGRESS_MAX_ONGOING, logging_config={"enable_access_log": False})
-    notice_board = serve.deployment(FleetBoard, name="board", ray_actor_options={"num_cpus": 0},
-                                    logging_config={"enable_access_log": False}).bind()
-    return ingress.bind(engine.bind(engine_args, notice_board), notice_board, engine_args)
-
-
-def _router_kwargs(args: argparse.Namespace) -> dict:
-    if args.routing_policy != "prefix-aware":
-        return {"policy": args.routing_policy}
-    return {"policy": "prefix-aware", "block_size": args.block_size}
 
 
 def check_fleet_args(args: argparse.Namespace) -> None:
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size: must be at least 1, got {args.data_parallel_size}")
+    if args.prefill_replicas < 0:
+        raise ValueError(f"--prefill-replicas: must be at least 0, got {args.prefill_replicas}")
     if args.lora_modules or args.enable_lora:
         raise ValueError("--enable-lora: adapters are not served by a fleet (--data-parallel-size) yet")
 
@@ -128,7 +139,10 @@ def run_fleet(args: argparse.Namespace, config) -> int:
     check_fleet_args(args)
     for source, field in ((config.model, "model"), (config.draft_model, "speculative_config.model")):
         catalog.pull_missing(catalog.missing_pull(source, field))  # once, before N replicas want it
-    ray.init(num_cpus=usable_cores(), include_dashboard=False, namespace="tokenloom")
+    # Ray runs its workers at nice 15 (below its own daemons); here the workers are the engines, and a
+    # niced engine loses its cores to Ray's housekeeping: steps of 0.65 s instead of 10 ms were measured.
+    ray.init(num_cpus=usable_cores(), include_dashboard=False, namespace="tokenloom",
+             _system_config={"worker_niceness": 0})
     signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which installs a handler of its own
     try:
         serve.start(http_options={"host": args.host, "port": args.port})

@@ -54,9 +54,15 @@ class RemoteStream:
         self._retried = False
 
     async def open(self) -> None:
-        """Send the request; returns once a replica took it, raises its refusal otherwise."""
+        """Send the request; returns once a replica took it, raises its refusal otherwise. With
+        disaggregated prefill, a prefill replica computes the prompt's K/V first; its result goes to the
+        decode replica as an argument, through Ray's object store (never through here)."""
         self.payload["sent_at"] = time.time()
-        self._call = self.client.handle.generate.remote(self.payload)
+        if self.client.prefill_handle is None:
+            self._call = self.client.handle.generate.remote(self.payload)
+        else:
+            prefilled = self.client.prefill_handle.prefill.remote(self.payload)
+            self._call = self.client.handle.generate.remote(self.payload, prefilled)
         first = await self._call.__anext__()
         if isinstance(first, Refusal):
             self.finished = True
@@ -99,9 +105,11 @@ def _unexpected(item) -> RequestOutput:
 
 
 class FleetClient:
-    def __init__(self, handle, tokenizer, facts: ModelFacts, stats):
-        """`handle`: the engine deployment's handle; `stats`: () -> the replicas' latest routing stats."""
+    def __init__(self, handle, tokenizer, facts: ModelFacts, stats, prefill_handle=None):
+        """`handle`: the engine deployment's handle; `stats`: () -> the replicas' latest reports;
+        `prefill_handle`: the prefill deployment's, for disaggregated prefill (else None)."""
         self.handle = handle.options(stream=True)
+        self.prefill_handle = prefill_handle
         self.tokenizer = tokenizer
         self.facts = facts
         self.config = SimpleNamespace(max_model_len=facts.max_model_len, block_size=facts.block_size)

@@ -3,7 +3,9 @@
 The class is plain Python; app.py makes it a deployment. Ray Serve calls two of its methods by name:
 - `generate` (a streaming call from the ingress): `ACCEPTED` or a `Refusal` first, then the request's
   first output whole and `OutputDelta`s after it (wire.py). If the caller goes away, Ray cancels the
-  generator and the request is aborted at once (its KV blocks freed).
+  generator and the request is aborted at once (its KV blocks freed). With disaggregated prefill it
+  first imports the prompt's K/V that a prefill replica's `prefill` computed (into the prefix cache,
+  so the request starts from a cache hit).
 - `check_health` (below).
 Every second it posts its load (what the router ranks by), the engine's health and its Prometheus
 text to the fleet's board (board.py), from which the ingress reads them.
@@ -20,6 +22,7 @@ import logging
 import time
 
 from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
 from .board import REPORT_PERIOD_S
 from .wire import ACCEPTED, REFUSALS, Refusal, output_delta
 
@@ -68,8 +71,31 @@ class EngineReplica:
         return {"max_model_len": self.async_llm.config.max_model_len, "vocab_size": engine.model_config.vocab_size,
                 "block_size": self.async_llm.config.block_size, "num_kv_blocks": engine.kv.num_blocks}
 
-    async def generate(self, request: dict):
+    async def prefill(self, request: dict):
+        """Disaggregated prefill: compute the prompt's K/V here (a one-token request), and return the
+        whole blocks of it, {"tokens": n, "kv": tensor}, for a decode replica's `generate` to import;
+        or a Refusal."""
         self._start()
+        ids, salt = request["prompt_token_ids"], request["params"].cache_salt
+        try:
+            stream = await self.async_llm.add(f"{request['request_id']}-prefill", {"prompt_token_ids": ids},
+                                              SamplingParams(max_tokens=1, cache_salt=salt))
+        except REFUSED as exc:
+            return Refusal.of(exc)
+        async for _ in stream:
+            pass
+        tokens, kv = await self.async_llm.call_on_engine(lambda engine: engine.export_prefix_kv(ids, salt))
+        return {"tokens": tokens, "kv": kv}
+
+    async def generate(self, request: dict, prefilled=None):
+        """`prefilled`: a prefill replica's `prefill` result for this prompt (disaggregated serving)."""
+        self._start()
+        if isinstance(prefilled, Refusal):
+            yield prefilled
+            return
+        if prefilled is not None and prefilled["kv"] is not None:
+            ids, kv, salt = request["prompt_token_ids"], prefilled["kv"], request["params"].cache_salt
+            await self.async_llm.call_on_engine(lambda engine: engine.import_prefix_kv(ids, kv, salt))
         elapsed = max(0.0, time.time() - request["sent_at"])  # time already spent at the ingress
         rid = request["request_id"]
         try:

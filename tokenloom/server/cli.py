@@ -91,6 +91,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     fleet.add_argument("--routing-policy", choices=POLICIES, default="prefix-aware",
                        help="which replica gets a request: prefix-aware (where its prompt's longest prefix is "
                             "cached, unless that replica is much busier), least-loaded or round-robin")
+    fleet.add_argument("--prefill-replicas", type=int, default=0,
+                       help="disaggregated prefill: this many more replicas only compute prompts' K/V and hand it "
+                            "to the --data-parallel-size decode replicas (default 0: every replica does both)")
     fleet.add_argument("--autoscaling-config", type=_json_object, default=None,
                        help="Ray Serve's autoscaling_config as JSON (e.g. '{\"min_replicas\": 1, "
                             "\"max_replicas\": 2, \"target_ongoing_requests\": 16}'); replaces "
@@ -164,7 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not config.enable_lora:
         raise ValueError("--lora-modules: adapters need --enable-lora")
-    if args.data_parallel_size > 1 or args.data_parallel_backend == "ray" or args.autoscaling_config:
+    if args.data_parallel_size > 1 or args.data_parallel_backend == "ray" or args.autoscaling_config \
+            or args.prefill_replicas:
         from ..fleet.app import run_fleet  # imports Ray, which one process never needs
 
         return run_fleet(args, config)
