@@ -1,13 +1,15 @@
 """The fleet as a Ray Serve application: `tokenloom serve --data-parallel-size N`, or `serve run`.
 
-Two deployments:
+Three deployments (four with disaggregated prefill):
 - `engine`: N replicas of `EngineReplica` (replica.py), each an engine with its own KV cache and
   `cores / N` torch threads, routed to by `FleetRequestRouter` (ray_router.py) with the policy of
   `--routing-policy`. With `--prefill-replicas P`, P more replicas (`prefill`) compute each prompt's
   K/V first and hand it to an `engine` replica (disaggregated prefill; see replica.py). Ray Serve restarts a replica that dies or fails its health check, and scales
   between `min_replicas` and `max_replicas` on queue depth when `--autoscaling-config` is given.
+- `board`: where the replicas post their load, health and metrics every second (board.py).
 - `ingress`: the same FastAPI app as `tokenloom serve` (tokenloom/server) over a `FleetClient`
-  (client.py), behind Ray Serve's HTTP proxy on --host/--port: same routes, auth, errors and limits.
+  (client.py): same routes, auth, errors and limits. `tokenloom serve -dp N` serves it from its own
+  process, on --host/--port (start_fleet); under `serve run`, Ray Serve's HTTP proxy fronts it.
 
 `serve run tokenloom.fleet.serve_run:build model=... data-parallel-size=2` builds it from `tokenloom
 serve`'s own flags (serve_run.py).
@@ -16,9 +18,8 @@ serve`'s own flags (serve_run.py).
 from __future__ import annotations
 
 import argparse
-import asyncio
+import functools
 import logging
-import signal
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -33,47 +34,42 @@ logger = logging.getLogger("tokenloom.fleet")
 
 HEALTH_CHECK_PERIOD_S = 2.0
 HEALTH_CHECK_TIMEOUT_S = 10.0
+APP_NAME = "tokenloom"
 INGRESS_MAX_ONGOING = 100_000  # the ingress only forwards; the replicas' queues are the limit
+
+
+def fleet_front(args: argparse.Namespace, engines, prefill, notice_board, facts):
+    """The same FastAPI app as `tokenloom serve` (tokenloom/server) over a FleetClient."""
+    from ..model.load import model_path
+    from ..model.tokenizer import load_tokenizer
+    from ..server.app import build_app
+    from ..server.dashboard import DashboardOptions
+    from ..server.loading import app_options, default_served_name
+    from .client import FleetClient
+    from .metrics import FleetMetrics
+
+    path = model_path(args.model)
+    client = FleetClient(engines, load_tokenizer(path), facts, notice_board, prefill)
+    names = args.served_model_name or [default_served_name(args.model, path)]
+    return build_app(client, names, metrics=FleetMetrics(board.latest), model_path=path,
+                     dashboard=DashboardOptions(False),  # a page per replica is not built yet
+                     **app_options(args))
 
 
 @serve.ingress()
 class FleetIngress:
-    def __init__(self, engines, prefill, fleet_board, serve_args: dict):
-        self.engines, self.prefill, self.board = engines, prefill, fleet_board
+    """The HTTP front as a deployment, behind Ray Serve's proxy: `serve run` (serve_run.py). `tokenloom
+    serve -dp N` serves HTTP from its own process instead (start_fleet), one Ray hop fewer per token."""
+
+    def __init__(self, engines, prefill, notice_board, serve_args: dict):
+        self.engines, self.prefill, self.board = engines, prefill, notice_board
         self.args = argparse.Namespace(**serve_args)
 
-    async def _read_board_forever(self) -> None:
-        while True:
-            try:
-                board.LATEST = await self.board.read.remote()
-            except Exception as exc:  # noqa: BLE001 - the board restarting must not stop the ingress
-                logger.warning("could not read the fleet board: %r", exc)
-            await asyncio.sleep(board.REPORT_PERIOD_S)
-
     async def __serve_build_asgi_app__(self):
-        from ..model.load import model_path
-        from ..model.tokenizer import load_tokenizer
-        from ..server.app import build_app
-        from ..server.dashboard import DashboardOptions
-        from ..server.loading import default_served_name
-        from ..server.tenancy import ClientPriorityRange
-        from .client import FleetClient, ModelFacts
-        from .metrics import FleetMetrics
+        from .client import ModelFacts
 
-        args = self.args
-        asyncio.get_running_loop().create_task(self._read_board_forever())
         facts = ModelFacts(**await self.engines.describe.remote())
-        path = model_path(args.model)
-        client = FleetClient(self.engines, load_tokenizer(path), facts, board.latest, self.prefill)
-        names = args.served_model_name or [default_served_name(args.model, path)]
-        return build_app(
-            client, names, args.api_key, metrics=FleetMetrics(board.latest), model_path=path,
-            max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
-            metrics_token=args.metrics_token, metrics_open=args.metrics_open,
-            client_priority=ClientPriorityRange(args.min_client_priority, args.max_client_priority),
-            trust_chat_messages=args.trust_chat_messages,
-            dashboard=DashboardOptions(False),  # a page per replica is not built yet
-        )
+        return fleet_front(self.args, self.engines, self.prefill, self.board, facts)
 
 
 def build_fleet(args: argparse.Namespace):
@@ -129,12 +125,14 @@ def check_fleet_args(args: argparse.Namespace) -> None:
         raise ValueError("--enable-lora: adapters are not served by a fleet (--data-parallel-size) yet")
 
 
-def run_fleet(args: argparse.Namespace, config) -> int:
-    """`tokenloom serve --data-parallel-size N`: a local Ray cluster running the application until
-    Ctrl-C or SIGTERM, then Serve's graceful drain (`--shutdown-timeout`) and the cluster's end."""
+def start_fleet(args: argparse.Namespace, config):
+    """`tokenloom serve --data-parallel-size N`: a local Ray cluster and the deployments, without Ray's
+    HTTP proxy; returns the front app, which this process serves (server/cli.py), calling the replicas
+    through their handles. `stop_fleet()` ends the cluster."""
     import ray
 
     from ..model import catalog
+    from .client import ModelFacts
 
     check_fleet_args(args)
     for source, field in ((config.model, "model"), (config.draft_model, "speculative_config.model")):
@@ -143,19 +141,20 @@ def run_fleet(args: argparse.Namespace, config) -> int:
     # niced engine loses its cores to Ray's housekeeping: steps of 0.65 s instead of 10 ms were measured.
     ray.init(num_cpus=usable_cores(), include_dashboard=False, namespace="tokenloom",
              _system_config={"worker_niceness": 0})
-    signal.signal(signal.SIGTERM, _interrupt)  # after ray.init, which installs a handler of its own
-    try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        logger.info("fleet: %d engine replica(s), routing %s, on http://%s:%d", args.data_parallel_size,
-                    args.routing_policy, args.host, args.port)
-        serve.run(build_fleet(args), name="tokenloom", route_prefix="/", blocking=True)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-    return 0
+    serve.start(http_options={"location": "NoServer"})
+    # The root (FleetIngress) is deployed too, and idles: it is what `serve run` exposes.
+    serve.run(build_fleet(args), name=APP_NAME, route_prefix=None)
+    handle = functools.partial(serve.get_deployment_handle, app_name=APP_NAME)
+    engines, notice_board = handle("engine"), handle("board")
+    prefill = handle("prefill") if args.prefill_replicas else None
+    logger.info("fleet: %d engine replica(s)%s, routing %s", args.data_parallel_size,
+                f" and {args.prefill_replicas} prefill replica(s)" if prefill else "", args.routing_policy)
+    facts = ModelFacts(**engines.describe.remote().result())
+    return fleet_front(args, engines, prefill, notice_board, facts)
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
+def stop_fleet() -> None:
+    import ray
+
+    serve.shutdown()
+    ray.shutdown()

@@ -23,15 +23,18 @@ from functools import cached_property
 from types import SimpleNamespace
 
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
 
-from ..engine.async_llm import EngineDeadError, EngineStoppingError
+from ..engine.async_llm import EngineDeadError, EngineStoppingError, QueueFullError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from . import board
 from .wire import ACCEPTED, OutputDelta, Refusal, apply_delta
 
 logger = logging.getLogger("tokenloom.fleet")
 
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
+MAX_SENDS = 2  # a request lost with its replica before any token goes to one more
 
 
 @dataclass
@@ -51,19 +54,41 @@ class RemoteStream:
         self.client, self.request_id, self.payload = client, request_id, payload
         self.finished = False
         self._call = None
-        self._retried = False
+        self._sends = 0
 
-    async def open(self) -> None:
-        """Send the request; returns once a replica took it, raises its refusal otherwise. With
-        disaggregated prefill, a prefill replica computes the prompt's K/V first; its result goes to the
-        decode replica as an argument, through Ray's object store (never through here)."""
+    def _send(self):
+        """One call to a replica. With disaggregated prefill, a prefill replica computes the prompt's K/V
+        first; its result goes to the decode replica as an argument, through Ray's object store."""
+        self._sends += 1
         self.payload["sent_at"] = time.time()
         if self.client.prefill_handle is None:
-            self._call = self.client.handle.generate.remote(self.payload)
-        else:
-            prefilled = self.client.prefill_handle.prefill.remote(self.payload)
-            self._call = self.client.handle.generate.remote(self.payload, prefilled)
-        first = await self._call.__anext__()
+            return self.client.handle.generate.remote(self.payload)
+        prefilled = self.client.prefill_handle.prefill.remote(self.payload)
+        return self.client.handle.generate.remote(self.payload, prefilled)
+
+    def _resend_or_raise(self, exc: BaseException) -> None:
+        """The replica was lost: the request may go to another one (once, and only before any token),
+        else it ends with an error."""
+        if self._sends < MAX_SENDS:
+            logger.warning("request %s: its replica was lost before the first token (%s); sending it to another",
+                           self.request_id, type(exc).__name__)
+            return
+        self.finished = True
+        raise EngineDeadError(f"the replica serving this request was lost ({type(exc).__name__}); retry the "
+                              "request") from None
+
+    async def open(self) -> None:
+        """Send the request; returns once a replica took it, raises its refusal otherwise."""
+        while True:
+            try:
+                self._call = self._send()
+                first = await self._call.__anext__()
+                break
+            except BackPressureError as exc:  # Ray's queue in front of the replicas is full
+                self.finished = True
+                raise QueueFullError(f"every replica's queue is full: {exc}") from None
+            except REPLICA_LOST as exc:
+                self._resend_or_raise(exc)
         if isinstance(first, Refusal):
             self.finished = True
             raise first.exception()
@@ -79,17 +104,17 @@ class RemoteStream:
                 self.finished = True
                 return
             except REPLICA_LOST as exc:
-                if out is None and not self._retried:
-                    self._retried = True
-                    logger.warning("request %s: its replica was lost before the first token (%s); trying "
-                                   "another once", self.request_id, type(exc).__name__)
-                    await self.open()
-                    continue
-                self.finished = True
-                raise EngineDeadError(f"the replica serving this request was lost ({type(exc).__name__}); "
-                                      "retry the request") from None
-            out = item if isinstance(item, RequestOutput) else apply_delta(out, item) \
-                if isinstance(item, OutputDelta) else _unexpected(item)
+                if out is not None:
+                    self._sends = MAX_SENDS  # tokens were sent: never again
+                self._resend_or_raise(exc)
+                await self.open()
+                continue
+            if isinstance(item, OutputDelta):
+                out = apply_delta(out, item)
+            elif isinstance(item, RequestOutput):
+                out = item
+            else:
+                raise TypeError(f"a replica sent {type(item).__name__} where an output was expected")
             if out.finished:
                 self.finished = True
             yield out
@@ -100,30 +125,39 @@ class RemoteStream:
             self._call.cancel()  # Ray cancels the replica's generator, which aborts the request
 
 
-def _unexpected(item) -> RequestOutput:
-    raise RuntimeError(f"a replica sent {type(item).__name__} where an output was expected")
-
-
 class FleetClient:
-    def __init__(self, handle, tokenizer, facts: ModelFacts, stats, prefill_handle=None):
-        """`handle`: the engine deployment's handle; `stats`: () -> the replicas' latest reports;
+    def __init__(self, handle, tokenizer, facts: ModelFacts, board_handle, prefill_handle=None):
+        """`handle`: the engine deployment's handle; `board_handle`: the board's (board.py);
         `prefill_handle`: the prefill deployment's, for disaggregated prefill (else None)."""
         self.handle = handle.options(stream=True)
+        self.board_handle = board_handle
         self.prefill_handle = prefill_handle
         self.tokenizer = tokenizer
         self.facts = facts
         self.config = SimpleNamespace(max_model_len=facts.max_model_len, block_size=facts.block_size)
         self.engine = _IngressModel(tokenizer, facts.vocab_size)
-        self._stats = stats
+        self._board_reader: asyncio.Task | None = None
         self._streams: dict[str, RemoteStream] = {}
         self._stopping = False
 
     # The app's lifespan calls these; the replicas' own lifecycles are Ray Serve's.
     def start(self) -> None:
-        pass
+        if self._board_reader is None:
+            self._board_reader = asyncio.get_running_loop().create_task(self._read_board_forever())
+
+    async def _read_board_forever(self) -> None:
+        """The replicas' reports into board.LATEST, which this process's router and /metrics read."""
+        while True:
+            try:
+                board.LATEST = await self.board_handle.read.remote()
+            except Exception as exc:  # noqa: BLE001 - the board restarting must not stop the front
+                logger.warning("could not read the fleet board: %r", exc)
+            await asyncio.sleep(board.REPORT_PERIOD_S)
 
     async def shutdown(self, timeout: float = 0.0) -> None:
         self._stopping = True
+        if self._board_reader is not None:
+            self._board_reader.cancel()
         deadline = time.monotonic() + timeout
         while self._streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -132,7 +166,7 @@ class FleetClient:
 
     def health_problem(self) -> str | None:
         """None while at least one replica reports itself healthy (or none has reported yet)."""
-        stats = self._stats()
+        stats = board.LATEST
         problems = [s.get("health_problem") for s in stats.values()]
         if not stats or any(p is None for p in problems):
             return None

@@ -154,9 +154,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..model import catalog
     from .app import build_app
     from .dashboard import DashboardOptions
-    from .loading import load_served_engine
+    from .loading import app_options, load_served_engine
     from .lora_routes import parse_lora_modules
-    from .tenancy import ClientPriorityRange
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -167,32 +166,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not config.enable_lora:
         raise ValueError("--lora-modules: adapters need --enable-lora")
-    if args.data_parallel_size > 1 or args.data_parallel_backend == "ray" or args.autoscaling_config \
-            or args.prefill_replicas:
-        from ..fleet.app import run_fleet  # imports Ray, which one process never needs
-
-        return run_fleet(args, config)
+    fleet = (args.data_parallel_size > 1 or args.data_parallel_backend == "ray" or args.autoscaling_config
+             or args.prefill_replicas)
     # Everything that can fail in a second fails before the model loads: the source, then the port.
     to_pull = catalog.missing_pull(config.model)
     draft_to_pull = catalog.missing_pull(config.draft_model, "speculative_config.model")
     sockets = _bind(args.host, args.port)
+    if fleet:  # engine replicas on Ray Serve (imports Ray, which one process never needs)
+        from ..fleet.app import start_fleet, stop_fleet
+
+        try:
+            return _serve(args, start_fleet(args, config), sockets, "a fleet")
+        finally:
+            stop_fleet()
     for name in (to_pull, draft_to_pull):
         catalog.pull_missing(name)
     served = load_served_engine(args, config, lora_modules)
-    async_llm, metrics, names = served.async_llm, served.metrics, served.names
     app = build_app(
-        async_llm, names, args.api_key, metrics=metrics, model_path=served.path,
-        max_request_body_bytes=args.max_request_body_bytes, shutdown_timeout=args.shutdown_timeout,
-        metrics_token=args.metrics_token, metrics_open=args.metrics_open,
-        client_priority=ClientPriorityRange(args.min_client_priority, args.max_client_priority),
-        trust_chat_messages=args.trust_chat_messages,
+        served.async_llm, served.names, metrics=served.metrics, model_path=served.path,
         lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         dashboard=DashboardOptions(not args.disable_dashboard, args.dashboard_max_viewers, args.dashboard_show_text),
+        **app_options(args),
     )
+    return _serve(args, app, sockets, f"torch threads {served.async_llm.num_threads}")
+
+
+def _serve(args: argparse.Namespace, app, sockets: list[socket.socket], what: str) -> int:
+    """uvicorn on the bound sockets until SIGTERM/Ctrl-C (a graceful stop: exit 0)."""
     logging.getLogger("tokenloom.server").info(
-        "serving %s on http://%s:%d (torch threads %d, auth %s)",
-        names[0], args.host, sockets[0].getsockname()[1], async_llm.num_threads, "on" if args.api_key else "off",
-    )
+        "serving %s on http://%s:%d (%s, auth %s)", app.state.tokenloom.model_name, args.host,
+        sockets[0].getsockname()[1], what, "on" if args.api_key else "off")
     from .connection import connection_limits  # read/idle timeouts, header size bound
 
     server = _Server(uvicorn.Config(

@@ -56,3 +56,13 @@ def load_served_engine(args: argparse.Namespace, config, lora_modules=()) -> Ser
                          exit_on_fatal=True, stall_timeout_s=args.engine_stall_timeout)
     return ServedEngine(async_llm, metrics, names, path)
 
+
+
+def app_options(args: argparse.Namespace) -> dict:
+    """`build_app`'s keyword arguments that come straight from `tokenloom serve`'s flags."""
+    from .tenancy import ClientPriorityRange
+
+    return {"api_key": args.api_key, "max_request_body_bytes": args.max_request_body_bytes,
+            "shutdown_timeout": args.shutdown_timeout, "metrics_token": args.metrics_token,
+            "metrics_open": args.metrics_open, "trust_chat_messages": args.trust_chat_messages,
+            "client_priority": ClientPriorityRange(args.min_client_priority, args.max_client_priority)}
