@@ -37,7 +37,8 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from ..bench.replay import ReplayResult, VirtualClock
