@@ -21,13 +21,17 @@ Disaggregated prefill/decode (`Disaggregation(prefill, decode, ...)`): a request
 over the P prefill replicas and runs there with max_tokens = 1 (the prompt, and the first token it
 samples); its KV then travels to a decode replica chosen least-loaded, taking bytes / bandwidth +
 latency (bytes = prompt tokens x the model's KV bytes per token from `kv_calc`). It lands through the
-engine's own mechanisms: the decode replica's `KVCacheManager` takes the prompt's full blocks (those it
-already caches are reused, as a KV connector would skip them) for a placeholder sequence, which
-registers them in its prefix cache and holds them until the request is admitted; the request is then
-added with prompt + first token, so the engine's admission finds the prompt as a prefix-cache hit and
-computes only the last partial block and the first token (never the whole prompt). A transfer that finds
-no free blocks waits for the decode replica's next step end. The fleet's hit rate counts the prefill
-replicas only; the decode replicas' landings are reported apart.
+engine's own mechanisms: the decode replica's `KVCacheManager` allocates the prompt's full blocks for a
+placeholder sequence (blocks it already caches are reused, as a KV connector skips them), which
+registers them in its prefix cache and frees them at once, so they sit at the most-recently-used end of
+the free queue; the request is then added with prompt + first token, and the engine's own admission
+finds the prompt as a prefix-cache hit and computes only the last partial block and the first token.
+The landed blocks are not pinned: pinning them for requests still waiting deadlocks a full decode
+replica (held blocks starve the running ones), which vLLM avoids by pulling KV only when it admits. So a
+decode replica under KV pressure may evict landed blocks before admission and recompute the prompt;
+`decode_prefill_tokens` in the summary counts what decode replicas computed as prefill. A transfer that
+finds too few free blocks waits for the decode replica's next step end. The fleet's hit rate counts the
+prefill replicas only.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from ..fleet.routing import ReplicaLoad, RoutingPolicy, make_policy
 from ..model.config import ModelConfig
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from ..step import Sequence, SequenceStatus
+from ..step import Sequence
 from .cost_model import CostModel
 from .kv_calc import ModelShape
 from .simulator import build_sim_engine
@@ -111,7 +115,6 @@ class SimReplica:
     report: ReplicaReport
     reported: ReplicaLoad
     active: bool = False  # in a step, or with its next step's start pending
-    held: dict[str, Sequence] = field(default_factory=dict)  # request id -> placeholder holding landed KV
     landing: deque = field(default_factory=deque)  # (record, first token) whose KV found no room yet
 
     def snapshot(self) -> None:
@@ -264,8 +267,6 @@ class FleetSim:
     def _end(self, replica: SimReplica, outputs: list[RequestOutput], empty: bool) -> None:
         for out in outputs:
             self._deliver(replica, out)
-        if replica.held:
-            self._release_placeholders(replica)
         if replica.landing:
             self._land(replica)
         replica.active = False
@@ -338,20 +339,14 @@ class FleetSim:
             cached = kv.get_computed_blocks(holder)  # the prompt's full blocks it already has
             full = len(req.prompt_token_ids) // kv.block_size * kv.block_size
             if not kv.allocate_slots(holder, full - len(cached) * kv.block_size, cached):
+                if not replica.engine.has_unfinished_requests():  # nothing will ever free a block
+                    raise ValueError(f"request {req.request_id}: its prompt does not fit a decode replica's KV cache")
                 return  # no room now: retried at this replica's next step end
             replica.landing.popleft()
-            replica.held[req.request_id] = holder
+            kv.free(holder)  # registered in the prefix cache, most recently used
             replica.engine.add_request(req.request_id, {"prompt_token_ids": holder.token_ids}, params,
                                        req.arrival_time)
             self._wake(replica)
-
-    def _release_placeholders(self, replica: SimReplica) -> None:
-        """Once a request is admitted it holds its blocks itself: the placeholder lets go."""
-        for request_id, holder in list(replica.held.items()):
-            state = replica.engine.requests.get(request_id)
-            if state is None or state.seqs[0].status != SequenceStatus.WAITING:
-                replica.engine.kv.free(holder)
-                del replica.held[request_id]
 
     # -- results -------------------------------------------------------------------------------
 
