@@ -208,3 +208,18 @@ def test_a_request_arriving_as_a_step_ends_joins_the_next_step(tokenizer):
     fleet, _ = run(wl, "least-loaded", 1, cfg, tokenizer, cost=cost)
     assert fleet.requests[1].ttft == pytest.approx(0.1)
     assert fleet.requests == simulate(cost, wl, cfg, tokenizer=tokenizer).requests
+
+
+def test_warmup_requests_run_but_are_not_measured(tokenizer):
+    wl = shared(160)  # 8 s of arrivals
+    whole = simulate_fleet(COST, wl, 2, "prefix-aware", TIGHT, tokenizer=tokenizer)
+    warm = simulate_fleet(COST, wl, 2, "prefix-aware", TIGHT, tokenizer=tokenizer, warmup_s=2.0)
+    late = [r for r in wl if r.arrival_time >= 2.0]
+    assert len(warm.requests) == len(late) and len(warm.completions) == len(wl)
+    by_id = dict(zip((r.request_id for r in wl), whole.requests, strict=True))
+    assert [r.ttft for r in warm.requests] == [by_id[r.request_id].ttft for r in late]  # the same run
+    assert warm.prefix_hit_rate > whole.prefix_hit_rate  # cold misses are in the warm-up
+    assert whole.prefix_hit_rate == pytest.approx(
+        sum(r.prefix_hits for r in whole.replicas) / sum(r.prefix_queries for r in whole.replicas))
+    with pytest.raises(ValueError, match="warmup_s"):
+        simulate_fleet(COST, wl, 2, "prefix-aware", TIGHT, tokenizer=tokenizer, warmup_s=100.0)

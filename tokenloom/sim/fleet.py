@@ -127,6 +127,7 @@ class RequestRecord:
     request: WorkloadRequest
     token_times: list[float] = field(default_factory=list)
     first_scheduled: float | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache served where it was first admitted
     finished: float | None = None
 
 
@@ -139,8 +140,11 @@ class FleetResult:
     slo_metrics: BenchmarkMetrics  # with goodput at the SLO (None when no SLO was given)
     replicas: list[ReplicaReport]
     queue_times: list[float]  # arrival -> first scheduled on the replica that took it first
-    completions: list[tuple[str, str]]  # (request id, replica it finished on), once per finish
+    completions: list[tuple[str, str]]  # (request id, replica it finished on), once per finish (all requests)
+    prefix_hits: int  # prompt tokens served by the prefix cache, measured requests, where first admitted
+    prefix_queries: int  # their prompt tokens
     disaggregated: bool = False
+    warmup_s: float = 0.0
 
     @property
     def requests(self) -> list[RequestResult]:
@@ -151,9 +155,9 @@ class FleetResult:
 
     @property
     def prefix_hit_rate(self) -> float:
-        """Prompt tokens served by the prefix cache / looked up, over the replicas that take arrivals."""
-        q = sum(r.prefix_queries for r in self._serving())
-        return sum(r.prefix_hits for r in self._serving()) / q if q else 0.0
+        """Prompt tokens served by the prefix cache / prompt tokens, over the measured requests, on the
+        replica that took each first (vLLM's counters count the same, at first admission)."""
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     def load_spread(self) -> dict[str, float]:
         """Requests per serving replica: min, max, and max / mean (1 = perfectly even)."""
@@ -183,6 +187,8 @@ class FleetResult:
             "load_spread": self.load_spread(),
             "busy_fraction": {"min": min(busy), "mean": sum(busy) / len(busy), "max": max(busy)},
             "num_steps": self.replay.num_steps,
+            "warmup_s": self.warmup_s,
+            "measured_requests": len(self.replay.requests),
         }
         if self.disaggregated:
             decode = [r for r in self.replicas if r.role == "decode"]
@@ -211,13 +217,14 @@ class FleetSim:
 
     def __init__(self, replicas: list[SimReplica], policy: RoutingPolicy, workload: list[WorkloadRequest],
                  disaggregation: Disaggregation | None = None, kv_bytes_per_token: int = 0,
-                 slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None):
+                 slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, warmup_s: float = 0.0):
         self.replicas = replicas
         self.policy = policy
         self.workload = workload
         self.disagg = disaggregation
         self.kv_bytes_per_token = kv_bytes_per_token
         self.slos = (slo_ttft_ms, slo_tpot_ms)
+        self.warmup_s = warmup_s
         self.front = [r for r in replicas if r.role != "decode"]  # where arrivals go
         self.back = [r for r in replicas if r.role == "decode"]
         self.decode_policy = make_policy("least-loaded") if self.back else None
@@ -230,7 +237,6 @@ class FleetSim:
         self._order = itertools.count()
         self.now = 0.0
         self.completions: list[tuple[str, str]] = []
-        self.queue_times: list[float] = []
         self.num_steps = 0
 
     # -- the loop ------------------------------------------------------------------------------
@@ -304,9 +310,10 @@ class FleetSim:
         rec = self.records[out.request_id]
         before = 1 if replica.role == "decode" else 0  # the first token came from the prefill replica
         rec.token_times.extend([self.now] * (before + len(out.outputs[0].token_ids) - len(rec.token_times)))
-        if rec.first_scheduled is None and out.metrics.first_scheduled_time is not None:
-            rec.first_scheduled = out.metrics.first_scheduled_time
-            self.queue_times.append(rec.first_scheduled - rec.request.arrival_time)
+        if rec.first_scheduled is None:  # its first output: it was scheduled in this step or before
+            # (`RequestMetrics` reads a first-scheduled time of 0.0 as none: a virtual clock starts at 0.)
+            rec.first_scheduled = out.metrics.first_scheduled_time or 0.0
+            rec.cached_tokens = out.num_cached_tokens
         if not out.finished:
             return
         if replica.role == "prefill":
@@ -351,16 +358,21 @@ class FleetSim:
     # -- results -------------------------------------------------------------------------------
 
     def _result(self) -> FleetResult:
-        results = []
-        for req in self.workload:
-            rec = self.records[req.request_id]
+        """Metrics over the requests arriving after the warm-up (every request must have finished);
+        times from the warm-up's end."""
+        for rec in self.records.values():
             if rec.finished is None:
-                raise RuntimeError(f"fleet simulation: request {req.request_id} never finished")
-            times = rec.token_times
+                raise RuntimeError(f"fleet simulation: request {rec.request.request_id} never finished")
+        measured = [self.records[r.request_id] for r in self.workload if r.arrival_time >= self.warmup_s]
+        if not measured:
+            raise ValueError(f"warmup_s: no request arrives after the warm-up ({self.warmup_s} s)")
+        results = []
+        for rec in measured:
+            req, times = rec.request, rec.token_times
             results.append(RequestResult(
                 success=True, prompt_len=len(req.prompt_token_ids), output_tokens=len(times),
                 ttft=times[0] - req.arrival_time, itl=[b - a for a, b in itertools.pairwise(times)],
-                latency=rec.finished - req.arrival_time, start_time=req.arrival_time,
+                latency=rec.finished - req.arrival_time, start_time=req.arrival_time - self.warmup_s,
             ))
         for replica in self.replicas:
             replica.engine.check_kv_invariants()
@@ -369,8 +381,11 @@ class FleetSim:
         duration = max(r.start_time + r.latency for r in results)
         replay = ReplayResult(results, duration, self.num_steps)
         slo = compute_metrics(results, duration, *self.slos)
-        return FleetResult(self.policy.name, replay, slo, [r.report for r in self.replicas], self.queue_times,
-                           self.completions, self.disagg is not None)
+        queue = [rec.first_scheduled - rec.request.arrival_time for rec in measured]
+        return FleetResult(self.policy.name, replay, slo, [r.report for r in self.replicas], queue,
+                           self.completions, sum(rec.cached_tokens for rec in measured),
+                           sum(len(rec.request.prompt_token_ids) for rec in measured), self.disagg is not None,
+                           self.warmup_s)
 
 
 def greedy(max_tokens: int, priority: int = 0) -> SamplingParams:
@@ -406,9 +421,11 @@ def simulate_fleet(
     disaggregation: Disaggregation | None = None,
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
+    warmup_s: float = 0.0,
 ) -> FleetResult:
     """Run `workload` over `num_replicas` simulated engines behind `routing_policy` (or, with
-    `disaggregation`, over its prefill and decode replicas; `num_replicas` is then ignored)."""
+    `disaggregation`, over its prefill and decode replicas; `num_replicas` is then ignored). Requests
+    arriving in the first `warmup_s` seconds warm the caches and queues but are not measured."""
     if disaggregation is None:
         if num_replicas < 1:
             raise ValueError(f"replicas: must be at least 1, got {num_replicas}")
@@ -419,5 +436,5 @@ def simulate_fleet(
     first = replicas[0].engine
     policy = policy_for(routing_policy, first.config, first.kv.num_blocks)
     sim = FleetSim(replicas, policy, workload, disaggregation, kv_bytes_per_token(first.model_config, first.config),
-                   slo_ttft_ms, slo_tpot_ms)
+                   slo_ttft_ms, slo_tpot_ms, warmup_s)
     return sim.run()

@@ -44,7 +44,8 @@ def _check(args: argparse.Namespace) -> None:
     for flag, value in positive.items():
         if not value > 0:
             raise ValueError(f"{flag}: must be positive, got {value}")
-    for flag, value in {"--prefix-len": args.prefix_len, "--suffix-len": args.suffix_len}.items():
+    for flag, value in {"--prefix-len": args.prefix_len, "--suffix-len": args.suffix_len,
+                        "--warmup-s": args.warmup_s}.items():
         if value < 0:
             raise ValueError(f"{flag}: must not be negative, got {value}")
     if any(not r > 0 for r in args.request_rate):
@@ -85,10 +86,10 @@ def cmd_simulate_fleet(args: argparse.Namespace) -> int:
               f"hit rate {r['prefix_hit_rate']:.3f}  TTFT mean {r['mean_ttft_ms']:8.1f} ms", file=sys.stderr)
 
     records = sweep(cost, spec, args.routing_policy, args.request_rate, replicas, config, disagg,
-                    args.slo_ttft_ms, args.slo_tpot_ms, progress=progress)
+                    args.slo_ttft_ms, args.slo_tpot_ms, args.warmup_s, progress=progress)
     header = {"replicas": replicas, "disaggregate": dataclasses.asdict(disagg) if disagg else None,
               "cost_model": cost.to_dict(), "engine": dataclasses.asdict(config), "workload": spec.describe(),
-              "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
+              "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "warmup_s": args.warmup_s}
     print(markdown_table(records), end="")
     if args.out:
         for path in write_report(args.out, header, records):
@@ -117,6 +118,8 @@ def add_simulate_fleet_parser(subparsers) -> None:
     p.add_argument("--workload-seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, help="goodput counts requests within this TTFT ...")
     p.add_argument("--slo-tpot-ms", type=float, help="... and this TPOT")
+    p.add_argument("--warmup-s", type=float, default=0.0,
+                   help="requests arriving in the first seconds warm the caches but are not measured")
     p.add_argument("--disaggregate", metavar="P:D", help="P prefill + D decode replicas (instead of --replicas)")
     p.add_argument("--kv-transfer-gbps", type=float, default=25.0,
                    help="prefill->decode KV bandwidth, GB/s (default 25: a 200 Gb/s NIC)")

@@ -59,15 +59,15 @@ def run_record(rate: float, result: FleetResult) -> dict:
 
 def sweep(cost_model: CostModel, spec: SharedPrefixSpec, policies: Sequence[str], rates: Sequence[float],
           num_replicas: int, config: EngineConfig | None = None, disaggregation: Disaggregation | None = None,
-          slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, tokenizer=None,
-          progress=None) -> list[dict]:
+          slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, warmup_s: float = 0.0,
+          tokenizer=None, progress=None) -> list[dict]:
     """One record per (policy, rate), policies outermost."""
     records = []
     for policy in policies:
         for rate in rates:
             result = simulate_fleet(cost_model, spec.workload(rate), num_replicas, policy, config,
                                     tokenizer=tokenizer, disaggregation=disaggregation,
-                                    slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+                                    slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, warmup_s=warmup_s)
             records.append(run_record(rate, result))
             if progress is not None:
                 progress(records[-1])
