@@ -219,6 +219,7 @@ def test_warmup_requests_run_but_are_not_measured(tokenizer):
     by_id = dict(zip((r.request_id for r in wl), whole.requests, strict=True))
     assert [r.ttft for r in warm.requests] == [by_id[r.request_id].ttft for r in late]  # the same run
     assert warm.prefix_hit_rate > whole.prefix_hit_rate  # cold misses are in the warm-up
+    assert 0 < warm.summary()["busy_fraction"]["max"] <= 1  # busy over the whole run, warm-up included
     assert whole.prefix_hit_rate == pytest.approx(
         sum(r.prefix_hits for r in whole.replicas) / sum(r.prefix_queries for r in whole.replicas))
     with pytest.raises(ValueError, match="warmup_s"):

@@ -143,6 +143,7 @@ class FleetResult:
     completions: list[tuple[str, str]]  # (request id, replica it finished on), once per finish (all requests)
     prefix_hits: int  # prompt tokens served by the prefix cache, measured requests, where first admitted
     prefix_queries: int  # their prompt tokens
+    run_s: float  # the whole run, warm-up included: 0 to the last finish
     disaggregated: bool = False
     warmup_s: float = 0.0
 
@@ -168,7 +169,7 @@ class FleetResult:
     def summary(self) -> dict:
         m, lat = self.replay.metrics, self.replay.metrics.latency_stats
         q = sorted(self.queue_times) or [0.0]
-        busy = [r.busy_s / self.replay.duration for r in self.replicas]
+        busy = [r.busy_s / self.run_s for r in self.replicas]
         out = {
             "policy": self.policy,
             "replicas": len(self.replicas),
@@ -384,8 +385,8 @@ class FleetSim:
         queue = [rec.first_scheduled - rec.request.arrival_time for rec in measured]
         return FleetResult(self.policy.name, replay, slo, [r.report for r in self.replicas], queue,
                            self.completions, sum(rec.cached_tokens for rec in measured),
-                           sum(len(rec.request.prompt_token_ids) for rec in measured), self.disagg is not None,
-                           self.warmup_s)
+                           sum(len(rec.request.prompt_token_ids) for rec in measured),
+                           max(rec.finished for rec in self.records.values()), self.disagg is not None, self.warmup_s)
 
 
 def greedy(max_tokens: int, priority: int = 0) -> SamplingParams:
