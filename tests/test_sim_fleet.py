@@ -224,3 +224,19 @@ def test_warmup_requests_run_but_are_not_measured(tokenizer):
         sum(r.prefix_hits for r in whole.replicas) / sum(r.prefix_queries for r in whole.replicas))
     with pytest.raises(ValueError, match="warmup_s"):
         simulate_fleet(COST, wl, 2, "prefix-aware", TIGHT, tokenizer=tokenizer, warmup_s=100.0)
+
+
+def test_the_simulator_never_loads_ray():
+    """The simulated fleet uses routing.py alone: importing and running it must not pull Ray in (Ray
+    is an optional dependency; `tokenloom/fleet`'s other modules import it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import tokenloom.sim.fleet, tokenloom.sim.fleet_cli, tokenloom.sim.fleet_report; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    from pathlib import Path
+
+    for path in (Path(__file__).parent.parent / "tokenloom" / "sim").glob("*.py"):
+        text = path.read_text()
+        assert "import ray" not in text and "from ray" not in text, path
