@@ -132,6 +132,11 @@ def test_disaggregated_kv_transfer_costs_bytes_over_bandwidth(tokenizer):
     assert slow.requests[0].ttft == fast.requests[0].ttft
     assert slow.requests[0].latency - fast.requests[0].latency == pytest.approx(extra)
     assert slow.requests[0].output_tokens == 5
+    # Streamed by the decode replica instead: the first token comes with the second, after the transfer.
+    late, _ = run(wl, tokenizer=tokenizer, config=cfg,
+                  disagg=Disaggregation(1, 1, bandwidth=1e9, latency_s=0.01, first_token_from_prefill=False))
+    assert late.requests[0].ttft == pytest.approx(slow.requests[0].ttft + slow.requests[0].itl[0])
+    assert late.requests[0].latency == slow.requests[0].latency and late.requests[0].output_tokens == 5
 
 
 def test_goodput_counts_requests_within_both_slos(tokenizer):

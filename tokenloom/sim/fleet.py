@@ -12,8 +12,8 @@ exactly when a step ends joins the next one, as `tokenloom.bench.replay` does. R
 concurrently in virtual time: a step is planned and costed at its start (the engine's `step()` runs
 then, on the replica's own `VirtualClock`, which the cost model moves to the step's end — the replica's
 "busy until"), but what it produced (tokens, finished requests) reaches the router and the results only
-at its end event; a replica's reported load is its `stats()` as of the start of its current step (what
-it would report between steps), so no routing decision sees the future. Between steps the fleet's time
+at its end event; a replica's reported load is its `stats()` at its last step boundary (what it would
+report between steps: taken as a step starts and as it ends), so no routing decision sees the future. Between steps the fleet's time
 jumps to the next event (the earliest of the next arrival and the next step end), so every replica's
 clock stays within one step of it. With one replica the loop takes exactly the steps `simulate` takes.
 
@@ -30,8 +30,11 @@ The landed blocks are not pinned: pinning them for requests still waiting deadlo
 replica (held blocks starve the running ones), which vLLM avoids by pulling KV only when it admits. So a
 decode replica under KV pressure may evict landed blocks before admission and recompute the prompt;
 `decode_prefill_tokens` in the summary counts what decode replicas computed as prefill. A transfer that
-finds too few free blocks waits for the decode replica's next step end. The fleet's hit rate counts the
-prefill replicas only.
+finds too few free blocks waits for the decode replica's next step end. The transfer is charged for the
+whole prompt, even blocks the decode replica turns out to cache. The client gets the first token from the
+prefill replica (DistServe's way: TTFT is the prefill's, the transfer shows in TPOT) or, with
+`first_token_from_prefill=False`, only once the decode replica streams (vLLM's disaggregated proxy: TTFT
+includes the transfer and the decode queue). The fleet's hit rate counts the prefill replicas only.
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ class Disaggregation:
     decode: int
     bandwidth: float = 25e9  # bytes/s (a 200 Gb/s RDMA NIC)
     latency_s: float = 0.0
+    # The client gets the first token from the prefill replica (DistServe), or only once the decode
+    # replica streams (vLLM's disaggregated proxy: then TTFT includes the transfer and the decode queue).
+    first_token_from_prefill: bool = True
 
     def __post_init__(self):
         if self.prefill < 1 or self.decode < 1:
@@ -277,6 +283,7 @@ class FleetSim:
             self._deliver(replica, out)
         if replica.landing:
             self._land(replica)
+        replica.snapshot()  # what it reports until its next step starts (idle: from now on)
         replica.active = False
         if not replica.engine.has_unfinished_requests():
             return
@@ -322,6 +329,8 @@ class FleetSim:
             self.policy.completed(replica.replica_id)
             if rec.request.max_tokens > 1:
                 first = out.outputs[0].token_ids[0]
+                if not self.disagg.first_token_from_prefill:
+                    rec.token_times.clear()  # the decode replica's first output carries it
                 delay = self.disagg.latency_s + len(rec.request.prompt_token_ids) * self.kv_bytes_per_token / self.disagg.bandwidth
                 self._push(self.now + delay, ARRIVAL, self._hand_off, rec, first)
                 return
