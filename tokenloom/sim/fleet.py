@@ -49,6 +49,8 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..bench.replay import ReplayResult, VirtualClock
 from ..bench.serving_metrics import BenchmarkMetrics, RequestResult, compute_metrics
 from ..bench.workload import WorkloadRequest
@@ -175,7 +177,7 @@ class FleetResult:
 
     def summary(self) -> dict:
         m, lat = self.replay.metrics, self.replay.metrics.latency_stats
-        q = sorted(self.queue_times) or [0.0]
+        q = self.queue_times or [0.0]
         busy = [r.busy_s / self.run_s for r in self.replicas]
         out = {
             "policy": self.policy,
@@ -190,8 +192,8 @@ class FleetResult:
             "prefix_hit_rate": self.prefix_hit_rate,
             **{f"{stat}_{name}_ms": lat[f"{stat}_{name}_ms"]
                for name in ("ttft", "tpot", "e2el") for stat in ("mean", "median", "p90", "p99")},
-            "mean_queue_ms": 1000 * sum(q) / len(q),
-            "p99_queue_ms": 1000 * q[min(len(q) - 1, int(0.99 * len(q)))],
+            "mean_queue_ms": 1000 * float(np.mean(q)),
+            "p99_queue_ms": 1000 * float(np.percentile(q, 99)),
             "load_spread": self.load_spread(),
             "busy_fraction": {"min": min(busy), "mean": sum(busy) / len(busy), "max": max(busy)},
             "num_steps": self.replay.num_steps,
@@ -266,6 +268,7 @@ class FleetSim:
             self._push(self.now if at is None else at, STEP_START, self._start, replica)
 
     def _start(self, replica: SimReplica) -> None:
+        assert replica.clock() <= self.now, "a replica's clock ran ahead of the fleet's"
         replica.clock.sleep_until(self.now)
         replica.snapshot()
         outputs = replica.engine.step()
