@@ -42,10 +42,10 @@ from tokenloom.bench.datasets import parse_output_len_dist
 from tokenloom.config import EngineConfig, add_engine_args, engine_config_from_args
 from tokenloom.fleet.routing import POLICIES
 from tokenloom.sim.cli import fit_preset
-from tokenloom.sim.fleet import Disaggregation, simulate_fleet
+from tokenloom.sim.fleet import Disaggregation
 from tokenloom.sim.fleet_cli import load_cost
 from tokenloom.sim.fleet_plots import write_plots
-from tokenloom.sim.fleet_report import SharedPrefixSpec, compare_with_real, markdown_table, sweep
+from tokenloom.sim.fleet_report import SharedPrefixSpec, check_against_real, markdown_table, sweep
 
 RESULTS = Path(__file__).parent / "results"
 SLO_TTFT_MS, SLO_TPOT_MS = 500.0, 50.0
@@ -143,10 +143,8 @@ def check_real(args) -> int:
         fit_preset(config, cost)
     spec = SharedPrefixSpec(args.num_prompts, args.shared_prefixes, args.prefix_len, args.suffix_len,
                             args.output_len, seed=args.workload_seed)
-    result = simulate_fleet(cost, spec.workload(args.request_rate), args.replicas, args.policy, config)
-    print(f"simulated {args.replicas} replicas, {args.policy}, {args.request_rate:g} req/s, cost model "
-          f"{cost.kind} ({args.cost_model})")
-    report = compare_with_real(args.hit_rate, args.mean_ttft_ms, result)
+    report = check_against_real(args.hit_rate, args.mean_ttft_ms, cost, spec, args.request_rate, args.replicas,
+                                args.policy, config)
     return 0 if all(m["within"] for m in report.values()) else 1
 
 

@@ -13,7 +13,7 @@ from tokenloom.config import EngineConfig
 from tokenloom.fleet.routing import POLICIES, make_policy
 from tokenloom.sim.cost_model import LinearCostModel
 from tokenloom.sim.fleet import Disaggregation, FleetSim, build_replicas, kv_bytes_per_token, simulate_fleet
-from tokenloom.sim.fleet_report import compare_with_real
+from tokenloom.sim.fleet_report import SharedPrefixSpec, check_against_real, compare_with_real
 from tokenloom.sim.simulator import simulate
 
 # Prefill dominates (0.1 ms a token): a prefix-cache hit shows in TTFT.
@@ -154,6 +154,17 @@ def test_compare_with_real_flags_what_is_off(tokenizer, capsys):
     assert report["prefix_hit_rate"]["within"] and not report["mean_ttft_ms"]["within"]
     assert report["mean_ttft_ms"]["relative_difference"] == pytest.approx(20 / 120)
     assert "OFF" in capsys.readouterr().out
+
+
+def test_check_against_real_simulates_the_same_setup(tokenizer, capsys):
+    spec = SharedPrefixSpec(60, 8, 256, 16, 8)
+    twin = simulate_fleet(COST, spec.workload(20.0), 2, "prefix-aware", TIGHT, tokenizer=tokenizer).summary()
+    report = check_against_real(twin["prefix_hit_rate"], twin["mean_ttft_ms"] * 1.1, COST, spec, 20.0, 2,
+                                "prefix-aware", TIGHT)
+    assert report["prefix_hit_rate"]["relative_difference"] == 0.0
+    assert report["mean_ttft_ms"]["within"] and report["mean_ttft_ms"]["relative_difference"] == pytest.approx(
+        0.1 / 1.1)
+    assert "simulated 2 replicas, prefix-aware, 20 req/s" in capsys.readouterr().out
 
 
 def cli(argv, capsys):

@@ -119,3 +119,17 @@ def compare_with_real(real_hit_rate: float, real_mean_ttft_ms: float, simulated:
         print(f"{metric:<16} real {real:10.3f}  simulated {sim:10.3f}  diff {100 * rel:5.1f}%  "
               f"{'ok' if rel <= tolerance else 'OFF'} (tolerance {100 * tolerance:.0f}%)")
     return report
+
+
+def check_against_real(real_hit_rate: float, real_mean_ttft_ms: float, cost_model: CostModel,
+                       spec: SharedPrefixSpec, request_rate: float, num_replicas: int = 2,
+                       policy: str = "prefix-aware", config: EngineConfig | None = None,
+                       tolerance: float = TOLERANCE) -> dict:
+    """Simulate the measured run's setup (same workload shape, rate, replica count, policy and engine
+    knobs) and print its hit rate and mean TTFT beside the measured ones (`compare_with_real`)."""
+    result = simulate_fleet(cost_model, spec.workload(request_rate), num_replicas, policy, config)
+    print(f"simulated {num_replicas} replicas, {policy}, {request_rate:g} req/s, {spec.num_prompts} requests "
+          f"({spec.shared_prefixes} x {spec.prefix_len} shared + {spec.suffix_len} own tokens), "
+          f"cost model {cost_model.kind}")
+    return compare_with_real(real_hit_rate, real_mean_ttft_ms, result, tolerance)
+
