@@ -12,8 +12,9 @@ own and asking for 8-32 output tokens (uniform), Poisson arrivals. Scenarios:
 
 - ``8-prefixes``: the issue's case. Every replica's KV holds all 8 prompts many times over.
 - ``512-prefixes``: many tenants; the prompts (1M tokens) are 2.4x one replica's KV.
-- ``8-prefixes-disaggregated``: 32 prefill + 32 decode replicas (prefix-aware over the prefill ones,
-  least-loaded decode, KV over a 25 GB/s link) on the first workload.
+- ``8-prefixes-disaggregated-32p32d`` and ``-48p16d``: 32 prefill + 32 decode replicas, and 48 + 16
+  (prefix-aware over the prefill ones, least-loaded decode, KV over a 25 GB/s link, the first token
+  streamed by the prefill replica) on the first workload.
 
 One run per (policy, rate), every run the same 4000 requests at its rate; requests arriving in the first
 20% of the arrival window warm the caches and are not measured. Goodput counts requests within TTFT
@@ -63,8 +64,10 @@ def scenarios(num_prompts: int, quick: bool) -> dict[str, dict]:
     return {
         "8-prefixes": {"spec": few, "rates": (1000.0, 2000.0, 3000.0), "policies": POLICIES, "replicas": 64},
         "512-prefixes": {"spec": many, "rates": (500.0, 1000.0, 2000.0), "policies": POLICIES, "replicas": 64},
-        "8-prefixes-disaggregated": {"spec": few, "rates": (1000.0, 2000.0, 3000.0), "policies": ("prefix-aware",),
-                                     "replicas": 64, "disaggregation": Disaggregation(32, 32)},
+        **{f"8-prefixes-disaggregated-{p}p{d}d": {"spec": few, "rates": (1000.0, 2000.0, 3000.0),
+                                                  "policies": ("prefix-aware",), "replicas": 64,
+                                                  "disaggregation": Disaggregation(p, d)}
+           for p, d in ((32, 32), (48, 16))},
     }
 
 
