@@ -19,8 +19,9 @@ generator's schedule). Priorities (for the priority policy) are drawn from 0..2;
 ``max_tokens``.
 
 `shared_prefix_workload(...)` is the fleet's case (many users behind a few system prompts): each request
-is one of `num_prefixes` shared prompts of `prefix_len` tokens, picked uniformly (seeded), followed by a
-part of `suffix_len` tokens of its own; outputs are `output_len` tokens each, or one per request from a
+is one of `num_prefixes` shared prompts of `prefix_len` tokens — each serving an equal share of the
+requests (within one), in a seeded shuffled order, as `benchmarks/fleet.py`'s dataset of 8 system
+prompts x 16 users — followed by a part of `suffix_len` tokens of its own; outputs are `output_len` tokens each, or one per request from a
 list (`tokenloom.bench.datasets.parse_output_len_dist` draws one).
 """
 
@@ -126,12 +127,13 @@ def shared_prefix_workload(
         raise ValueError(f"output_len: need {num_prompts} lengths of at least 1")
     rng = random.Random(seed)
     prefixes = [random_prompt_ids(rng, prefix_len) for _ in range(num_prefixes)]
+    which = [i % num_prefixes for i in range(num_prompts)]
+    rng.shuffle(which)
     times = arrival_times(num_prompts, request_rate, burstiness, seed)
     width = len(str(num_prompts - 1))
     return [
-        WorkloadRequest(f"r{i:0{width}d}", prefixes[rng.randrange(num_prefixes)] + random_prompt_ids(rng, suffix_len),
-                        m, t)
-        for i, (t, m) in enumerate(zip(times, outs, strict=True))
+        WorkloadRequest(f"r{i:0{width}d}", prefixes[p] + random_prompt_ids(rng, suffix_len), m, t)
+        for i, (p, t, m) in enumerate(zip(which, times, outs, strict=True))
     ]
 
 

@@ -17,24 +17,19 @@ report between steps: taken as a step starts and as it ends), so no routing deci
 jumps to the next event (the earliest of the next arrival and the next step end), so every replica's
 clock stays within one step of it. With one replica the loop takes exactly the steps `simulate` takes.
 
-Disaggregated prefill/decode (`Disaggregation(prefill, decode, ...)`): a request is routed by the policy
-over the P prefill replicas and runs there with max_tokens = 1 (the prompt, and the first token it
-samples); its KV then travels to a decode replica chosen least-loaded, taking bytes / bandwidth +
-latency (bytes = prompt tokens x the model's KV bytes per token from `kv_calc`). It lands through the
-engine's own mechanisms: the decode replica's `KVCacheManager` allocates the prompt's full blocks for a
-placeholder sequence (blocks it already caches are reused, as a KV connector skips them), which
-registers them in its prefix cache and frees them at once, so they sit at the most-recently-used end of
-the free queue; the request is then added with prompt + first token, and the engine's own admission
-finds the prompt as a prefix-cache hit and computes only the last partial block and the first token.
-The landed blocks are not pinned: pinning them for requests still waiting deadlocks a full decode
-replica (held blocks starve the running ones), which vLLM avoids by pulling KV only when it admits. So a
-decode replica under KV pressure may evict landed blocks before admission and recompute the prompt;
-`decode_prefill_tokens` in the summary counts what decode replicas computed as prefill. A transfer that
-finds too few free blocks waits for the decode replica's next step end. The transfer is charged for the
-whole prompt, even blocks the decode replica turns out to cache. The client gets the first token from the
-prefill replica (DistServe's way: TTFT is the prefill's, the transfer shows in TPOT) or, with
-`first_token_from_prefill=False`, only once the decode replica streams (vLLM's disaggregated proxy: TTFT
-includes the transfer and the decode queue). The fleet's hit rate counts the prefill replicas only.
+Disaggregated prefill/decode (`Disaggregation(prefill, decode, ...)`), as `tokenloom/fleet` serves it
+(fleet/replica.py): a request is routed by the policy over the P prefill replicas and runs there with
+max_tokens = 1; as it finishes, the prefill engine's `export_prefix_kv` takes the prompt's whole cached
+blocks, which travel to a decode replica chosen least-loaded in latency + bytes / bandwidth (bytes =
+those tokens x the model's KV bytes per token, `kv_calc`'s count); there `import_prefix_kv` adopts them
+into the prefix cache (free blocks, most recently used, at most a quarter of the free ones: memory
+pressure may evict them, costing a recompute) and the request is added with its own prompt and
+max_tokens, so the engine's admission finds the prompt as a prefix-cache hit and computes only its last
+block, then every output token (the first token the client sees comes from the decode replica: TTFT
+includes the prefill, the transfer and the decode replica's queue). The engine's own export / import
+run on the simulated engines (`SimRunner` moves no K/V, only counts it), so the simulator adopts what
+the real decode replica adopts. The fleet's hit rate counts the prefill replicas only;
+`decode_prefill_tokens` in the summary is what decode replicas computed as prefill.
 """
 
 from __future__ import annotations
@@ -44,7 +39,6 @@ import gc
 import heapq
 import itertools
 import math
-from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -60,7 +54,6 @@ from ..fleet.routing import ReplicaLoad, RoutingPolicy, make_policy
 from ..model.config import ModelConfig
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from ..step import Sequence
 from .cost_model import CostModel
 from .kv_calc import ModelShape
 from .simulator import build_sim_engine
@@ -80,9 +73,6 @@ class Disaggregation:
     decode: int
     bandwidth: float = 25e9  # bytes/s (a 200 Gb/s RDMA NIC)
     latency_s: float = 0.0
-    # The client gets the first token from the prefill replica (DistServe), or only once the decode
-    # replica streams (vLLM's disaggregated proxy: then TTFT includes the transfer and the decode queue).
-    first_token_from_prefill: bool = True
 
     def __post_init__(self):
         if self.prefill < 1 or self.decode < 1:
@@ -124,7 +114,6 @@ class SimReplica:
     report: ReplicaReport
     reported: ReplicaLoad
     active: bool = False  # in a step, or with its next step's start pending
-    landing: deque = field(default_factory=deque)  # (record, first token) whose KV found no room yet
 
     def snapshot(self) -> None:
         s = self.engine.stats()
@@ -284,8 +273,6 @@ class FleetSim:
     def _end(self, replica: SimReplica, outputs: list[RequestOutput], empty: bool) -> None:
         for out in outputs:
             self._deliver(replica, out)
-        if replica.landing:
-            self._land(replica)
         replica.snapshot()  # what it reports until its next step starts (idle: from now on)
         replica.active = False
         if not replica.engine.has_unfinished_requests():
@@ -320,8 +307,8 @@ class FleetSim:
     def _deliver(self, replica: SimReplica, out: RequestOutput) -> None:
         """A step's output reaches the fleet at the step's end (`self.now`)."""
         rec = self.records[out.request_id]
-        before = 1 if replica.role == "decode" else 0  # the first token came from the prefill replica
-        rec.token_times.extend([self.now] * (before + len(out.outputs[0].token_ids) - len(rec.token_times)))
+        if replica.role != "prefill":  # a prefill replica's token is not the client's (see module docstring)
+            rec.token_times.extend([self.now] * (len(out.outputs[0].token_ids) - len(rec.token_times)))
         if rec.first_scheduled is None:  # its first output: it was scheduled in this step or before
             # (`RequestMetrics` reads a first-scheduled time of 0.0 as none: a virtual clock starts at 0.)
             rec.first_scheduled = out.metrics.first_scheduled_time or 0.0
@@ -330,44 +317,23 @@ class FleetSim:
             return
         if replica.role == "prefill":
             self.policy.completed(replica.replica_id)
-            if rec.request.max_tokens > 1:
-                first = out.outputs[0].token_ids[0]
-                if not self.disagg.first_token_from_prefill:
-                    rec.token_times.clear()  # the decode replica's first output carries it
-                delay = self.disagg.latency_s + len(rec.request.prompt_token_ids) * self.kv_bytes_per_token / self.disagg.bandwidth
-                self._push(self.now + delay, ARRIVAL, self._hand_off, rec, first)
-                return
-        else:
-            (self.decode_policy if replica.role == "decode" else self.policy).completed(replica.replica_id)
+            tokens, kv = replica.engine.export_prefix_kv(rec.request.prompt_token_ids)  # its blocks, still cached
+            delay = self.disagg.latency_s + tokens * self.kv_bytes_per_token / self.disagg.bandwidth
+            self._push(self.now + delay, ARRIVAL, self._hand_off, rec, kv)
+            return
+        (self.decode_policy if replica.role == "decode" else self.policy).completed(replica.replica_id)
         rec.finished = self.now
         self.completions.append((out.request_id, replica.replica_id))
 
     # -- disaggregation ------------------------------------------------------------------------
 
-    def _hand_off(self, rec: RequestRecord, first_token: int) -> None:
-        replica = self._route(self.decode_policy, self.back, rec.request.prompt_token_ids)
-        replica.landing.append((rec, first_token))
-        self._land(replica)
-
-    def _land(self, replica: SimReplica) -> None:
-        """Write arrived KV into `replica`'s pool (FIFO, while blocks last) and add the requests."""
-        kv = replica.engine.kv
-        while replica.landing:
-            rec, first = replica.landing[0]
-            req = rec.request
-            params = greedy(req.max_tokens - 1, req.priority)
-            holder = Sequence(f"{req.request_id}/kv", 0, [*req.prompt_token_ids, first], params, req.arrival_time)
-            cached = kv.get_computed_blocks(holder)  # the prompt's full blocks it already has
-            full = len(req.prompt_token_ids) // kv.block_size * kv.block_size
-            if not kv.allocate_slots(holder, full - len(cached) * kv.block_size, cached):
-                if not replica.engine.has_unfinished_requests():  # nothing will ever free a block
-                    raise ValueError(f"request {req.request_id}: its prompt does not fit a decode replica's KV cache")
-                return  # no room now: retried at this replica's next step end
-            replica.landing.popleft()
-            kv.free(holder)  # registered in the prefix cache, most recently used
-            replica.engine.add_request(req.request_id, {"prompt_token_ids": holder.token_ids}, params,
-                                       req.arrival_time)
-            self._wake(replica)
+    def _hand_off(self, rec: RequestRecord, kv) -> None:
+        req = rec.request
+        replica = self._route(self.decode_policy, self.back, req.prompt_token_ids)
+        replica.engine.import_prefix_kv(req.prompt_token_ids, kv)
+        replica.engine.add_request(req.request_id, {"prompt_token_ids": req.prompt_token_ids},
+                                   greedy(req.max_tokens, req.priority), req.arrival_time)
+        self._wake(replica)
 
     # -- results -------------------------------------------------------------------------------
 

@@ -71,8 +71,7 @@ def cmd_simulate_fleet(args: argparse.Namespace) -> int:
     if args.disaggregate:
         try:
             p, d = parse_disaggregate(args.disaggregate)
-            disagg = Disaggregation(p, d, args.kv_transfer_gbps * 1e9,
-                                    first_token_from_prefill=args.first_token_from == "prefill")
+            disagg = Disaggregation(p, d, args.kv_transfer_gbps * 1e9)
         except ValueError as exc:
             raise ValueError(f"--disaggregate: {exc}") from None
     outs: int | tuple[int, ...] = args.output_len
@@ -124,8 +123,6 @@ def add_simulate_fleet_parser(subparsers) -> None:
     p.add_argument("--disaggregate", metavar="P:D", help="P prefill + D decode replicas (instead of --replicas)")
     p.add_argument("--kv-transfer-gbps", type=float, default=25.0,
                    help="prefill->decode KV bandwidth, GB/s (default 25: a 200 Gb/s NIC)")
-    p.add_argument("--first-token-from", choices=("prefill", "decode"), default="prefill",
-                   help="disaggregated: which replica streams the first token to the client")
     p.add_argument("--out", help="directory for fleet_sim.json, fleet_sim.md and the plots")
     add_engine_args(p)
     p.set_defaults(func=cmd_simulate_fleet)
