@@ -1,8 +1,8 @@
 """Fleet simulation at scale: 64 simulated replicas behind each routing policy, at thousands of req/s.
 
     .venv/bin/python benchmarks/fleet_sim.py [--cost-model llama-3-8b@h100] [--quick]
-    .venv/bin/python benchmarks/fleet_sim.py check-real --hit-rate 0.80 --mean-ttft-ms 240 \
-        --policy prefix-aware --num-prompts 400 --request-rate 4 [workload and engine flags]
+    .venv/bin/python benchmarks/fleet_sim.py check-real --hit-rate 0.883 --ttft-ms 86.5 --policy prefix-aware \
+        --dataset shared_prefix.jsonl --num-prompts 128 --request-rate 4 --cost-model cal.json [engine flags]
 
 Each replica is the real scheduler and KV cache on a virtual clock (`tokenloom.sim.fleet`), one H100
 running Llama-3-8B by the roofline preset (or a calibration file), with vLLM-like server knobs
@@ -21,13 +21,13 @@ One run per (policy, rate), every run the same 4000 requests at its rate; reques
 500 ms and TPOT 50 ms. Writes benchmarks/results/fleet_sim.{json,md} and PNGs (goodput vs rate, hit
 rate, TTFT CDF per scenario). Virtual time: CPU contention changes the wall time, not the numbers.
 
-`check-real` simulates the real 2-replica run's setup (its workload flags, its engine flags — defaults
-as `tokenloom serve`'s: stall-free factor 1.5, float16 KV) with a cost model of this machine, and prints
-the simulated prefix-cache hit rate and mean TTFT beside the measured ones, flagging any off by more
-than 15% (exit 1). The cost model should be calibrated on the engine the replicas run (`tokenloom
+`check-real` simulates the real 2-replica run's setup (its requests: the very prompts of its `bench serve
+--dataset` file, tokenized as the server does, at the same arrival times — or a `shared_prefix_workload`
+by flags; its engine flags, defaults as `tokenloom serve`'s: stall-free factor 1.5, float16 KV) with a
+cost model of this machine, and prints the simulated prefix-cache hit rate and TTFT (median by default,
+as benchmarks/fleet.md reports it) beside the measured ones, flagging any off by more than 15% (exit 1). The cost model should be calibrated on the engine the replicas run (`tokenloom
 calibrate --quantization auto --num-threads 1 --out cal.json`, then `--cost-model cal.json`); the default,
-results/calibration.json, is the float32 path's. The workload must be the same requests: the real run's
-prompts as token ids from `shared_prefix_workload` with the same flags and seed.
+results/calibration.json, is the float32 path's.
 """
 
 from __future__ import annotations
@@ -46,7 +46,13 @@ from tokenloom.sim.cli import fit_preset
 from tokenloom.sim.fleet import Disaggregation
 from tokenloom.sim.fleet_cli import load_cost
 from tokenloom.sim.fleet_plots import write_plots
-from tokenloom.sim.fleet_report import SharedPrefixSpec, check_against_real, markdown_table, sweep
+from tokenloom.sim.fleet_report import (
+    SharedPrefixSpec,
+    check_against_real,
+    dataset_workload,
+    markdown_table,
+    sweep,
+)
 
 RESULTS = Path(__file__).parent / "results"
 SLO_TTFT_MS, SLO_TPOT_MS = 500.0, 50.0
@@ -144,10 +150,14 @@ def check_real(args) -> int:
     config = engine_config_from_args(args)
     if cost.kind == "roofline":
         fit_preset(config, cost)
-    spec = SharedPrefixSpec(args.num_prompts, args.shared_prefixes, args.prefix_len, args.suffix_len,
-                            args.output_len, seed=args.workload_seed)
-    report = check_against_real(args.hit_rate, args.mean_ttft_ms, cost, spec, args.request_rate, args.replicas,
-                                args.policy, config)
+    if args.dataset:
+        workload = dataset_workload(args.dataset, args.num_prompts, args.request_rate, seed=args.workload_seed)
+    else:
+        spec = SharedPrefixSpec(args.num_prompts, args.shared_prefixes, args.prefix_len, args.suffix_len,
+                                args.output_len, seed=args.workload_seed)
+        workload = spec.workload(args.request_rate)
+    report = check_against_real(args.hit_rate, args.ttft_ms, cost, workload, args.replicas, args.policy, config,
+                                args.ttft_stat)
     return 0 if all(m["within"] for m in report.values()) else 1
 
 
@@ -156,16 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["check-real"]:
         ap = argparse.ArgumentParser(description=check_real.__doc__)
         ap.add_argument("--hit-rate", type=float, required=True, help="the real run's prefix-cache hit rate (0-1)")
-        ap.add_argument("--mean-ttft-ms", type=float, required=True, help="the real run's mean TTFT")
+        ap.add_argument("--ttft-ms", type=float, required=True, help="the real run's TTFT (--ttft-stat)")
+        ap.add_argument("--ttft-stat", choices=("mean", "median", "p90", "p99"), default="median")
+        ap.add_argument("--dataset", help="the real run's `bench serve --dataset` .jsonl: its very prompts")
         ap.add_argument("--cost-model", default=str(RESULTS / "calibration.json"))
         ap.add_argument("--replicas", type=int, default=2)
         ap.add_argument("--policy", choices=POLICIES, default="prefix-aware")
-        ap.add_argument("--num-prompts", type=int, default=400)
+        ap.add_argument("--num-prompts", type=int, default=128)
         ap.add_argument("--request-rate", type=float, required=True)
         ap.add_argument("--shared-prefixes", type=int, default=8)
         ap.add_argument("--prefix-len", type=int, default=512)
         ap.add_argument("--suffix-len", type=int, default=64)
-        ap.add_argument("--output-len", type=int, default=64)
+        ap.add_argument("--output-len", type=int, default=32)
         ap.add_argument("--workload-seed", type=int, default=0)
         add_engine_args(ap)
         # What `tokenloom serve` runs by default (stall-free batching; a float16 KV cache on the quantized

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench.workload import shared_prefix_workload
+from ..bench.arrivals import arrival_times
+from ..bench.datasets import load_samples
+from ..bench.workload import WorkloadRequest, shared_prefix_workload
 from ..config import EngineConfig
 from .cost_model import CostModel
 from .fleet import Disaggregation, FleetResult, simulate_fleet
@@ -104,14 +106,32 @@ def write_report(out_dir: str | Path, header: dict, records: list[dict], name: s
     return [json_path, md_path, *write_plots(records, out, name)]
 
 
-def compare_with_real(real_hit_rate: float, real_mean_ttft_ms: float, simulated: FleetResult | dict,
-                      tolerance: float = TOLERANCE) -> dict:
-    """The simulated run's prefix-cache hit rate and mean TTFT beside a measured run's on the same
-    workload, with the relative differences and whether each is within `tolerance` (the issue's 15%).
-    Prints one line per metric and returns the same as a dict."""
+def dataset_workload(path: str, num_prompts: int, request_rate: float, burstiness: float = 1.0, seed: int = 0,
+                     tokenizer=None) -> list[WorkloadRequest]:
+    """The requests `tokenloom bench serve --dataset PATH.jsonl` sends, as the server sees them: the same
+    samples (cycled to `num_prompts`, their max_tokens), each prompt tokenized as the completions
+    endpoint tokenizes it, at the same arrival times (same seed)."""
+    if tokenizer is None:
+        from ..model.loader import bundled_model_path
+        from ..model.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(bundled_model_path())
+    samples = load_samples(path, num_prompts, seed=seed)
+    times = arrival_times(len(samples), request_rate, burstiness, seed)
+    width = len(str(len(samples) - 1))
+    return [WorkloadRequest(f"r{i:0{width}d}", tokenizer.encode(s.prompt), s.max_tokens, t)
+            for i, (s, t) in enumerate(zip(samples, times, strict=True))]
+
+
+def compare_with_real(real_hit_rate: float, real_ttft_ms: float, simulated: FleetResult | dict,
+                      tolerance: float = TOLERANCE, ttft_stat: str = "median") -> dict:
+    """The simulated run's prefix-cache hit rate and TTFT (`ttft_stat`: mean, median, p90 or p99) beside a
+    measured run's on the same workload, with the relative differences and whether each is within
+    `tolerance` (the issue's 15%). Prints one line per metric and returns the same as a dict."""
     summary = simulated.summary() if isinstance(simulated, FleetResult) else simulated
+    ttft_key = f"{ttft_stat}_ttft_ms"
     rows = {"prefix_hit_rate": (real_hit_rate, summary["prefix_hit_rate"]),
-            "mean_ttft_ms": (real_mean_ttft_ms, summary["mean_ttft_ms"])}
+            ttft_key: (real_ttft_ms, summary[ttft_key])}
     report = {}
     for metric, (real, sim) in rows.items():
         rel = abs(sim - real) / abs(real) if real else math.inf
@@ -121,15 +141,14 @@ def compare_with_real(real_hit_rate: float, real_mean_ttft_ms: float, simulated:
     return report
 
 
-def check_against_real(real_hit_rate: float, real_mean_ttft_ms: float, cost_model: CostModel,
-                       spec: SharedPrefixSpec, request_rate: float, num_replicas: int = 2,
-                       policy: str = "prefix-aware", config: EngineConfig | None = None,
+def check_against_real(real_hit_rate: float, real_ttft_ms: float, cost_model: CostModel,
+                       workload: list[WorkloadRequest], num_replicas: int = 2, policy: str = "prefix-aware",
+                       config: EngineConfig | None = None, ttft_stat: str = "median",
                        tolerance: float = TOLERANCE) -> dict:
-    """Simulate the measured run's setup (same workload shape, rate, replica count, policy and engine
-    knobs) and print its hit rate and mean TTFT beside the measured ones (`compare_with_real`)."""
-    result = simulate_fleet(cost_model, spec.workload(request_rate), num_replicas, policy, config)
-    print(f"simulated {num_replicas} replicas, {policy}, {request_rate:g} req/s, {spec.num_prompts} requests "
-          f"({spec.shared_prefixes} x {spec.prefix_len} shared + {spec.suffix_len} own tokens), "
-          f"cost model {cost_model.kind}")
-    return compare_with_real(real_hit_rate, real_mean_ttft_ms, result, tolerance)
-
+    """Simulate the measured run's setup (its requests — `dataset_workload` or `SharedPrefixSpec` — replica
+    count, policy and engine knobs) and print its hit rate and TTFT beside the measured ones."""
+    result = simulate_fleet(cost_model, workload, num_replicas, policy, config)
+    prompt = sum(len(r.prompt_token_ids) for r in workload) / len(workload)
+    print(f"simulated {num_replicas} replicas, {policy}, {len(workload)} requests (mean prompt {prompt:.0f} "
+          f"tokens) over {workload[-1].arrival_time:.1f} s, cost model {cost_model.kind}")
+    return compare_with_real(real_hit_rate, real_ttft_ms, result, tolerance, ttft_stat)
