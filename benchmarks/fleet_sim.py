@@ -13,8 +13,8 @@ own and asking for 8-32 output tokens (uniform), Poisson arrivals. Scenarios:
 - ``8-prefixes``: the issue's case. Every replica's KV holds all 8 prompts many times over.
 - ``512-prefixes``: many tenants; the prompts (1M tokens) are 2.4x one replica's KV.
 - ``8-prefixes-disaggregated-32p32d`` and ``-48p16d``: 32 prefill + 32 decode replicas, and 48 + 16
-  (prefix-aware over the prefill ones, least-loaded decode, KV over a 25 GB/s link, the first token
-  streamed by the prefill replica) on the first workload.
+  (prefix-aware over the prefill ones, least-loaded decode, the prompt's KV over a 25 GB/s link; the
+  decode replica streams every token, as fleet/replica.py serves it) on the first workload.
 
 One run per (policy, rate), every run the same 4000 requests at its rate; requests arriving in the first
 20% of the arrival window warm the caches and are not measured. Goodput counts requests within TTFT

@@ -13,23 +13,24 @@ concurrently in virtual time: a step is planned and costed at its start (the eng
 then, on the replica's own `VirtualClock`, which the cost model moves to the step's end — the replica's
 "busy until"), but what it produced (tokens, finished requests) reaches the router and the results only
 at its end event; a replica's reported load is its `stats()` at its last step boundary (what it would
-report between steps: taken as a step starts and as it ends), so no routing decision sees the future. Between steps the fleet's time
-jumps to the next event (the earliest of the next arrival and the next step end), so every replica's
-clock stays within one step of it. With one replica the loop takes exactly the steps `simulate` takes.
+report between steps: taken as a step starts and as it ends), so no routing decision sees the future.
+The fleet's time jumps from event to event (the earliest of the next arrival and the next step end), so
+every replica's clock stays within one step of it. With one replica the loop takes exactly the steps
+`simulate` takes.
 
 Disaggregated prefill/decode (`Disaggregation(prefill, decode, ...)`), as `tokenloom/fleet` serves it
 (fleet/replica.py): a request is routed by the policy over the P prefill replicas and runs there with
-max_tokens = 1; as it finishes, the prefill engine's `export_prefix_kv` takes the prompt's whole cached
-blocks, which travel to a decode replica chosen least-loaded in latency + bytes / bandwidth (bytes =
-those tokens x the model's KV bytes per token, `kv_calc`'s count); there `import_prefix_kv` adopts them
-into the prefix cache (free blocks, most recently used, at most a quarter of the free ones: memory
-pressure may evict them, costing a recompute) and the request is added with its own prompt and
-max_tokens, so the engine's admission finds the prompt as a prefix-cache hit and computes only its last
-block, then every output token (the first token the client sees comes from the decode replica: TTFT
-includes the prefill, the transfer and the decode replica's queue). The engine's own export / import
-run on the simulated engines (`SimRunner` moves no K/V, only counts it), so the simulator adopts what
-the real decode replica adopts. The fleet's hit rate counts the prefill replicas only;
-`decode_prefill_tokens` in the summary is what decode replicas computed as prefill.
+max_tokens = 1 (that token is not the client's); as it finishes, the prefill engine's `export_prefix_kv`
+takes the prompt's whole cached blocks, which travel to a decode replica chosen least-loaded in
+latency + bytes / bandwidth (bytes = those tokens x the model's KV bytes per token, `kv_calc`'s count);
+there `import_prefix_kv` adopts them into the prefix cache (free blocks, most recently used, at most a
+quarter of the free ones: memory pressure may evict them, costing a recompute) and the request is added
+with its own prompt and max_tokens, so the engine's admission finds the prompt as a prefix-cache hit and
+computes only its last block, then every output token (the first token the client sees comes from the
+decode replica: TTFT includes the prefill, the transfer and the decode replica's queue). The engine's
+own export / import run on the simulated engines (`SimRunner` moves no K/V, only counts it), so the
+simulator adopts what the real decode replica adopts. The fleet's hit rate counts the prefill replicas
+only; `decode_prefill_tokens` in the summary is what decode replicas computed as prefill.
 """
 
 from __future__ import annotations
