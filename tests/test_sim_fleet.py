@@ -207,6 +207,7 @@ def test_bad_flag_values_are_one_line_naming_the_flag(capsys, argv, flag):
     code, out = cli(BASE + argv, capsys)
     assert code == 2
     assert out.err.startswith("error: ") and flag in out.err and "Traceback" not in out.err
+    assert out.err.count(flag.lstrip("-").split("-")[0]) == 1  # named once, not "--x: x: ..."
 
 
 def test_bad_routing_policy_is_refused_by_name(capsys):

@@ -73,7 +73,7 @@ def cmd_simulate_fleet(args: argparse.Namespace) -> int:
             p, d = parse_disaggregate(args.disaggregate)
             disagg = Disaggregation(p, d, args.kv_transfer_gbps * 1e9)
         except ValueError as exc:
-            raise ValueError(f"--disaggregate: {exc}") from None
+            raise ValueError(f"--disaggregate: {str(exc).removeprefix('disaggregate: ')}") from None
     outs: int | tuple[int, ...] = args.output_len
     if args.output_len_dist:
         outs = tuple(parse_output_len_dist(args.output_len_dist, args.output_len, args.num_prompts, args.workload_seed + 1))
