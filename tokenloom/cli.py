@@ -1,5 +1,5 @@
-"""`tokenloom` command line: serve | generate | pull | models | bench | kv-calc | simulate | calibrate | lab |
-dashboard-replay."""
+"""`tokenloom` command line: serve | generate | pull | models | bench | kv-calc | simulate | simulate-fleet |
+calibrate | lab | dashboard-replay."""
 
 from __future__ import annotations
 
@@ -105,10 +105,11 @@ def _optional_commands():
     from .server.cli import add_serve_parser
     from .server.dashboard_replay import add_replay_parser
     from .sim.cli import add_calibrate_parser, add_simulate_parser
+    from .sim.fleet_cli import add_simulate_fleet_parser
     from .sim.kv_calc import add_kv_calc_parser
 
-    return [add_serve_parser, add_bench_parser, add_kv_calc_parser, add_simulate_parser, add_calibrate_parser,
-            add_lab_parser, add_replay_parser]
+    return [add_serve_parser, add_bench_parser, add_kv_calc_parser, add_simulate_parser, add_simulate_fleet_parser,
+            add_calibrate_parser, add_lab_parser, add_replay_parser]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,12 @@ so no prefix-cache hits occur by accident. Everything arrives at t = 0 unless `r
 then arrivals are a Poisson process drawn by `tokenloom.bench.arrivals.arrival_times` (the load
 generator's schedule). Priorities (for the priority policy) are drawn from 0..2; SJF orders by
 ``max_tokens``.
+
+`shared_prefix_workload(...)` is the fleet's case (many users behind a few system prompts): each request
+is one of `num_prefixes` shared prompts of `prefix_len` tokens — each serving an equal share of the
+requests (within one), in a seeded shuffled order, as `benchmarks/fleet.py`'s dataset of 8 system
+prompts x 16 users — followed by a part of `suffix_len` tokens of its own; outputs are `output_len` tokens each, or one per request from a
+list (`tokenloom.bench.datasets.parse_output_len_dist` draws one).
 """
 
 from __future__ import annotations
@@ -96,6 +102,38 @@ def make_workload(
             prio_rng.randint(0, 2),
         )
         for i, (t, m) in enumerate(zip(times, outs, strict=True))
+    ]
+
+
+def shared_prefix_workload(
+    num_prompts: int,
+    num_prefixes: int = 8,
+    prefix_len: int = 512,
+    suffix_len: int = 64,
+    output_len: int | list[int] = 128,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    seed: int = 0,
+) -> list[WorkloadRequest]:
+    """`num_prompts` requests, each a shared prefix then its own suffix (see module docstring)."""
+    for name, value, least in (("num_prompts", num_prompts, 1), ("num_prefixes", num_prefixes, 1),
+                               ("prefix_len", prefix_len, 0), ("suffix_len", suffix_len, 0)):
+        if value < least:
+            raise ValueError(f"{name}: must be at least {least}, got {value}")
+    if prefix_len + suffix_len < 1:
+        raise ValueError("prefix_len + suffix_len: a prompt needs at least one token")
+    outs = [output_len] * num_prompts if isinstance(output_len, int) else list(output_len)
+    if len(outs) != num_prompts or min(outs) < 1:
+        raise ValueError(f"output_len: need {num_prompts} lengths of at least 1")
+    rng = random.Random(seed)
+    prefixes = [random_prompt_ids(rng, prefix_len) for _ in range(num_prefixes)]
+    which = [i % num_prefixes for i in range(num_prompts)]
+    rng.shuffle(which)
+    times = arrival_times(num_prompts, request_rate, burstiness, seed)
+    width = len(str(num_prompts - 1))
+    return [
+        WorkloadRequest(f"r{i:0{width}d}", prefixes[p] + random_prompt_ids(rng, suffix_len), m, t)
+        for i, (p, t, m) in enumerate(zip(which, times, outs, strict=True))
     ]
 
 

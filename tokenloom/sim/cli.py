@@ -21,6 +21,14 @@ from ..config import DEFAULT_KV_CACHE_MEMORY_BYTES
 from ..engine.snapshot_recording import DEFAULT_MAX_FRAMES
 
 
+def fit_preset(config, cost) -> None:
+    """A roofline preset's engine: KV in bfloat16, and (unless sized by a flag) 90% of the GPUs' memory
+    minus the weights for the KV cache."""
+    config.dtype = "bfloat16"
+    if config.num_kv_blocks is None and config.kv_cache_memory_bytes == DEFAULT_KV_CACHE_MEMORY_BYTES:
+        config.kv_cache_memory_bytes = cost.kv_memory_bytes()
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from ..config import engine_config_from_args
     from .cost_model import MODELS, load_cost_model, preset
@@ -36,9 +44,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise ValueError(f"sim_model: must be one of {', '.join(MODELS)}, got {args.sim_model!r}")
         model_config = MODELS[args.sim_model]
     if args.preset:
-        config.dtype = "bfloat16"
-        if config.num_kv_blocks is None and config.kv_cache_memory_bytes == DEFAULT_KV_CACHE_MEMORY_BYTES:
-            config.kv_cache_memory_bytes = cost.kv_memory_bytes()
+        fit_preset(config, cost)
     workload = make_workload(args.workload, args.num_prompts, args.input_len, args.output_len,
                              args.request_rate, args.workload_seed)
     if args.record_replay and args.replay_max_frames < 2:

@@ -12,6 +12,8 @@ virtual clock to the next arrival), so simulated and measured `ReplayResult`s me
 
 from __future__ import annotations
 
+import torch
+
 from ..bench.replay import ReplayResult, VirtualClock, replay
 from ..bench.workload import WorkloadRequest
 from ..config import EngineConfig
@@ -47,6 +49,14 @@ class SimRunner(Runner):
         return [
             StepResult(seq, n, self.token_id if samples(seq, n) else None) for seq, n in plan.scheduled
         ]
+
+    # Disaggregated prefill in the fleet simulator goes through the engine's own export_prefix_kv /
+    # import_prefix_kv; there is no K/V here, only its shape's token count (dim 2), which they read.
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        return torch.empty((0, 0, len(block_ids) * self.block_size, 0))
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        pass
 
 
 def build_sim_engine(
