@@ -1,7 +1,8 @@
 """The fleet on this machine, measured: what Ray Serve costs, and what prefix-aware routing buys.
 
 1. Overhead: plain `tokenloom serve` against the same engine behind Ray Serve with one replica
-   (`--data-parallel-backend ray`: proxy -> ingress -> replica), same cores, serving defaults. Cells
+   (`--data-parallel-backend ray`: this process's HTTP front -> the replica through its Ray handle),
+   same cores, serving defaults, the two alternating for `--rounds` rounds (medians). Cells
    (`tokenloom bench serve`, streaming): c=1 (16 requests, 128-token prompts, 64 tokens out) and c=32
    (64 requests, 32 concurrent, outputs alternating 16 / 256). The target: throughput and TTFT within 10%.
 2. Routing: two replicas of one core each (`--data-parallel-size 2`) under each routing policy, on a
@@ -23,6 +24,7 @@ import contextlib
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -86,23 +88,26 @@ def row(res: dict) -> dict:
             "completed": res["completed"], "failed": res.get("failed", 0)}
 
 
-def overhead(raw: Path) -> dict:
-    rows: dict[str, dict] = {}
-    for setup, extra in OVERHEAD_SETUPS.items():
-        print(f"== overhead: {setup}", flush=True)
-        proc = serve(extra, raw / f"{setup}.log")
-        try:
-            bench(["--num-prompts", "4", "--output-len", "8"], raw / "warm-up.json")
-            rows[setup] = {}
-            for cell, cell_args in OVERHEAD_CELLS.items():
-                rows[setup][cell] = row(bench(cell_args, raw / f"{setup}-{cell}.json"))
-                print(f"  {cell}: {rows[setup][cell]}", flush=True)
-        finally:
-            stop(proc)
+def overhead(raw: Path, rounds: int) -> dict:
+    """Each setup `rounds` times, alternating (the machine drifts by 20% between minutes), medians kept."""
+    runs: dict[str, dict[str, list[dict]]] = {setup: {cell: [] for cell in OVERHEAD_CELLS} for setup in OVERHEAD_SETUPS}
+    for r in range(rounds):
+        for setup, extra in OVERHEAD_SETUPS.items():
+            print(f"== overhead: {setup}, round {r + 1}", flush=True)
+            proc = serve(extra, raw / f"{setup}.log")
+            try:
+                bench(["--num-prompts", "4", "--output-len", "8"], raw / "warm-up.json")
+                for cell, cell_args in OVERHEAD_CELLS.items():
+                    runs[setup][cell].append(row(bench(cell_args, raw / f"{setup}-{cell}-{r + 1}.json")))
+                    print(f"  {cell}: {runs[setup][cell][-1]}", flush=True)
+            finally:
+                stop(proc)
+    rows = {setup: {cell: {key: statistics.median(run[key] for run in cell_runs) for key in cell_runs[0]}
+                    for cell, cell_runs in by_cell.items()} for setup, by_cell in runs.items()}
     ratios = {cell: {"throughput": rows["ray-1-replica"][cell]["output_tok_s"] / rows["plain"][cell]["output_tok_s"],
                      "median_ttft": rows["ray-1-replica"][cell]["median_ttft_ms"] / rows["plain"][cell]["median_ttft_ms"]}
               for cell in OVERHEAD_CELLS}
-    return {"rows": rows, "ray_over_plain": ratios}
+    return {"rounds": rounds, "rows": rows, "ray_over_plain": ratios, "runs": runs}
 
 
 def shared_prefix_dataset(path: Path, systems: int = 8, users: int = 16, seed: int = 0) -> Path:
@@ -150,6 +155,7 @@ def write_markdown(result: dict, path: Path) -> None:
     if "overhead" in result:
         o = result["overhead"]
         lines += ["## One replica behind Ray Serve vs plain `tokenloom serve` (same cores)", "",
+                  f"Medians of {o['rounds']} rounds, the setups alternating.", "",
                   "| cell | plain tok/s | Ray tok/s | ratio | plain TTFT p50 | Ray TTFT p50 | ratio |",
                   "|---|---|---|---|---|---|---|"]
         for cell in OVERHEAD_CELLS:
@@ -172,6 +178,7 @@ def write_markdown(result: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="overhead,routing")
+    ap.add_argument("--rounds", type=int, default=3, help="overhead part: alternating rounds per setup")
     ap.add_argument("--rate", type=float, default=4.0, help="routing part: requests per second (Poisson)")
     ap.add_argument("--out", default=str(ROOT / "results/fleet.json"))
     args = ap.parse_args()
@@ -191,7 +198,7 @@ def run(args: argparse.Namespace) -> None:
                     "machine": f"{platform.processor() or platform.machine()}, {usable_cores()} cores"}
     parts = args.parts.split(",")
     if "overhead" in parts:
-        result["overhead"] = overhead(raw)
+        result["overhead"] = overhead(raw, args.rounds)
     if "routing" in parts:
         result["routing"] = routing(raw, args.rate)
     out.write_text(json.dumps(result, indent=2))
