@@ -1,17 +1,16 @@
 """One engine replica of a fleet: the engine `tokenloom serve` runs, as a Ray Serve deployment replica.
 
-The class is plain Python; app.py makes it a deployment. Ray Serve calls two of its methods by name:
-- `generate` (a streaming call from the ingress): `ACCEPTED` or a `Refusal` first, then the request's
-  first output whole and `OutputDelta`s after it (wire.py). If the caller goes away, Ray cancels the
-  generator and the request is aborted at once (its KV blocks freed). With disaggregated prefill it
-  first imports the prompt's K/V that a prefill replica's `prefill` computed (into the prefix cache,
-  so the request starts from a cache hit).
-- `check_health` (below).
-Every second it posts its load (what the router ranks by), the engine's health and its Prometheus
-text to the fleet's board (board.py), from which the ingress reads them.
-- `check_health` (Serve's health check): raises while the engine is dead or stalled, so Ray takes
-  the replica out of rotation and starts a new one. A fatal engine error exits the process
-  (AsyncLLM's `exit_on_fatal`), which Ray also replaces.
+The class is plain Python; app.py makes it a deployment. The front calls:
+- `generate` (streaming): `ACCEPTED` or a `Refusal` first, then the request's first output whole and
+  `OutputDelta`s after it (wire.py). If the caller goes away, Ray cancels the generator and the request
+  is aborted at once (its KV blocks freed). With disaggregated prefill it first imports the prompt's
+  K/V that a prefill replica's `prefill` computed (into the prefix cache: the request starts from a
+  cache hit).
+- `prefill` (on a prefill replica): the prompt's K/V, whole blocks.
+Ray Serve calls `check_health`, which raises while the engine is dead or stalled, so Ray takes the
+replica out of rotation and starts a new one (a fatal engine error exits the process, AsyncLLM's
+`exit_on_fatal`, which Ray also replaces). Every second the replica posts its load (what the router
+ranks by), the engine's health and its Prometheus text to the fleet's board (board.py).
 """
 
 from __future__ import annotations
