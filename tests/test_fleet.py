@@ -16,8 +16,8 @@ import time
 import httpx
 import openai
 import pytest
+from conftest_server import ServerProcess, scrape, wait_for
 
-from tests.conftest_server import ServerProcess, scrape, wait_for
 from tokenloom import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -8,9 +8,8 @@ import json
 
 import httpx
 import pytest
-
-from tests.conftest_server import wait_for
-from tests.test_fleet import FleetProcess, _engine_replica_pids
+from conftest_server import wait_for
+from test_fleet import FleetProcess, _engine_replica_pids
 
 pytestmark = pytest.mark.slow
 

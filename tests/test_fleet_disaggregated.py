@@ -8,8 +8,8 @@ import concurrent.futures
 import time
 
 import pytest
+from test_fleet import FleetProcess, replica_totals
 
-from tests.test_fleet import FleetProcess, replica_totals
 from tokenloom import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -3,8 +3,8 @@ engine's greedy tokens equal an engine that computed the prompt itself, and noth
 
 import pytest
 import torch
+from conftest import assert_engine_clean
 
-from tests.conftest import assert_engine_clean
 from tokenloom import SamplingParams
 
 PROMPT = list(range(100, 150))  # 50 tokens: 3 whole blocks of 16 and a partial one

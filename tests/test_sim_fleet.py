@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import assert_engine_clean
 
-from tests.conftest import assert_engine_clean
 from tokenloom.bench.workload import WorkloadRequest, make_workload, shared_prefix_workload
 from tokenloom.config import EngineConfig
 from tokenloom.fleet.routing import POLICIES, make_policy
