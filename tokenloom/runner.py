@@ -48,18 +48,18 @@ class ModelRunner(Runner):
 
     # -- swap ------------------------------------------------------------------------------------
 
+    def _slots(self, block_ids, device=None) -> torch.Tensor:
+        """The cache slots of whole blocks, in order (on `device`, default the cache's)."""
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size)).flatten().to(device or self.device)
+
     def _copy_blocks(self, pairs: list[tuple[int, int]], src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy whole blocks, given as (source block, destination block), between the device and host caches."""
         if pairs:
-            ids = torch.tensor(pairs, dtype=torch.long).T  # [source/destination, block]
-            slots = (ids[:, :, None] * self.block_size + torch.arange(self.block_size)).flatten(1)
-            dst[:, :, slots[1].to(dst.device)] = src[:, :, slots[0].to(src.device)].to(dst.device)
+            sources, destinations = zip(*pairs, strict=True)
+            dst[:, :, self._slots(destinations, dst.device)] = src[:, :, self._slots(sources, src.device)].to(dst.device)
 
     # -- KV handed between engines (disaggregated prefill) -------------------------------------
-
-    def _slots(self, block_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        return (ids[:, None] * self.block_size + torch.arange(self.block_size)).flatten().to(self.device)
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of the blocks' K/V: [layer, K/V, len(block_ids) * block_size, kv head, head dim]."""

@@ -164,9 +164,8 @@ class KVCacheManager:
 
     def prefix_keys(self, token_ids, salt: str | None = None) -> list[BlockKey]:
         """The keys of the full blocks of `token_ids` (a base-model sequence's, under `salt`)."""
-        keys: list[BlockKey] = []
-        for i in range(len(token_ids) // self.block_size):
-            bs = self.block_size
+        bs, keys = self.block_size, []
+        for i in range(len(token_ids) // bs):
             keys.append(block_key(keys[-1] if keys else None, token_ids[i * bs : (i + 1) * bs], salt))
         return keys
 
@@ -199,8 +198,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        found = (self.cached.get(key) for key in self._keys_up_to(seq, max_blocks))
-        return list(itertools.takewhile(lambda block: block is not None, found))
+        return self.cached_prefix(self._keys_up_to(seq, max_blocks))
 
     # -- allocation ------------------------------------------------------------------------------
 

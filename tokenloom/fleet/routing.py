@@ -20,6 +20,7 @@ thresholds are kept.)
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,8 +39,9 @@ class ReplicaLoad:
     health_problem: str | None = None
 
 
-class RoutingPolicy:
-    """Ranks replicas for one request; tracks what it sent where."""
+class RoutingPolicy(ABC):
+    """Ranks replicas for one request; tracks what it sent where. A policy says how it ranks the
+    healthy replicas (`_rank_healthy`)."""
 
     name = "base"
 
@@ -52,8 +54,9 @@ class RoutingPolicy:
         sick = [r.replica_id for r in replicas if r.health_problem is not None]
         return [*self._rank_healthy(prompt_ids, healthy), *sick] if healthy else sick
 
+    @abstractmethod
     def _rank_healthy(self, prompt_ids: Sequence[int], replicas: Sequence[ReplicaLoad]) -> list[str]:
-        raise NotImplementedError
+        """The healthy replicas' ids, best first."""
 
     def load(self, replica: ReplicaLoad) -> tuple:
         return (self.in_flight.get(replica.replica_id, 0), replica.waiting + replica.running, replica.kv_usage)
