@@ -20,7 +20,6 @@ Waits while /work/notes/BENCH_LOCK exists (another benchmark runs), then holds i
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -33,11 +32,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_lock import holding_lock
 from server_process import start_server, stop
 
 ROOT = Path(__file__).resolve().parent
 PORT = 8391
-LOCK = Path("/work/notes/BENCH_LOCK")
 TOKENLOOM = os.path.join(os.path.dirname(sys.executable), "tokenloom")
 
 OVERHEAD_CELLS = {
@@ -47,19 +46,6 @@ OVERHEAD_CELLS = {
 }
 OVERHEAD_SETUPS = {"plain": [], "ray-1-replica": ["--data-parallel-backend", "ray"]}
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
-
-
-@contextlib.contextmanager
-def holding_lock():
-    """Wait for another benchmark to finish, then hold the lock (helpers and benchmarks wait on it)."""
-    while LOCK.exists():
-        print("waiting: another benchmark holds", LOCK, flush=True)
-        time.sleep(20)
-    LOCK.write_text(f"benchmarks/fleet.py, pid {os.getpid()}\n")
-    try:
-        yield
-    finally:
-        LOCK.unlink(missing_ok=True)
 
 
 def bench(cell_args: list[str], out: Path) -> dict:

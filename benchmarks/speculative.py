@@ -38,13 +38,23 @@ from tokenloom.model.kernels import cpu_flags
 
 PORT = 8133
 ROOT = Path(__file__).resolve().parent
-NGRAM_JSON = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-                         "prompt_lookup_min": 2}, separators=(",", ":"))
+
+
+def ngram_json(k: int, lookup_min: int = 2) -> str:
+    return json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                       "prompt_lookup_min": lookup_min}, separators=(",", ":"))
+
+
+NGRAM_JSON = ngram_json(4)
 LLAMA = ["-t", "2", "--parallel", "32", "-c", "65536", "--alias", "SmolLM2-135M-Instruct", "--jinja"]
 # name -> (server, extra arguments)
 SETTINGS = {
     "off": ("tokenloom", []),
     "ngram": ("tokenloom", ["--speculative-config", NGRAM_JSON]),
+    "ngram-k6": ("tokenloom", ["--speculative-config", ngram_json(6)]),
+    "ngram-k8": ("tokenloom", ["--speculative-config", ngram_json(8)]),
+    "ngram-k12": ("tokenloom", ["--speculative-config", ngram_json(12)]),
+    "ngram-k8-min1": ("tokenloom", ["--speculative-config", ngram_json(8, lookup_min=1)]),
     "ngram-always": ("tokenloom", ["--speculative-config",
                                    json.dumps({"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})]),
     "llama-off": ("llama", LLAMA),
@@ -126,23 +136,38 @@ def run_cells(cells: dict[str, list[str]], prefix: Path) -> dict[str, dict]:
     return rows
 
 
+def median_run(cell_runs: list[dict]) -> dict:
+    """The run of a cell with the median output tok/s (the lower middle of an even count), and every
+    run's figure beside it."""
+    ordered = sorted(cell_runs, key=lambda r: r["output_tok_s"])
+    chosen = dict(ordered[(len(ordered) - 1) // 2])
+    if len(cell_runs) > 1:
+        chosen["output_tok_s_runs"] = [r["output_tok_s"] for r in cell_runs]
+    return chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "results/speculative.json"))
     ap.add_argument("--settings", default=",".join(SETTINGS))
+    ap.add_argument("--cells", default=",".join(CELLS))
     args = ap.parse_args()
     out = Path(args.out)
     raw = out.with_suffix("")
     raw.mkdir(parents=True, exist_ok=True)
-    rows: dict[str, dict] = {}
+    # A setting named more than once runs that many times (e.g. off,ngram,ngram,off: drift between
+    # minutes then falls on both alike); each cell reports the run with the median output tok/s.
+    runs: dict[str, list[dict]] = {}
     for name in args.settings.split(","):
         print(f"== {name}", flush=True)
+        tag = name if name not in runs else f"{name}-run{len(runs[name]) + 1}"
         cmd, env = server_command(*SETTINGS[name])
-        proc = start_server(cmd, PORT, raw / f"{name}.log", env)
+        proc = start_server(cmd, PORT, raw / f"{tag}.log", env)
         try:
-            rows[name] = run_cells(CELLS, raw / name)
+            runs.setdefault(name, []).append(run_cells({c: CELLS[c] for c in args.cells.split(",")}, raw / tag))
         finally:
             stop(proc)
+    rows = {name: {cell: median_run([r[cell] for r in rs]) for cell in rs[0]} for name, rs in runs.items()}
     for name, cells in rows.items():  # each setting against its own server without speculation
         base = rows.get({"tokenloom": "off", "llama": "llama-off", "vllm": "vllm-off"}[SETTINGS[name][0]])
         for cell, r in cells.items():
@@ -152,8 +177,7 @@ def main() -> None:
                 r["ngram_vs_this"] = rows["ngram"][cell]["output_tok_s"] / r["output_tok_s"]
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
-    summary = {"command": "python benchmarks/speculative.py " + (f"--settings {args.settings}" if args.settings
-                                                                   != ",".join(SETTINGS) else ""),
+    summary = {"command": " ".join(["python benchmarks/speculative.py", *sys.argv[1:]]),
                "cpu_model": cpu, "cpu_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))),
                "machine": platform.machine(), "settings": {k: list(SETTINGS[k]) for k in rows}, "results": rows}
     out.write_text(json.dumps(summary, indent=2) + "\n")
