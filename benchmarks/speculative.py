@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -136,13 +137,13 @@ def run_cells(cells: dict[str, list[str]], prefix: Path) -> dict[str, dict]:
     return rows
 
 
-def median_run(cell_runs: list[dict]) -> dict:
-    """The run of a cell with the median output tok/s (the lower middle of an even count), and every
-    run's figure beside it."""
-    ordered = sorted(cell_runs, key=lambda r: r["output_tok_s"])
-    chosen = dict(ordered[(len(ordered) - 1) // 2])
+def mean_run(cell_runs: list[dict]) -> dict:
+    """A cell over its runs: the mean output tok/s, each run's beside it, and the other figures from the
+    run nearest the mean."""
+    mean = statistics.fmean(r["output_tok_s"] for r in cell_runs)
+    chosen = dict(min(cell_runs, key=lambda r: abs(r["output_tok_s"] - mean)))
     if len(cell_runs) > 1:
-        chosen["output_tok_s_runs"] = [r["output_tok_s"] for r in cell_runs]
+        chosen.update(output_tok_s=mean, output_tok_s_runs=[r["output_tok_s"] for r in cell_runs])
     return chosen
 
 
@@ -156,7 +157,7 @@ def main() -> None:
     raw = out.with_suffix("")
     raw.mkdir(parents=True, exist_ok=True)
     # A setting named more than once runs that many times (e.g. off,ngram,ngram,off: drift between
-    # minutes then falls on both alike); each cell reports the run with the median output tok/s.
+    # minutes then falls on both alike); each cell reports the mean output tok/s of its runs.
     runs: dict[str, list[dict]] = {}
     for name in args.settings.split(","):
         print(f"== {name}", flush=True)
@@ -167,7 +168,7 @@ def main() -> None:
             runs.setdefault(name, []).append(run_cells({c: CELLS[c] for c in args.cells.split(",")}, raw / tag))
         finally:
             stop(proc)
-    rows = {name: {cell: median_run([r[cell] for r in rs]) for cell in rs[0]} for name, rs in runs.items()}
+    rows = {name: {cell: mean_run([r[cell] for r in rs]) for cell in rs[0]} for name, rs in runs.items()}
     for name, cells in rows.items():  # each setting against its own server without speculation
         base = rows.get({"tokenloom": "off", "llama": "llama-off", "vllm": "vllm-off"}[SETTINGS[name][0]])
         for cell, r in cells.items():
