@@ -11,7 +11,8 @@ shared 2-core machine, from where their memory landed):
 - **0 viewers, in one process**: the only thing the engine pays with nobody watching is the recorder's
   step listener. The bundled model runs a steady decode batch in this process, the listener attached
   and detached in blocks of steps (ABBA order: contexts grow a token a step, so a plain alternation
-  would bill the growth to whichever comes second); its own time is also clocked call by call.
+  would bill the growth to whichever comes second); its own time is also clocked call by call, and the
+  same comparison with nothing attached (a control) shows how far apart two equal settings come out.
 - **10 viewers, within one server**: rounds alternate (ABBA) between no viewer and 10 viewers on the
   same server, so drift hits both alike. The viewers are raw sockets that take the bytes and parse nothing,
   like browsers on other machines: on this 2-core machine a Python client parsing frames would bill
@@ -114,50 +115,57 @@ def abba(i: int) -> bool:
 
 def listener_cost_in_process(streams: int, blocks: int, steps_per_block: int) -> dict:
     """The recorder's step listener with nobody watching: a steady decode batch of the bundled model in
-    this process, blocks of steps alternating with the listener attached and detached."""
+    this process, blocks of steps in ABBA order, B with the listener attached; and the same comparison
+    with nothing attached to B (the control: how far apart A and B come out by chance)."""
     from tokenloom.engine.snapshot import EngineRecorder
     from tokenloom.llm import LLM
     from tokenloom.sampling_params import SamplingParams
 
     engine = LLM(quantization="auto").engine
-    params = SamplingParams(max_tokens=blocks * steps_per_block * 2 + 64, ignore_eos=True, temperature=0)
+    params = SamplingParams(max_tokens=4 * blocks * steps_per_block + 64, ignore_eos=True, temperature=0)
     for i in range(streams):
         engine.add_request(f"r{i}", PROMPT, params)
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # past the prompts: only decode steps are compared
     recorder = EngineRecorder(engine)
     engine.step_listeners.remove(recorder.on_step)
-    listener_s = 0.0
+    listener_s, timed_steps = 0.0, 0
 
     def timed_listener(stats, outputs) -> None:
-        nonlocal listener_s
+        nonlocal listener_s, timed_steps
         t0 = time.perf_counter()
         recorder.on_step(stats, outputs)
         listener_s += time.perf_counter() - t0
+        timed_steps += 1
 
-    step_ms: dict[str, list[float]] = {"detached": [], "attached": []}
-    timed_steps = 0
-    for block in range(2 * blocks):
-        attached = abba(block)
-        if attached:
-            engine.step_listeners.append(timed_listener)
-        t0 = time.perf_counter()
-        for _ in range(steps_per_block):
-            engine.step()
-        step_ms["attached" if attached else "detached"].append((time.perf_counter() - t0) / steps_per_block * 1000)
-        if attached:
-            engine.step_listeners.remove(timed_listener)
-            timed_steps += steps_per_block
+    def b_over_a(listener) -> tuple[float, dict]:
+        step_ms: dict[str, list[float]] = {"A": [], "B": []}
+        for block in range(2 * blocks):
+            b = abba(block)
+            if b and listener is not None:
+                engine.step_listeners.append(listener)
+            t0 = time.perf_counter()
+            for _ in range(steps_per_block):
+                engine.step()
+            step_ms["B" if b else "A"].append((time.perf_counter() - t0) / steps_per_block * 1000)
+            if b and listener is not None:
+                engine.step_listeners.remove(listener)
+        med = {k: statistics.median(v) for k, v in step_ms.items()}
+        return med["B"] / med["A"], {k: round(v, 4) for k, v in med.items()}
+
+    control, control_ms = b_over_a(None)
+    ratio, step_ms = b_over_a(timed_listener)
     for i in range(streams):
         engine.abort_request(f"r{i}")
-    med = {k: statistics.median(v) for k, v in step_ms.items()}
     return {
         "workload": f"{streams} sequences decoding, bundled SmolLM2, serving defaults; {blocks} blocks of "
                     f"{steps_per_block} steps each way, in ABBA order",
-        "step_ms_median": {k: round(v, 4) for k, v in med.items()},
-        "ratio_attached_vs_detached": round(med["attached"] / med["detached"], 4),
+        "step_ms_median": {"detached (A)": step_ms["A"], "attached (B)": step_ms["B"]},
+        "ratio_attached_vs_detached": round(ratio, 4),
+        "control_ratio_detached_vs_detached": round(control, 4),
+        "control_step_ms_median": control_ms,
         "listener_us_per_step": round(listener_s / timed_steps * 1e6, 2),
-        "listener_share_of_step": round(listener_s / timed_steps / (med["attached"] / 1000), 6),
+        "listener_share_of_step": round(listener_s / timed_steps / (step_ms["B"] / 1000), 6),
     }
 
 
