@@ -68,6 +68,10 @@ class FleetIngress:
     async def __serve_build_asgi_app__(self):
         from .client import ModelFacts
 
+        # Ray Serve restarts this replica if it dies. Read the board before serving, so the new one's
+        # router ranks its first requests with the replicas' load and cached prefixes (ray_router.py),
+        # as the old one did, instead of starting blind.
+        board.LATEST = await self.board.read.remote()
         facts = ModelFacts(**await self.engines.describe.remote())
         return fleet_front(self.args, self.engines, self.prefill, self.board, facts)
 
@@ -87,10 +91,10 @@ def build_fleet(args: argparse.Namespace):
         # Prefill replicas are where prefixes are cached: they take the routing policy; decode
         # replicas get their K/V handed over and are picked by load.
         prefill = _engine_deployment("prefill", args, cores, args.routing_policy, args.prefill_replicas
-                                     ).bind(engine_args, notice_board)
+                                     ).bind(engine_args, notice_board, args.routing_policy == "prefix-aware")
     decode_policy = "least-loaded" if args.prefill_replicas else args.routing_policy
     engines = _engine_deployment("engine", args, cores, decode_policy, replicas, autoscaling
-                                 ).bind(engine_args, notice_board)
+                                 ).bind(engine_args, notice_board, decode_policy == "prefix-aware")
     ingress = serve.deployment(FleetIngress, name="ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=INGRESS_MAX_ONGOING, logging_config={"enable_access_log": False})
     return ingress.bind(engines, prefill, notice_board, engine_args)
