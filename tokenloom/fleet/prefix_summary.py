@@ -3,8 +3,9 @@
 The prefix caches of the replicas are the fleet's completed work. A prefix-aware router learns where
 prefixes are cached only from the prompts it routes itself, so a router that starts afresh (the ingress
 replica restarted under `serve run`) would know nothing and scatter prefixes away from their caches.
-So every replica says, in each board report (board.py), which prompt prefixes it still holds, as the
-router hashes them (routing.prefix_hashes); the router merges that into its picture (ray_router.py).
+So every replica routed to by prefix says, in each board report (board.py), which prompt prefixes it
+holds, as the router hashes them (routing.prefix_hashes); the router merges that into its picture
+(ray_router.py).
 
 The replica records a prompt once its K/V is computed (the request's first output): for each full
 block, the engine's prefix-cache key (kv_cache.prefix_keys, under the request's cache salt) next to the
@@ -22,7 +23,9 @@ from collections.abc import Sequence
 from ..engine.kv_cache import BlockKey, prefix_keys
 from .routing import prefix_hashes
 
-# Blocks a report names at most: ~10 bytes each once pickled, and a replica reports every second.
+# Blocks a report names at most. A replica reports every second; measured: a hash adds 10 bytes to the
+# pickled report (~22 KB of Prometheus text before), so 41 KB at most, and building it from a full table
+# takes under 1 ms. A default replica (1 GiB of float32 KV for SmolLM2-135M) has ~2,900 blocks.
 SUMMARY_CAPACITY = 4096
 
 
