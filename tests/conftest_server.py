@@ -43,7 +43,7 @@ class ServerProcess:
         if scrape_secret:
             ServerProcess.scrape_headers[self.url] = {"Authorization": f"Bearer {scrape_secret}"}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="tokenloom-serve-", suffix=".log", delete=False)  # noqa: SIM115 - lives as long as the server
-        cmd = [sys.executable, "-m", "tokenloom.cli", "serve", "--port", str(self.port), *BASE_ARGS, *args]
+        cmd = self.command(args)
         if api_key:
             cmd += ["--api-key", api_key]
         if metrics_token:
@@ -52,6 +52,10 @@ class ServerProcess:
         env.pop("TOKENLOOM_API_KEY", None)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_healthy(startup_timeout)
+
+    def command(self, args: list[str]) -> list[str]:
+        """The server's command line, on `self.port` (a subclass may start it another way)."""
+        return [sys.executable, "-m", "tokenloom.cli", "serve", "--port", str(self.port), *BASE_ARGS, *args]
 
     @property
     def headers(self) -> dict[str, str]:

@@ -1,6 +1,9 @@
-"""A real fleet: `tokenloom serve --data-parallel-size 2` on a local Ray cluster with the bundled model,
-driven by the openai SDK and httpx as one server would be (tests/test_server_api.py's checks, through
-the router), then prefix-aware routing against round-robin, then a replica killed under load."""
+"""A real fleet of 2 replicas on a local Ray cluster with the bundled model, deployed as `serve run
+tokenloom.fleet.serve_run:build` deploys it (Ray Serve's HTTP proxy in front of the FleetIngress
+deployment, which holds the router): driven by the openai SDK and httpx as one server would be
+(tests/test_server_api.py's checks, through the router), then prefix-aware routing against round-robin
+(a `tokenloom serve -dp 2` fleet), then the router's replica killed under load, then an engine replica
+killed under load, then one hung."""
 
 from __future__ import annotations
 
@@ -8,15 +11,14 @@ import concurrent.futures
 import json
 import os
 import random
-import re
 import signal
-import subprocess
 import time
 
 import httpx
 import openai
 import pytest
-from conftest_server import ServerProcess, scrape, wait_for
+from conftest_fleet import FleetProcess, ServeRunFleet, replica_pids, replica_totals
+from conftest_server import scrape, wait_for
 
 from tokenloom import SamplingParams
 
@@ -28,41 +30,6 @@ PROMPTS = [
     "Once upon a time, in a small village,",
     "The three primary colors are",
 ]
-KV_BLOCKS = 96  # per replica: 1,536 tokens, below the 2,048-token context, so one request can outgrow it
-
-
-class FleetProcess(ServerProcess):
-    """A fleet server; stopped with SIGTERM so it takes its Ray cluster down with it."""
-
-    def __init__(self, args: list[str], replicas: list[str] = ("--data-parallel-size", "2"), **kwargs):
-        super().__init__([*replicas, "--num-kv-blocks", str(KV_BLOCKS), *args], startup_timeout=300.0, **kwargs)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        super().stop()
-
-
-def replica_totals(url: str, name: str) -> tuple[dict[str, float], float]:
-    """A metric's value per replica and the fleet's total line."""
-    per, total = {}, None
-    for key, value in scrape(url).items():
-        base, _, labels = key.partition("{")
-        if base != name:
-            continue
-        m = re.search(r'replica="([^"]+)"', labels)
-        if m:
-            per[m.group(1)] = value
-        else:
-            total = value
-    return per, total
-
-
 STALL_TIMEOUT_S = 8
 
 
@@ -71,7 +38,7 @@ def fleet():
     # Armed for the last test: a request marked STALLME hangs its replica's engine (others are untouched).
     os.environ["TOKENLOOM_FAULTS"] = "stall:STALLME"
     try:
-        srv = FleetProcess(["--routing-policy", "prefix-aware", "--engine-stall-timeout", str(STALL_TIMEOUT_S)])
+        srv = ServeRunFleet(["--routing-policy", "prefix-aware", "--engine-stall-timeout", str(STALL_TIMEOUT_S)])
     finally:
         del os.environ["TOKENLOOM_FAULTS"]
     yield srv
@@ -125,7 +92,8 @@ def test_bad_requests_are_refused_not_bounced(fleet):
     with fleet.client() as http:
         too_long = http.post("/v1/completions", json={"prompt": [1] * 3000, "max_tokens": 1})
         assert too_long.status_code == 400 and "2048" in too_long.json()["error"]["message"]
-        # Fits the context, not any replica's KV cache: the replica that gets it refuses it, as a 400.
+        # Fits the context, not any replica's KV cache (conftest_fleet.KV_BLOCKS): the replica that gets
+        # it refuses it, as a 400.
         outgrows = http.post("/v1/completions", json={"prompt": [1] * 1500, "max_tokens": 200})
         assert outgrows.status_code == 400, outgrows.text
         assert outgrows.json()["error"]["param"] == "max_tokens" and "KV" in outgrows.json()["error"]["message"]
@@ -135,32 +103,52 @@ def test_bad_requests_are_refused_not_bounced(fleet):
         assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
+SYSTEM_PROMPTS = [f"You are assistant number {s}. " + " ".join(f"rule {s}.{k}: be precise and brief." for k in range(12))
+                  for s in range(8)]
+
+
+def _asking(user: int) -> list[str]:
+    """One prompt per system prompt, from `user`."""
+    return [f"{system}\nUser {user} asks: what is {user} + {s}?" for s, system in enumerate(SYSTEM_PROMPTS)]
+
+
 def _shared_prefix_workload(seed: int = 0) -> list[str]:
     """8 system prompts x 4 users, in a shuffled order (so round-robin cannot land each prefix on one
     replica by accident)."""
-    systems = [f"You are assistant number {s}. " + " ".join(f"rule {s}.{k}: be precise and brief." for k in range(12))
-               for s in range(8)]
-    prompts = [f"{system}\nUser {u} asks: what is {u} + {s}?" for s, system in enumerate(systems) for u in range(4)]
+    prompts = [prompt for user in range(4) for prompt in _asking(user)]
     random.Random(seed).shuffle(prompts)
     return prompts
 
 
-def _hit_rate(url: str, prompts: list[str]) -> float:
-    """The fleet's prefix-cache hit rate (tokens) over sending `prompts`, 4 at a time."""
-    def totals() -> tuple[float, float]:
-        return (replica_totals(url, "tokenloom:prefix_cache_hits_total")[1],
-                replica_totals(url, "tokenloom:prefix_cache_queries_total")[1])
+def _cache_hits(url: str, prompts: list[str], concurrency: int = 4) -> dict[str, tuple[float, float]]:
+    """Per replica, its prefix-cache hits and queries (tokens) over sending `prompts`, `concurrency` at
+    a time (1: in order, each routed after the one before it finished)."""
+    def per_replica(name: str) -> dict[str, float]:
+        return replica_totals(url, f"tokenloom:{name}")[0]
+
+    def prompt_tokens() -> float:
+        return replica_totals(url, "tokenloom:prompt_tokens_total")[1]
 
     def send(prompt: str) -> int:
-        return httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0},
-                          timeout=120).status_code
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
 
-    hits0, queries0 = totals()
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        assert set(pool.map(send, prompts)) == {200}
-    time.sleep(2.5)  # the replicas report every second
-    hits, queries = totals()
-    return (hits - hits0) / (queries - queries0)
+    hits0, queries0, prompt_tokens0 = per_replica("prefix_cache_hits_total"), per_replica(
+        "prefix_cache_queries_total"), prompt_tokens()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        sent = sum(pool.map(send, prompts))
+    # The replicas report every second: wait for reports that count every prompt sent.
+    assert wait_for(lambda: prompt_tokens() - prompt_tokens0 >= sent, 30)
+    hits, queries = per_replica("prefix_cache_hits_total"), per_replica("prefix_cache_queries_total")
+    return {rid: (hits[rid] - hits0.get(rid, 0.0), queries[rid] - queries0.get(rid, 0.0)) for rid in hits}
+
+
+def _hit_rate(url: str, prompts: list[str]) -> float:
+    """The fleet's prefix-cache hit rate (tokens) over sending `prompts`, 4 at a time."""
+    per_replica = _cache_hits(url, prompts).values()
+    return sum(hits for hits, _ in per_replica) / sum(queries for _, queries in per_replica)
 
 
 def test_prefix_aware_routing_hits_the_cache_more_than_round_robin(fleet):
@@ -175,33 +163,103 @@ def test_prefix_aware_routing_hits_the_cache_more_than_round_robin(fleet):
     assert prefix_aware > round_robin + 0.1, (prefix_aware, round_robin)
 
 
-def _engine_replica_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "ServeReplica:tokenloom:engine"], capture_output=True, text=True,
-                         check=False).stdout
-    return [int(p) for p in out.split()]
+def _streamed(url: str, prompt: str, max_tokens: int, on_first_event=lambda: None) -> str:
+    """How a streamed completion that must run `max_tokens` long ended, as its client sees it."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                return f"http {r.status_code}"
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        on_first_event()
+    except httpx.HTTPError as exc:
+        return f"transport {type(exc).__name__}"
+    if not events or events[-1] != "[DONE]":
+        return "no [DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    if any("error" in p for p in payloads):
+        return "error event"
+    reasons = [c["finish_reason"] for p in payloads for c in p["choices"] if c["finish_reason"]]
+    return "completed" if reasons == ["length"] else f"silently cut: {reasons}"
+
+
+def _finished(url: str, reason: str) -> float:
+    """The fleet's requests finished for `reason` ("length", "abort", ...) so far: its total line."""
+    return sum(value for key, value in scrape(url).items() if key.startswith("tokenloom:request_success_total{")
+               and f'finished_reason="{reason}"' in key and "replica=" not in key)
+
+
+def _serves(url: str) -> bool:
+    try:
+        return httpx.post(f"{url}/v1/completions", json={"prompt": "ok", "max_tokens": 2}, timeout=30).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_restarted_router_sends_prefixes_back_to_the_replicas_that_cache_them(fleet):
+    """The router lives in the FleetIngress replica. Killed with requests in flight, each of them ends
+    (completed, or with an error its client sees), none is left running on a replica, Ray Serve starts a
+    new ingress, and its router, which has routed nothing yet, sends each system prompt to the replica
+    that cached it, as the old router did: the replicas report what their caches hold (prefix_summary.py)."""
+    _cache_hits(fleet.url, _shared_prefix_workload())  # each system prompt cached on one replica
+    before = _cache_hits(fleet.url, _asking(7))
+    hits, queries = (sum(column) for column in zip(*before.values(), strict=True))
+    assert len(before) == 2 and hits / queries > 0.7, before  # each prompt's system part (~93%) hit
+    # Two system prompts cached on the same replica (of any three, two are). Asked first after the
+    # restart, a router starting blind would send them to different replicas (the second to the one
+    # caching less), and one would miss.
+    homes: dict[str, list[int]] = {}
+    for s in range(3):
+        [home] = [rid for rid, (hits, _) in _cache_hits(fleet.url, [_asking(6)[s]]).items() if hits]
+        homes.setdefault(home, []).append(s)
+    pair = next(systems[:2] for systems in homes.values() if len(systems) >= 2)
+
+    [ingress] = replica_pids(fleet, "ingress")
+    aborted0 = _finished(fleet.url, "abort")
+    first_events: list[None] = []
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        # Short prompts (no whole block: routed by load, 2 per replica), 400 tokens long: 2 x 26 blocks
+        # beside the 4 x 9 of a replica's cached system prompts fit its 96 (conftest_fleet.KV_BLOCKS).
+        futures = [pool.submit(_streamed, fleet.url, f"Count to a thousand, take {i}:", 400,
+                               lambda: first_events.append(None)) for i in range(4)]
+        assert wait_for(lambda: len(first_events) == 4, 120)  # all 4 under way
+        os.kill(ingress, signal.SIGKILL)
+        outcomes = [f.result(timeout=180) for f in futures]
+    # Cut off with the process that was streaming them: a broken stream or a 5xx, never a clean end.
+    ended_visibly = ("completed", "transport RemoteProtocolError", "transport ReadError", "http 500", "http 502",
+                     "http 503")
+    assert all(o in ended_visibly for o in outcomes), outcomes
+    cut = len(outcomes) - outcomes.count("completed")
+    assert cut > 0, outcomes
+
+    assert wait_for(lambda: _serves(fleet.url), 120)  # Ray Serve restarted the ingress
+    assert replica_pids(fleet, "ingress") not in ([], [ingress])
+
+    def idle() -> bool:
+        running = replica_totals(fleet.url, "tokenloom:num_requests_running")[0]
+        waiting = replica_totals(fleet.url, "tokenloom:num_requests_waiting")[0]
+        return len(running) == 2 and not any(running.values()) and not any(waiting.values())
+
+    assert wait_for(idle, 60)
+    # Each cut request was aborted on its replica, not left to generate its 400 tokens for nobody.
+    assert _finished(fleet.url, "abort") - aborted0 == cut
+
+    asking = _asking(8)  # the same system prompts, another user; the pair first, one by one
+    after = _cache_hits(fleet.url, [asking[s] for s in pair] + [p for s, p in enumerate(asking) if s not in pair], 1)
+    # Every one went to the replica caching its system prompt: the same hits as before, replica by replica.
+    assert {rid: hits for rid, (hits, _) in after.items()} == {rid: hits for rid, (hits, _) in before.items()}
 
 
 def test_a_killed_replica_loses_no_request_silently(fleet):
-    # (a fleet stopped by an earlier test takes a few seconds to end its replicas)
-    assert wait_for(lambda: len(_engine_replica_pids()) == 2, 60), _engine_replica_pids()
-    pids = _engine_replica_pids()
+    assert wait_for(lambda: len(replica_pids(fleet, "engine")) == 2, 60), replica_pids(fleet, "engine")
+    pids = replica_pids(fleet, "engine")
 
     def stream(i: int) -> str:
-        body = {"prompt": PROMPTS[i % 4], "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
-        try:
-            with httpx.stream("POST", f"{fleet.url}/v1/completions", json=body, timeout=120) as r:
-                if r.status_code != 200:
-                    return f"http {r.status_code}"
-                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
-        except httpx.HTTPError as exc:
-            return f"transport {type(exc).__name__}"
-        if events[-1] != "[DONE]":
-            return "no [DONE]"
-        payloads = [json.loads(e) for e in events[:-1]]
-        if any("error" in p for p in payloads):
-            return "error event"
-        reasons = [c["finish_reason"] for p in payloads for c in p["choices"] if c["finish_reason"]]
-        return "completed" if reasons == ["length"] else f"silently cut: {reasons}"
+        return _streamed(fleet.url, PROMPTS[i % 4], 48)
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(stream, i) for i in range(12)]
@@ -214,7 +272,7 @@ def test_a_killed_replica_loses_no_request_silently(fleet):
     # The endpoint keeps serving, and Ray brings the fleet back to two replicas.
     with fleet.client() as http:
         assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
-    assert wait_for(lambda: len(_engine_replica_pids()) == 2 and pids[0] not in _engine_replica_pids(), 120)
+    assert wait_for(lambda: len(replica_pids(fleet, "engine")) == 2 and pids[0] not in replica_pids(fleet, "engine"), 120)
     assert wait_for(lambda: len(replica_totals(fleet.url, "tokenloom:generation_tokens_total")[0]) == 2, 120)
 
 
@@ -222,8 +280,8 @@ def test_a_hung_replica_is_taken_out_of_rotation_and_replaced(fleet):
     """One replica's engine hangs inside a step (an injected stall, for the request marked STALLME): the
     replica says so within --engine-stall-timeout, the router sends everything else to the other one,
     and Ray Serve's health check replaces it. (Last in the module: it leaves a replica being replaced.)"""
-    assert wait_for(lambda: len(_engine_replica_pids()) == 2, 120)
-    before = set(_engine_replica_pids())
+    assert wait_for(lambda: len(replica_pids(fleet, "engine")) == 2, 120)
+    before = set(replica_pids(fleet, "engine"))
     with pytest.raises(httpx.TimeoutException):  # the client gives up; its replica stays hung
         httpx.post(f"{fleet.url}/v1/completions", json={"prompt": "STALLME please", "max_tokens": 4}, timeout=2)
     time.sleep(STALL_TIMEOUT_S + 3)  # the stall timeout, then a report and a read of the board
@@ -235,4 +293,4 @@ def test_a_hung_replica_is_taken_out_of_rotation_and_replaced(fleet):
             assert r.status_code == 200, r.text
         assert time.monotonic() - started < 50  # none waited on the hung replica
     # Ray's health check (every 2 s, 3 failures) replaces the hung replica's process.
-    assert wait_for(lambda: len(set(_engine_replica_pids()) - before) == 1, 120), _engine_replica_pids()
+    assert wait_for(lambda: len(set(replica_pids(fleet, "engine")) - before) == 1, 120), replica_pids(fleet, "engine")

@@ -8,8 +8,8 @@ import json
 
 import httpx
 import pytest
+from conftest_fleet import FleetProcess, replica_pids
 from conftest_server import wait_for
-from test_fleet import FleetProcess, _engine_replica_pids
 
 pytestmark = pytest.mark.slow
 
@@ -19,14 +19,14 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after():
               "upscale_delay_s": 1, "downscale_delay_s": 5, "look_back_period_s": 2, "metrics_interval_s": 0.5}
     srv = FleetProcess([], replicas=["--autoscaling-config", json.dumps(config)])
     try:
-        assert wait_for(lambda: len(_engine_replica_pids()) == 1, 60), _engine_replica_pids()
+        assert wait_for(lambda: len(replica_pids(srv, "engine")) == 1, 60), replica_pids(srv, "engine")
         body = {"prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             futures = [pool.submit(httpx.post, f"{srv.url}/v1/completions", json=body, timeout=300)
                        for _ in range(12)]
-            scaled_up = wait_for(lambda: len(_engine_replica_pids()) == 2, 120)
+            scaled_up = wait_for(lambda: len(replica_pids(srv, "engine")) == 2, 120)
             codes = [f.result().status_code for f in futures]
         assert scaled_up and codes == [200] * 12
-        assert wait_for(lambda: len(_engine_replica_pids()) == 1, 120), _engine_replica_pids()
+        assert wait_for(lambda: len(replica_pids(srv, "engine")) == 1, 120), replica_pids(srv, "engine")
     finally:
         srv.stop()

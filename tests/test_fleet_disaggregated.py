@@ -8,7 +8,7 @@ import concurrent.futures
 import time
 
 import pytest
-from test_fleet import FleetProcess, replica_totals
+from conftest_fleet import FleetProcess, replica_totals
 
 from tokenloom import SamplingParams
 

@@ -59,6 +59,16 @@ def block_key(parent: BlockKey | None, token_ids, salt: str | None = None, adapt
     return h.digest()
 
 
+def prefix_keys(token_ids, block_size: int, salt: str | None = None) -> list[BlockKey]:
+    """The keys of the full blocks of `token_ids` (a base-model sequence's, under `salt`): what a cache of
+    `block_size`-token blocks would hold them under. Pure: a fleet replica computes them off the engine
+    thread (fleet/prefix_summary.py)."""
+    keys: list[BlockKey] = []
+    for i in range(len(token_ids) // block_size):
+        keys.append(block_key(keys[-1] if keys else None, token_ids[i * block_size : (i + 1) * block_size], salt))
+    return keys
+
+
 def kv_cache_size(config: EngineConfig, model_config: ModelConfig, kv_dtype: torch.dtype | None = None
                   ) -> tuple[int, int, int]:
     """(device blocks, host blocks for swap, bytes per block) that the config's memory budget holds, for
@@ -164,10 +174,7 @@ class KVCacheManager:
 
     def prefix_keys(self, token_ids, salt: str | None = None) -> list[BlockKey]:
         """The keys of the full blocks of `token_ids` (a base-model sequence's, under `salt`)."""
-        bs, keys = self.block_size, []
-        for i in range(len(token_ids) // bs):
-            keys.append(block_key(keys[-1] if keys else None, token_ids[i * bs : (i + 1) * bs], salt))
-        return keys
+        return prefix_keys(token_ids, self.block_size, salt)
 
     def cached_prefix(self, keys: list[BlockKey]) -> list[KVBlock]:
         """The cached blocks holding the longest run of `keys` from the first."""

@@ -21,6 +21,7 @@ import argparse
 import functools
 import logging
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -38,8 +39,8 @@ APP_NAME = "tokenloom"
 INGRESS_MAX_ONGOING = 100_000  # the ingress only forwards; the replicas' queues are the limit
 
 
-def fleet_front(args: argparse.Namespace, engines, prefill, notice_board, facts):
-    """The same FastAPI app as `tokenloom serve` (tokenloom/server) over a FleetClient."""
+def fleet_front(args: argparse.Namespace, engines, prefill, notice_board, facts, front: str | None = None):
+    """The same FastAPI app as `tokenloom serve` (tokenloom/server) over a FleetClient (`front`: see there)."""
     from ..model.load import model_path
     from ..model.tokenizer import load_tokenizer
     from ..server.app import build_app
@@ -49,7 +50,7 @@ def fleet_front(args: argparse.Namespace, engines, prefill, notice_board, facts)
     from .metrics import FleetMetrics
 
     path = model_path(args.model)
-    client = FleetClient(engines, load_tokenizer(path), facts, notice_board, prefill)
+    client = FleetClient(engines, load_tokenizer(path), facts, notice_board, prefill, front)
     names = args.served_model_name or [default_served_name(args.model, path)]
     return build_app(client, names, metrics=FleetMetrics(board.latest), model_path=path,
                      dashboard=DashboardOptions(False),  # a page per replica is not built yet
@@ -68,8 +69,16 @@ class FleetIngress:
     async def __serve_build_asgi_app__(self):
         from .client import ModelFacts
 
+        # Ray Serve restarts this replica if it dies. Read the board before serving, so the new one's
+        # router ranks its first requests with the replicas' load and cached prefixes (ray_router.py),
+        # as the old one did, instead of starting blind.
+        try:
+            board.LATEST = await self.board.read.remote()
+        except Exception as exc:  # noqa: BLE001 - the board restarting too: the front reads it again each second
+            logger.warning("could not read the fleet board: %r", exc)
         facts = ModelFacts(**await self.engines.describe.remote())
-        return fleet_front(self.args, self.engines, self.prefill, self.board, facts)
+        return fleet_front(self.args, self.engines, self.prefill, self.board, facts,
+                           front=ray.get_runtime_context().get_actor_name())
 
 
 def build_fleet(args: argparse.Namespace):
@@ -87,10 +96,10 @@ def build_fleet(args: argparse.Namespace):
         # Prefill replicas are where prefixes are cached: they take the routing policy; decode
         # replicas get their K/V handed over and are picked by load.
         prefill = _engine_deployment("prefill", args, cores, args.routing_policy, args.prefill_replicas
-                                     ).bind(engine_args, notice_board)
+                                     ).bind(engine_args, notice_board, args.routing_policy == "prefix-aware")
     decode_policy = "least-loaded" if args.prefill_replicas else args.routing_policy
     engines = _engine_deployment("engine", args, cores, decode_policy, replicas, autoscaling
-                                 ).bind(engine_args, notice_board)
+                                 ).bind(engine_args, notice_board, decode_policy == "prefix-aware")
     ingress = serve.deployment(FleetIngress, name="ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=INGRESS_MAX_ONGOING, logging_config={"enable_access_log": False})
     return ingress.bind(engines, prefill, notice_board, engine_args)
@@ -129,8 +138,6 @@ def start_fleet(args: argparse.Namespace, config):
     """`tokenloom serve --data-parallel-size N`: a local Ray cluster and the deployments, without Ray's
     HTTP proxy; returns the front app, which this process serves (server/cli.py), calling the replicas
     through their handles. `stop_fleet()` ends the cluster."""
-    import ray
-
     from ..model import catalog
     from .client import ModelFacts
 
@@ -154,7 +161,5 @@ def start_fleet(args: argparse.Namespace, config):
 
 
 def stop_fleet() -> None:
-    import ray
-
     serve.shutdown()
     ray.shutdown()

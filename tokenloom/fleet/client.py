@@ -126,9 +126,14 @@ class RemoteStream:
 
 
 class FleetClient:
-    def __init__(self, handle, tokenizer, facts: ModelFacts, board_handle, prefill_handle=None):
+    def __init__(self, handle, tokenizer, facts: ModelFacts, board_handle, prefill_handle=None,
+                 front: str | None = None):
         """`handle`: the engine deployment's handle; `board_handle`: the board's (board.py);
-        `prefill_handle`: the prefill deployment's, for disaggregated prefill (else None)."""
+        `prefill_handle`: the prefill deployment's, for disaggregated prefill (else None); `front`: the
+        name of the Ray actor this runs in, which every request carries, so a replica can stop
+        the requests of a front that died (replica.py); None where the front is the Ray driver, which
+        takes the fleet down with it."""
+        self.front = front
         self.handle = handle.options(stream=True)
         self.board_handle = board_handle
         self.prefill_handle = prefill_handle
@@ -181,7 +186,8 @@ class FleetClient:
         ids = list(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
         if params.structured_outputs is not None:  # the compiled grammar stays here; the replica compiles its own
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(params.structured_outputs))
-        stream = RemoteStream(self, request_id, {"request_id": request_id, "prompt_token_ids": ids, "params": params})
+        stream = RemoteStream(self, request_id, {"request_id": request_id, "prompt_token_ids": ids, "params": params,
+                                                 "front": self.front})
         self._streams[request_id] = stream
         try:
             await stream.open()

@@ -4,7 +4,9 @@ Ray Serve runs this router inside whichever process holds the deployment's handl
 among the replicas the Serve controller reports running, and sends the request to the first replica in
 our ranking that has room (`max_ongoing_requests`), backing off and asking again when none has.
 The replicas' own reports of their load and health come from the fleet's board (board.py), which the
-ingress reads every second.
+ingress reads every second; so do the prefixes each replica's cache still holds (prefix_summary.py),
+merged into the policy once per read, which is how a router that has just started (its ingress replica
+restarted) learns where the fleet's earlier prompts are cached.
 """
 
 from __future__ import annotations
@@ -30,9 +32,24 @@ def replica_load(replica: RunningReplica) -> ReplicaLoad:
 class FleetRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: str = "prefix-aware", **policy_kwargs) -> None:
         self.policy = make_policy(policy, **policy_kwargs)
+        self._merged_board: dict | None = None  # the read of the board last merged into the policy
+
+    def _merge_cache_reports(self, replicas: list[RunningReplica]) -> None:
+        """Once per read of the board (the front replaces board.LATEST each time), what each live replica
+        says its prefix cache holds. A dead replica's last report can stay on the board for a while: only
+        candidates count, so a forgotten replica is not learned back."""
+        latest = board.LATEST
+        if latest is self._merged_board:
+            return
+        self._merged_board = latest
+        for replica in replicas:
+            rid = replica.replica_id.unique_id
+            if hashes := latest.get(rid, {}).get("cached_prefixes"):
+                self.policy.cache_reported(rid, hashes)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        self._merge_cache_reports(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         ranking = self.policy.rank(_prompt_ids(pending_request), [replica_load(r) for r in candidate_replicas])
         return [[by_id[rid]] for rid in ranking]

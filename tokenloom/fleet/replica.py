@@ -3,14 +3,17 @@
 The class is plain Python; app.py makes it a deployment. The front calls:
 - `generate` (streaming): `ACCEPTED` or a `Refusal` first, then the request's first output whole and
   `OutputDelta`s after it (wire.py). If the caller goes away, Ray cancels the generator and the request
-  is aborted at once (its KV blocks freed). With disaggregated prefill it first imports the prompt's
-  K/V that a prefill replica's `prefill` computed (into the prefix cache: the request starts from a
-  cache hit).
+  is aborted at once (its KV blocks freed). If the caller's process dies, Ray does not: every second the
+  replica aborts the requests of a front (an ingress replica) that no longer exists. With disaggregated
+  prefill it first imports the prompt's K/V that a prefill replica's `prefill` computed (into the prefix
+  cache: the request starts from a cache hit).
 - `prefill` (on a prefill replica): the prompt's K/V, whole blocks.
 Ray Serve calls `check_health`, which raises while the engine is dead or stalled, so Ray takes the
 replica out of rotation and starts a new one (a fatal engine error exits the process, AsyncLLM's
 `exit_on_fatal`, which Ray also replaces). Every second the replica posts its load (what the router
-ranks by), the engine's health and its Prometheus text to the fleet's board (board.py).
+ranks by), the engine's health and its Prometheus text to the fleet's board (board.py); a replica
+routed to by prefix (`report_cached_prefixes`) adds which prompt prefixes its cache still holds
+(prefix_summary.py), so that a router that restarts finds the replicas' cached work again.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import time
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .board import REPORT_PERIOD_S
+from .prefix_summary import PrefixSummary
 from .wire import ACCEPTED, REFUSALS, Refusal, output_delta
 
 logger = logging.getLogger("tokenloom.fleet")
@@ -31,7 +35,7 @@ STATS_TIMEOUT_S = 5.0
 
 
 class EngineReplica:
-    def __init__(self, engine_args: dict, board):
+    def __init__(self, engine_args: dict, board, report_cached_prefixes: bool = False):
         from ..config import engine_config_from_args
         from ..model import catalog
         from ..server.loading import load_served_engine
@@ -44,6 +48,8 @@ class EngineReplica:
         served = load_served_engine(args, config)
         self.async_llm, self.metrics = served.async_llm, served.metrics
         self.board = board
+        self._by_front: dict[str, set[str]] = {}  # a front's actor name -> its requests running here
+        self.prefixes = PrefixSummary(config.block_size) if report_cached_prefixes else None
         self._reporter: asyncio.Task | None = None
 
     def _start(self) -> None:
@@ -62,7 +68,25 @@ class EngineReplica:
                 await self.board.post.remote(replica_id, await self.report())
             except Exception as exc:  # noqa: BLE001 - the board restarting must not stop the replica
                 logger.warning("could not post to the fleet board: %r", exc)
+            await self._abort_orphans()
             await asyncio.sleep(REPORT_PERIOD_S)
+
+    async def _abort_orphans(self) -> None:
+        """A front's process died (the ingress replica under `serve run`; Ray Serve starts another):
+        Ray does not end the streaming calls it made, so its requests would generate on, for nobody,
+        to their max_tokens. Abort them."""
+        if not self._by_front:
+            return
+        try:
+            live = await asyncio.to_thread(_live_actor_names)
+        except Exception as exc:  # noqa: BLE001 - Ray's GCS busy: ask again next time
+            logger.warning("could not list the cluster's actors: %r", exc)
+            return
+        for front, request_ids in list(self._by_front.items()):
+            if front not in live:
+                logger.warning("front %s is gone: aborting its %d request(s)", front, len(request_ids))
+                for rid in list(request_ids):
+                    self.async_llm.abort(rid)
 
     async def describe(self) -> dict:
         """What the ingress needs to know about the model it fronts."""
@@ -83,6 +107,7 @@ class EngineReplica:
             return Refusal.of(exc)
         async for _ in stream:
             pass
+        self._computed(ids, salt)
         tokens, kv = await self.async_llm.call_on_engine(lambda engine: engine.export_prefix_kv(ids, salt))
         return {"tokens": tokens, "kv": kv}
 
@@ -104,30 +129,50 @@ class EngineReplica:
             yield Refusal.of(exc)
             return
         yield ACCEPTED
+        front = request.get("front")
+        if front is not None:
+            self._by_front.setdefault(front, set()).add(rid)
         prev: RequestOutput | None = None
         try:
             async for out in stream:
+                if prev is None:  # the first output: the prompt's K/V is computed
+                    self._computed(request["prompt_token_ids"], request["params"].cache_salt)
                 yield out if prev is None else output_delta(prev, out)
                 prev = out
         finally:
             if not stream.finished:  # the ingress went away (client gone) or was cancelled
                 self.async_llm.abort(rid)
+            if front is not None:
+                self._by_front[front].discard(rid)
+                if not self._by_front[front]:
+                    del self._by_front[front]
+
+    def _computed(self, prompt_ids: list[int], salt: str | None) -> None:
+        if self.prefixes is not None:
+            self.prefixes.computed(prompt_ids, salt)
 
     async def report(self) -> dict:
-        st, problem = None, self.async_llm.health_problem()
+        st, held, problem = None, None, self.async_llm.health_problem()
+        keys, mark = self.prefixes.snapshot() if self.prefixes is not None else ([], 0)
+
+        def read(engine):
+            return engine.stats(), [key in engine.kv.cached for key in keys]
+
         if problem is None:
             try:  # read between two steps, on the engine thread
-                st = await asyncio.wait_for(self.async_llm.call_on_engine(lambda engine: engine.stats()),
-                                            STATS_TIMEOUT_S)
+                st, held = await asyncio.wait_for(self.async_llm.call_on_engine(read), STATS_TIMEOUT_S)
             except TimeoutError:
                 problem = f"the engine thread did not answer within {STATS_TIMEOUT_S:.0f} s"
-        return {
+        report = {
             "waiting": st.num_waiting if st else 0,
             "running": st.num_running if st else 0,
             "kv_usage": st.kv_usage if st else 0.0,
             "health_problem": problem,
             "metrics": self.metrics.render().decode(),
         }
+        if self.prefixes is not None:  # what it still caches, as the router hashes prompts
+            report["cached_prefixes"] = self.prefixes.report(keys, mark, held) if held is not None else []
+        return report
 
     async def check_health(self) -> None:
         self._start()
@@ -137,3 +182,11 @@ class EngineReplica:
     async def __del__(self):
         # Serve calls an async __del__ when it stops the replica: finish the engine thread cleanly.
         await self.async_llm.shutdown(0.0)
+
+
+def _live_actor_names() -> set[str]:
+    """The names of the cluster's live named actors, in every namespace (a dead actor's name is
+    released; Ray Serve names each replica's actor)."""
+    from ray.util import list_named_actors
+
+    return {actor["name"] for actor in list_named_actors(all_namespaces=True)}

@@ -9,7 +9,9 @@ second or so, break ties and keep unhealthy replicas out.
 
 Prefix-aware routing keeps, per replica, an approximate picture of what its prefix cache holds: the
 chained hashes of the prompt blocks it was sent (a hash stands for a whole prefix, as in the engine's
-own cache), bounded by the replica's KV block count and dropped least recently used first. A request
+own cache), bounded by the replica's KV block count and dropped least recently used first, plus what
+the replicas report they still hold (`cache_reported`: a router that starts afresh learns the prefixes
+cached before it, see fleet/prefix_summary.py). A request
 goes to the replica holding its longest prefix while the load is balanced; when one replica is hot
 (its load beyond the least loaded one's by both an absolute and a relative margin) the least loaded
 replica gets it. With no useful match it goes to the replica caching the least, which spreads
@@ -75,6 +77,10 @@ class RoutingPolicy(ABC):
         """The replica is gone (died, scaled down): drop what is known about it."""
         self.in_flight.pop(replica_id, None)
 
+    def cache_reported(self, replica_id: str, hashes: Sequence[int]) -> None:
+        """The replica says its prefix cache holds these `prefix_hashes`, oldest first. Only prefix-aware
+        routing has a use for it."""
+
 
 class RoundRobin(RoutingPolicy):
     name = "round-robin"
@@ -97,7 +103,9 @@ class LeastLoaded(RoutingPolicy):
 
 
 def prefix_hashes(prompt_ids: Sequence[int], block_size: int) -> list[int]:
-    """One hash per whole block of the prompt, each covering every token before it too."""
+    """One hash per whole block of the prompt, each covering every token before it too. The same in every
+    process of one Python build (the hash of an int, and so of a tuple of ints, is not salted per
+    process like a str's), so a replica can name its cached prefixes in the router's terms."""
     hashes, h = [], 0
     for start in range(0, len(prompt_ids) - block_size + 1, block_size):
         h = hash((h, tuple(prompt_ids[start:start + block_size])))
@@ -157,6 +165,19 @@ class PrefixAware(RoutingPolicy):
     def forget(self, replica_id: str) -> None:
         super().forget(replica_id)
         self.cached.pop(replica_id, None)
+
+    def cache_reported(self, replica_id: str, hashes: Sequence[int]) -> None:
+        """Merged in as older than anything this router sent the replica itself: a report is up to a
+        couple of seconds old and names only what the replica had computed by then, so where the picture
+        is full, what this router routed since wins and the report fills the room left (its oldest
+        dropped first; a replica lists a prefix's tail before the blocks it hangs from, prefix_summary.py)."""
+        cached = self.cached.setdefault(replica_id, OrderedDict())
+        for h in reversed(hashes):  # each to the old end, newest first: the report's order is kept
+            if h not in cached:
+                cached[h] = None
+                cached.move_to_end(h, last=False)
+        while len(cached) > self.blocks_per_replica:
+            cached.popitem(last=False)
 
 
 def make_policy(name: str, **kwargs) -> RoutingPolicy:
