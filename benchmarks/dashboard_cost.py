@@ -13,8 +13,9 @@ shared 2-core machine, from where their memory landed):
   and detached in blocks of steps (ABBA order: contexts grow a token a step, so a plain alternation
   would bill the growth to whichever comes second); its own time is also clocked call by call, and the
   same comparison with nothing attached (a control) shows how far apart two equal settings come out.
-- **10 viewers, within one server**: rounds alternate (ABBA) between no viewer and 10 viewers on the
-  same server, so drift hits both alike. The viewers are raw sockets that take the bytes and parse nothing,
+- **10 viewers, and viewers coming and going, within one server**: rounds alternate (A B C C B A)
+  between no viewer, 10 viewers reading, and viewers connecting, taking one frame and hanging up in a
+  loop, on the same server, so drift hits all alike. The viewers are raw sockets that take the bytes and parse nothing,
   like browsers on other machines: on this 2-core machine a Python client parsing frames would bill
   its own CPU to the server.
 - **off vs on, across servers**: one server with --disable-dashboard, then one with it, `--cycles`
@@ -103,6 +104,33 @@ class Viewers:
         return sum(self.frames), sum(self.bytes), time.perf_counter() - self.started
 
 
+class Churn:
+    """Viewers coming and going in a loop, one after another: each connects, takes its first frame and
+    hangs up (the issue's 50 viewers connecting and vanishing, kept up for a whole round)."""
+
+    def __init__(self, port: int):
+        self.stop = threading.Event()
+        self.count = 0
+        self.started = time.perf_counter()
+        self.thread = threading.Thread(target=self._loop, args=(port,), daemon=True)
+        self.thread.start()
+
+    def _loop(self, port: int) -> None:
+        while not self.stop.is_set():
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+                sock.sendall(b"GET /dashboard/stream?rate=10 HTTP/1.1\r\nHost: bench\r\n\r\n")
+                seen = b""
+                while b"data: " not in seen and (data := sock.recv(1 << 16)):
+                    seen = seen[-8:] + data
+            self.count += 1
+
+    def close(self) -> int:
+        """How many viewers came and went."""
+        self.stop.set()
+        self.thread.join(30)
+        return self.count
+
+
 def warm_up(url: str, streams: int) -> None:
     round_step_time(url, streams, 16)
 
@@ -171,23 +199,27 @@ def listener_cost_in_process(streams: int, blocks: int, steps_per_block: int) ->
 
 def within_one_server(args) -> dict:
     name = f"{args.viewers}_viewers"
-    rounds: dict[str, list[float]] = {"0_viewers": [], name: []}
-    frames = nbytes = 0
-    watched_s = 0.0
+    rounds: dict[str, list[float]] = {"0_viewers": [], name: [], "churn": []}
+    frames = nbytes = churned = 0
+    watched_s = churn_s = 0.0
     srv = ServerProcess(["--quantization", "auto"])
     try:
         warm_up(srv.url, args.streams)
-        for r in range(2 * args.alternations):
-            if not abba(r):
-                rounds["0_viewers"].append(round_step_time(srv.url, args.streams, args.tokens))
-                print(f"0 viewers {rounds['0_viewers'][-1]:.3f} ms", flush=True)
-                continue
-            viewers = Viewers(srv.port, args.viewers)
-            time.sleep(1.0)  # every viewer connected and reading
-            rounds[name].append(round_step_time(srv.url, args.streams, args.tokens))
-            read, got, seconds = viewers.close()
-            frames, nbytes, watched_s = frames + read, nbytes + got, watched_s + seconds
-            print(f"{args.viewers} viewers {rounds[name][-1]:.3f} ms", flush=True)
+        # A B C C B A ...: no viewer, `viewers` steady viewers, viewers coming and going in a loop.
+        for setting in ["0_viewers", name, "churn", "churn", name, "0_viewers"] * (args.alternations // 2):
+            if setting == "0_viewers":
+                rounds[setting].append(round_step_time(srv.url, args.streams, args.tokens))
+            elif setting == "churn":
+                churn = Churn(srv.port)
+                rounds[setting].append(round_step_time(srv.url, args.streams, args.tokens))
+                churned, churn_s = churned + churn.close(), churn_s + time.perf_counter() - churn.started
+            else:
+                viewers = Viewers(srv.port, args.viewers)
+                time.sleep(1.0)  # every viewer connected and reading
+                rounds[setting].append(round_step_time(srv.url, args.streams, args.tokens))
+                read, got, seconds = viewers.close()
+                frames, nbytes, watched_s = frames + read, nbytes + got, watched_s + seconds
+            print(f"{setting}: {rounds[setting][-1]:.3f} ms", flush=True)
         time.sleep(1.0)
         stats = httpx.get(f"{srv.url}/dashboard/stats", timeout=10).json()
     finally:
@@ -197,6 +229,8 @@ def within_one_server(args) -> dict:
         "step_ms_rounds": {k: [round(x, 3) for x in v] for k, v in rounds.items()},
         "step_ms_median": {k: round(v, 3) for k, v in med.items()},
         f"ratio_{name}_vs_0": round(med[name] / med["0_viewers"], 4),
+        "ratio_churn_vs_0": round(med["churn"] / med["0_viewers"], 4),
+        "churn_viewers_per_s": round(churned / churn_s, 1) if churn_s else None,
         "snapshots": stats["snapshots"],
         "snapshot_build_ms_mean": round(stats["build_ms_total"] / stats["snapshots"], 3) if stats["snapshots"] else None,
         "frames_read": frames,
@@ -233,7 +267,7 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=160)
     ap.add_argument("--viewers", type=int, default=10)
-    ap.add_argument("--alternations", type=int, default=8, help="no-viewer / viewers round pairs in one server (ABBA order)")
+    ap.add_argument("--alternations", type=int, default=8, help="rounds of each setting in one server (even)")
     ap.add_argument("--blocks", type=int, default=20, help="in-process blocks of steps each way")
     ap.add_argument("--steps-per-block", type=int, default=25)
     ap.add_argument("--cycles", type=int, default=2, help="off server then on server, this many times")

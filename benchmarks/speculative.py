@@ -63,6 +63,7 @@ SETTINGS = {
     "llama-ngram-map-k": ("llama", [*LLAMA, "--spec-type", "ngram-map-k"]),
     "vllm-off": ("vllm", []),
     "vllm-ngram": ("vllm", ["--speculative-config", NGRAM_JSON]),
+    "vllm-ngram-k8": ("vllm", ["--speculative-config", ngram_json(8)]),
 }
 CELLS = {
     "grounded": ["--endpoint", "chat", "--dataset", str(ROOT / "data/grounded.jsonl"), "--num-prompts", "20",
@@ -152,6 +153,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "results/speculative.json"))
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--cells", default=",".join(CELLS))
+    ap.add_argument("--reference", default="ngram", help="the setting every other one is compared with")
     args = ap.parse_args()
     out = Path(args.out)
     raw = out.with_suffix("")
@@ -174,8 +176,8 @@ def main() -> None:
         for cell, r in cells.items():
             if base is not None:
                 r["vs_own_off"] = r["output_tok_s"] / base[cell]["output_tok_s"]
-            if name != "ngram" and "ngram" in rows:
-                r["ngram_vs_this"] = rows["ngram"][cell]["output_tok_s"] / r["output_tok_s"]
+            if name != args.reference and args.reference in rows:
+                r[f"{args.reference}_vs_this"] = rows[args.reference][cell]["output_tok_s"] / r["output_tok_s"]
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
     summary = {"command": " ".join(["python benchmarks/speculative.py", *sys.argv[1:]]),
