@@ -72,10 +72,7 @@ class FleetIngress:
         # Ray Serve restarts this replica if it dies. Read the board before serving, so the new one's
         # router ranks its first requests with the replicas' load and cached prefixes (ray_router.py),
         # as the old one did, instead of starting blind.
-        try:
-            board.LATEST = await self.board.read.remote()
-        except Exception as exc:  # noqa: BLE001 - the board restarting too: the front reads it again each second
-            logger.warning("could not read the fleet board: %r", exc)
+        await board.refresh(self.board)
         facts = ModelFacts(**await self.engines.describe.remote())
         return fleet_front(self.args, self.engines, self.prefill, self.board, facts,
                            front=ray.get_runtime_context().get_actor_name())

@@ -10,6 +10,7 @@ metrics, and drops off the board after `FORGET_S` (Ray Serve will have replaced 
 
 from __future__ import annotations
 
+import logging
 import time
 
 REPORT_PERIOD_S = 1.0
@@ -17,6 +18,8 @@ STALE_S = 5.0
 FORGET_S = 60.0
 
 LATEST: dict[str, dict] = {}  # replica id -> its last report, as the ingress last read the board
+
+logger = logging.getLogger("tokenloom.fleet")
 
 
 class FleetBoard:
@@ -35,3 +38,13 @@ class FleetBoard:
 
 def latest() -> dict[str, dict]:
     return LATEST
+
+
+async def refresh(board_handle) -> None:
+    """Read the board into LATEST. A board that cannot be read (restarting) leaves the last read in
+    place: the front reads it again a period later."""
+    global LATEST
+    try:
+        LATEST = await board_handle.read.remote()
+    except Exception as exc:  # noqa: BLE001 - the board restarting must not stop the front
+        logger.warning("could not read the fleet board: %r", exc)

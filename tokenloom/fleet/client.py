@@ -153,10 +153,7 @@ class FleetClient:
     async def _read_board_forever(self) -> None:
         """The replicas' reports into board.LATEST, which this process's router and /metrics read."""
         while True:
-            try:
-                board.LATEST = await self.board_handle.read.remote()
-            except Exception as exc:  # noqa: BLE001 - the board restarting must not stop the front
-                logger.warning("could not read the fleet board: %r", exc)
+            await board.refresh(self.board_handle)
             await asyncio.sleep(board.REPORT_PERIOD_S)
 
     async def shutdown(self, timeout: float = 0.0) -> None:
