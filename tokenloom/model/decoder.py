@@ -84,21 +84,26 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with cos/sin precomputed for every position, looked up once per forward
-    (`forward`) and applied in every layer to Q and K together (`layer_ops.rope`)."""
+    """Rotate-half RoPE: cos/sin computed once per forward for the step's positions (`forward`) and applied
+    in every layer to Q and K together (`layer_ops.rope`). Not a table over every position: that is
+    2 x max_positions x head_dim floats per theta (134 MB for Gemma 3's two thetas at 32k positions),
+    where a step's own rows cost microseconds. Each position's values are the same whatever else is in
+    the step (the same float32 product, then cos and sin elementwise)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        # On the CPU even where the model is built on the meta device (loader.py): the frequencies are
+        # computed, not loaded, and torch's meta-device ops import torch._dynamo and sympy (75 MB).
+        cpu = torch.device("cpu")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
         self.theta = theta
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [T, 1, head_dim], for the tokens at `positions`."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def window_mask(query_positions: torch.Tensor, context_len: int, window: int) -> torch.Tensor:
@@ -233,11 +238,14 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # No random init: its weights come from the file, and on the meta device (loader.py builds the
+        # model there) the init runs torch's reference ops, which import torch._dynamo and sympy (75 MB).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         thetas = sorted({cfg.layer_rope_theta(i) for i in range(cfg.num_layers)})
-        self.ropes = nn.ModuleList(RotaryEmbedding(cfg.dim_per_head, cfg.max_position_embeddings, t) for t in thetas)
+        self.ropes = nn.ModuleList(RotaryEmbedding(cfg.dim_per_head, t) for t in thetas)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.logits_proj: nn.Module | None = None  # a quantized LM head (model/linear.py), when chosen
         self.decode_attention = TorchDecodeAttention()  # or the paged C kernel, chosen at load

@@ -173,10 +173,7 @@ def _assemble(model: DecoderModel, state: dict, dtype: str, device: str, defer: 
         deferred.setdefault("lm_head.weight", model.embed_tokens.weight)  # tied
     if missing or unexpected:
         raise ValueError(f"model weights do not match the architecture: missing {missing}, unexpected {unexpected}")
-    # Buffers computed in __init__ were built on the meta device; rebuild them for real.
-    config = model.config
-    model.ropes = torch.nn.ModuleList(type(r)(config.dim_per_head, config.max_position_embeddings, r.theta).to(device)
-                                      for r in model.ropes)
+    model.ropes.to(device)  # computed in __init__, on the CPU
     model.eval().requires_grad_(False)
     return deferred
 
