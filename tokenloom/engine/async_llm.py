@@ -69,19 +69,43 @@ class RequestStream:
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
-            item = await self.queue.get()
-            # Only the newest cumulative output matters: skip ahead if the consumer fell behind.
-            while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
-                item = self.queue.get_nowait()
-            if item is _ABORTED:
-                self.finished = True
+            out = self._take(await self.queue.get())
+            if out is None:
                 return
-            if isinstance(item, BaseException):
-                self.finished = True
-                raise item
-            if item.finished:
-                self.finished = True
-            yield item
+            yield out
+
+    async def latest(self, timeout: float | None = None) -> RequestOutput | None:
+        """The newest output, for a consumer that sends outputs on its own schedule (a fleet replica
+        batching its stream, fleet/stream_batching.py): at once if one is queued, else the next to
+        arrive within `timeout` seconds (None: however long it takes). None if none came in time, or
+        once the stream ended (aborted; `finished` tells the two apart). Raises the engine's error,
+        as iterating does; iterating and this method take from the same queue."""
+        if self.finished:
+            return None
+        if not self.queue.empty():
+            return self._take(self.queue.get_nowait())
+        try:
+            # A timed-out (or cancelled) Queue.get loses nothing: an output arriving meanwhile stays queued.
+            async with asyncio.timeout(timeout):
+                item = await self.queue.get()
+        except TimeoutError:
+            return None
+        return self._take(item)
+
+    def _take(self, item) -> RequestOutput | None:
+        """What the consumer gets for a queue item: the newest output, None once aborted; the error raised."""
+        # Only the newest cumulative output matters: skip ahead if the consumer fell behind.
+        while isinstance(item, RequestOutput) and not item.finished and not self.queue.empty():
+            item = self.queue.get_nowait()
+        if item is _ABORTED:
+            self.finished = True
+            return None
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
 
 
 @dataclass

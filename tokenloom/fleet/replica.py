@@ -2,7 +2,9 @@
 
 The class is plain Python; app.py makes it a deployment. The front calls:
 - `generate` (streaming): `ACCEPTED` or a `Refusal` first, then the request's first output whole and
-  `OutputDelta`s after it (wire.py). If the caller goes away, Ray cancels the generator and the request
+  `OutputDelta`s after it (wire.py), at most one per `--stream-batching-interval-ms` but the last: Ray
+  costs CPU per streamed item, so what the engine makes within the interval goes as one delta
+  (stream_batching.py). If the caller goes away, Ray cancels the generator and the request
   is aborted at once (its KV blocks freed). If the caller's process dies, Ray does not: every second the
   replica aborts the requests of a front (an ingress replica) that no longer exists. With disaggregated
   prefill it first imports the prompt's K/V that a prefill replica's `prefill` computed (into the prefix
@@ -22,12 +24,14 @@ import argparse
 import asyncio
 import logging
 import time
+from contextlib import aclosing
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .board import REPORT_PERIOD_S
 from .prefix_summary import PrefixSummary
-from .wire import ACCEPTED, REFUSALS, Refusal, output_delta
+from .stream_batching import batched_items
+from .wire import ACCEPTED, REFUSALS, Refusal
 
 logger = logging.getLogger("tokenloom.fleet")
 REFUSED = tuple(REFUSALS.values())
@@ -48,6 +52,7 @@ class EngineReplica:
         served = load_served_engine(args, config)
         self.async_llm, self.metrics = served.async_llm, served.metrics
         self.board = board
+        self.stream_interval_s = args.stream_batching_interval_ms / 1000.0
         self._by_front: dict[str, set[str]] = {}  # a front's actor name -> its requests running here
         self.prefixes = PrefixSummary(config.block_size) if report_cached_prefixes else None
         self._reporter: asyncio.Task | None = None
@@ -132,13 +137,13 @@ class EngineReplica:
         front = request.get("front")
         if front is not None:
             self._by_front.setdefault(front, set()).add(rid)
-        prev: RequestOutput | None = None
         try:
-            async for out in stream:
-                if prev is None:  # the first output: the prompt's K/V is computed
-                    self._computed(request["prompt_token_ids"], request["params"].cache_salt)
-                yield out if prev is None else output_delta(prev, out)
-                prev = out
+            # aclosing: a cancelled or closed generate closes the batching generator with it, at once.
+            async with aclosing(batched_items(stream, self.stream_interval_s)) as items:
+                async for item in items:
+                    if isinstance(item, RequestOutput):  # the first output: the prompt's K/V is computed
+                        self._computed(request["prompt_token_ids"], request["params"].cache_salt)
+                    yield item
         finally:
             if not stream.finished:  # the ingress went away (client gone) or was cancelled
                 self.async_llm.abort(rid)

@@ -2,7 +2,8 @@
 
 The engine's outputs are cumulative (the whole text and token list so far), which is right inside one
 process and quadratic over a network: a replica sends its first output whole and after that only what
-is new (`OutputDelta`); the ingress rebuilds the cumulative output with `apply_delta`, so the HTTP
+is new (`OutputDelta`; one may carry several engine steps' tokens: a replica batches its stream,
+stream_batching.py); the ingress rebuilds the cumulative output with `apply_delta`, so the HTTP
 layer above cannot tell a replica from a local engine. Text and token lists only ever grow (a stop
 string's prefix is held back, never sent and retracted), which is what makes the suffixes enough.
 

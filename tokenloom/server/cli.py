@@ -13,6 +13,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -25,6 +26,10 @@ from ..fleet.routing import POLICIES
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_QUEUE_LEN = 1024  # waiting sequences; beyond it new requests get 503 + Retry-After
 DEFAULT_READ_TIMEOUT = 30.0
+# Ray Serve LLM's default for its stream_batching_interval_ms: a few tokens per streamed item at a
+# single stream's speed here, and the first and last output are never held (fleet/stream_batching.py).
+DEFAULT_STREAM_BATCHING_INTERVAL_MS = 50.0
+MAX_STREAM_BATCHING_INTERVAL_MS = 10_000.0  # beyond that a stream is no longer a stream
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -98,6 +103,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                        help="Ray Serve's autoscaling_config as JSON (e.g. '{\"min_replicas\": 1, "
                             "\"max_replicas\": 2, \"target_ongoing_requests\": 16}'); replaces "
                             "--data-parallel-size's fixed count")
+    fleet.add_argument("--stream-batching-interval-ms", type=_stream_batching_interval, metavar="MS",
+                       default=DEFAULT_STREAM_BATCHING_INTERVAL_MS,
+                       help="a replica streams each request at most once per this many milliseconds, the tokens "
+                            "made meanwhile together (Ray costs CPU per streamed item); the first and the last "
+                            "output go at once; 0: every engine step (default: "
+                            f"{DEFAULT_STREAM_BATCHING_INTERVAL_MS:g}, as Ray Serve LLM's "
+                            "stream_batching_interval_ms); one process without a fleet streams every step")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -116,6 +128,17 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _stream_batching_interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= MAX_STREAM_BATCHING_INTERVAL_MS):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of milliseconds from 0 to {MAX_STREAM_BATCHING_INTERVAL_MS:g}, got {text}")
     return value
 
 
