@@ -45,6 +45,8 @@ OVERHEAD_CELLS = {
     "c32": ["--dataset", "mixed", "--num-prompts", "64", "--max-concurrency", "32", "--input-len", "128"],
 }
 OVERHEAD_SETUPS = {"plain": [], "ray-1-replica": ["--data-parallel-backend", "ray"]}
+# Ray setups with the replica's stream batched otherwise than the default (`--stream-intervals 0,150`).
+RAY = OVERHEAD_SETUPS["ray-1-replica"]
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 
 
@@ -74,11 +76,14 @@ def row(res: dict) -> dict:
             "completed": res["completed"], "failed": res.get("failed", 0)}
 
 
-def overhead(raw: Path, rounds: int) -> dict:
-    """Each setup `rounds` times, alternating (the machine drifts by 20% between minutes), medians kept."""
-    runs: dict[str, dict[str, list[dict]]] = {setup: {cell: [] for cell in OVERHEAD_CELLS} for setup in OVERHEAD_SETUPS}
+def overhead(raw: Path, rounds: int, intervals: list[str]) -> dict:
+    """Each setup `rounds` times, alternating (the machine drifts by 20% between minutes), medians kept.
+    `intervals`: more Ray setups, with these --stream-batching-interval-ms."""
+    setups = {**OVERHEAD_SETUPS, **{f"ray-1-replica-{ms}ms": [*RAY, "--stream-batching-interval-ms", ms]
+                                    for ms in intervals}}
+    runs: dict[str, dict[str, list[dict]]] = {setup: {cell: [] for cell in OVERHEAD_CELLS} for setup in setups}
     for r in range(rounds):
-        for setup, extra in OVERHEAD_SETUPS.items():
+        for setup, extra in setups.items():
             print(f"== overhead: {setup}, round {r + 1}", flush=True)
             proc = serve(extra, raw / f"{setup}.log")
             try:
@@ -90,9 +95,9 @@ def overhead(raw: Path, rounds: int) -> dict:
                 stop(proc)
     rows = {setup: {cell: {key: statistics.median(run[key] for run in cell_runs) for key in cell_runs[0]}
                     for cell, cell_runs in by_cell.items()} for setup, by_cell in runs.items()}
-    ratios = {cell: {"throughput": rows["ray-1-replica"][cell]["output_tok_s"] / rows["plain"][cell]["output_tok_s"],
-                     "median_ttft": rows["ray-1-replica"][cell]["median_ttft_ms"] / rows["plain"][cell]["median_ttft_ms"]}
-              for cell in OVERHEAD_CELLS}
+    ratios = {setup: {cell: {"throughput": rows[setup][cell]["output_tok_s"] / rows["plain"][cell]["output_tok_s"],
+                             "median_ttft": rows[setup][cell]["median_ttft_ms"] / rows["plain"][cell]["median_ttft_ms"]}
+                      for cell in OVERHEAD_CELLS} for setup in setups if setup != "plain"}
     return {"rounds": rounds, "rows": rows, "ray_over_plain": ratios, "runs": runs}
 
 
@@ -141,13 +146,16 @@ def write_markdown(result: dict, path: Path) -> None:
     if "overhead" in result:
         o = result["overhead"]
         lines += ["## One replica behind Ray Serve vs plain `tokenloom serve` (same cores)", "",
-                  f"Medians of {o['rounds']} rounds, the setups alternating.", "",
-                  "| cell | plain tok/s | Ray tok/s | ratio | plain TTFT p50 | Ray TTFT p50 | ratio |",
-                  "|---|---|---|---|---|---|---|"]
-        for cell in OVERHEAD_CELLS:
-            p, r, q = o["rows"]["plain"][cell], o["rows"]["ray-1-replica"][cell], o["ray_over_plain"][cell]
-            lines.append(f"| {cell} | {p['output_tok_s']:.1f} | {r['output_tok_s']:.1f} | {q['throughput']:.3f} | "
-                         f"{p['median_ttft_ms']:.1f} ms | {r['median_ttft_ms']:.1f} ms | {q['median_ttft']:.3f} |")
+                  (f"Medians of {o['rounds']} rounds, the setups alternating. `ray-1-replica` streams at the "
+                  "default --stream-batching-interval-ms; a suffix names another interval."), "",
+                  "| setup | cell | plain tok/s | Ray tok/s | ratio | plain TTFT p50 | Ray TTFT p50 | ratio |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for setup, by_cell in o["ray_over_plain"].items():
+            for cell, q in by_cell.items():
+                p, r = o["rows"]["plain"][cell], o["rows"][setup][cell]
+                lines.append(f"| {setup} | {cell} | {p['output_tok_s']:.1f} | {r['output_tok_s']:.1f} | "
+                             f"{q['throughput']:.3f} | {p['median_ttft_ms']:.1f} ms | {r['median_ttft_ms']:.1f} ms | "
+                             f"{q['median_ttft']:.3f} |")
         lines.append("")
     if "routing" in result:
         r = result["routing"]
@@ -165,6 +173,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default="overhead,routing")
     ap.add_argument("--rounds", type=int, default=3, help="overhead part: alternating rounds per setup")
+    ap.add_argument("--stream-intervals", default="0", help="overhead part: comma-separated extra Ray setups "
+                    "with these --stream-batching-interval-ms (0: one streamed item per engine step)")
     ap.add_argument("--rate", type=float, default=4.0, help="routing part: requests per second (Poisson)")
     ap.add_argument("--out", default=str(ROOT / "results/fleet.json"))
     args = ap.parse_args()
@@ -184,7 +194,7 @@ def run(args: argparse.Namespace) -> None:
                     "machine": f"{platform.processor() or platform.machine()}, {usable_cores()} cores"}
     parts = args.parts.split(",")
     if "overhead" in parts:
-        result["overhead"] = overhead(raw, args.rounds)
+        result["overhead"] = overhead(raw, args.rounds, [ms for ms in args.stream_intervals.split(",") if ms])
     if "routing" in parts:
         result["routing"] = routing(raw, args.rate)
     out.write_text(json.dumps(result, indent=2))
