@@ -34,6 +34,7 @@ from .. import faults
 from .. import step as steps
 from ..config import EngineConfig
 from ..model.config import ModelConfig
+from ..model.gguf_tensors import trim_heap
 from ..model.load import load, set_num_threads, weight_bytes
 from ..model.loader import torch_dtype
 from ..model.lora import LoRARequest
@@ -56,6 +57,10 @@ from .stall_free import StallFreeBudget
 logger = logging.getLogger("tokenloom.engine")
 
 MAX_CONSECUTIVE_FORWARD_FAILURES = 3
+# After a step with this many prompt tokens the heap's free pages go back to the OS: a prefill's
+# activations are freed into holes glibc keeps resident (measured: +100-170 MB over a serving run on
+# Qwen2.5-0.5B); the trim measured 1.4-2.1 ms, against 100 ms or more for such a step.
+PROMPT_TOKENS_BEFORE_TRIM = 256
 
 
 class EngineFatalError(RuntimeError):
@@ -379,6 +384,8 @@ class LLMEngine:
                 faults.maybe_raise_step("forward", self.num_steps, tuple(in_step))
                 faults.maybe_raise_step("stall", self.num_steps, tuple(in_step))
             results = self.runner.execute(plan)
+            if sum(n for _, n in plan.scheduled if n > 1) >= PROMPT_TOKENS_BEFORE_TRIM:
+                trim_heap()
         except Exception as exc:  # noqa: BLE001 - not one request's fault: fail the step's requests
             results = []
             self._forward_failed(plan, exc, changed)

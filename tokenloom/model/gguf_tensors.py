@@ -11,6 +11,7 @@ tensor would count in the server's resident memory, 290 MB for Qwen2.5's embeddi
 
 from __future__ import annotations
 
+import functools
 import mmap
 from collections.abc import Iterator
 
@@ -21,7 +22,7 @@ import torch
 _TORCH_QUANTS = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 # File pages a tensor's row lookups may bring into this process before they are unmapped again (they stay
 # in the page cache: a row read after that costs a minor page fault, not a disk read).
-LOOKUP_RESIDENT_BYTES = 32 << 20
+LOOKUP_RESIDENT_BYTES = 16 << 20
 
 
 def dequantize(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -117,15 +118,21 @@ def release_mapped_pages(data: np.ndarray, start: int = 0, length: int | None = 
 
 
 def trim_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc keeps the float32 temporaries of a load
-    otherwise); nothing where there is no glibc."""
+    """Hand the heap's free pages back to the OS (glibc keeps the float32 temporaries of a load, and a
+    prefill's activations, otherwise); nothing where there is no glibc."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
     except OSError:
-        pass
+        return None
+    return getattr(libc, "malloc_trim", None)

@@ -45,7 +45,7 @@ def _dtype(t: torch.dtype | None) -> str:
 def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> ForwardPlan:
     """Describe the model as loaded (`source_types`: the file's block format of every projection weight)."""
     from .gguf_tensors import StoredRows
-    from .linear import Int4Linear, Int8Linear, RescoredInt8Head
+    from .linear import Int4Linear, Int8Linear, RescoredHead
 
     cfg = model.config
     kinds: Counter = Counter()
@@ -69,8 +69,8 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> Forwa
         weights += f" ({', '.join(sorted(kernel_names))} kernels)"
     long_prompts = " / ".join(sorted(long_kinds))
     head = model.logits_proj
-    if isinstance(head, RescoredInt8Head):
-        lm_head = "int8, top 16 rescored in float32"
+    if isinstance(head, RescoredHead):
+        lm_head = f"{head.format}, top {head.top} rescored in float32"
         if isinstance(head.weight, StoredRows):
             lm_head += f" from the file's {head.weight.qtype} rows"
     elif head is not None:
