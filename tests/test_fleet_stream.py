@@ -78,6 +78,27 @@ def test_after_a_quiet_interval_the_next_output_goes_as_it_comes():
     asyncio.run(main())
 
 
+def test_a_held_output_goes_with_the_first_output_after_the_interval_not_on_a_timer():
+    """Items leave right after an engine step (one wake-up for every stream), so what is held waits for
+    the next output past the interval; a timer fires only once the stream is quiet for a further one."""
+    async def main():
+        stream, outs, interval = RequestStream("r"), _outputs(5), 0.5
+        items = batched_items(stream, interval)
+        stream.queue.put_nowait(outs[0])
+        await _next(items)
+        stream.queue.put_nowait(outs[1])  # held
+        loop = asyncio.get_running_loop()
+        loop.call_later(1.5 * interval, stream.queue.put_nowait, outs[2])  # the next step, past the interval
+        merged, waited = await _next(items)
+        assert 1.5 * interval <= waited < 2 * interval  # with that step's output, not at the interval
+        assert apply_delta(outs[0], merged) == outs[2]
+        stream.queue.put_nowait(outs[3])  # then the stream goes quiet: sent on the timer
+        quiet, waited = await _next(items)
+        assert waited >= 2 * interval - 0.05 and apply_delta(outs[2], quiet) == outs[3]
+
+    asyncio.run(main())
+
+
 def test_the_final_output_is_never_held_for_the_interval():
     async def main():
         stream, outs = RequestStream("r"), _outputs(3)

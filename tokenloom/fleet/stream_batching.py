@@ -7,9 +7,13 @@ Ray Serve LLM does with its `stream_batching_interval_ms` (the flag's name here)
 
 - The first output goes at once, whole: time to first token does not grow.
 - After an item is sent, what the engine makes within the interval is merged: outputs are cumulative,
-  so the merged item is the delta from the last output sent to the newest one (wire.py). It goes when
-  the interval has passed since the last send; if nothing came by then, the next output goes as soon
-  as it comes.
+  so the merged item is the delta from the last output sent to the newest one (wire.py). It goes with
+  the first output that arrives once the interval has passed, so every request's item leaves right
+  after an engine step, in one wake-up of the replica's loop. (A timer per request, the first version,
+  woke the loop at scattered times, up to once per request per step, each wake-up taking the GIL from
+  the engine thread; at 32 streams a 50 ms interval measured slower than none.) Only a stream gone quiet (no output for a further interval: a
+  preempted or stalled request) sends what it holds on a timer. If nothing was held, the next output
+  goes as soon as it comes.
 - The final output goes at once: a request never ends late for the interval.
 - Interval 0: one item per output, as before batching.
 """
@@ -39,10 +43,8 @@ async def batched_items(stream: RequestStream, interval_s: float) -> AsyncIterat
         due = sent_at + interval_s
         if held is None:
             out = await stream.latest()  # the next output, however long it takes
-        elif (left := due - time.monotonic()) > 0:
-            out = await stream.latest(left)  # a newer one before the interval is over (or the final one)
-        else:
-            out = None
+        else:  # the next step's output; a timer only for a stream gone quiet
+            out = await stream.latest(max(due - time.monotonic(), 0.0) + interval_s)
         if out is not None:
             held = out
         elif held is None:  # without a timeout, nothing comes only from an aborted stream
