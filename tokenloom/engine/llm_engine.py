@@ -384,7 +384,8 @@ class LLMEngine:
                 faults.maybe_raise_step("forward", self.num_steps, tuple(in_step))
                 faults.maybe_raise_step("stall", self.num_steps, tuple(in_step))
             results = self.runner.execute(plan)
-            if sum(n for _, n in plan.scheduled if n > 1) >= PROMPT_TOKENS_BEFORE_TRIM:
+            prompt_tokens = sum(n for (_, n), drafts in zip(plan.scheduled, row_drafts) if n > 1 and not drafts)
+            if prompt_tokens >= PROMPT_TOKENS_BEFORE_TRIM:
                 trim_heap()
         except Exception as exc:  # noqa: BLE001 - not one request's fault: fail the step's requests
             results = []
