@@ -31,6 +31,14 @@ def _outputs(n: int) -> list[RequestOutput]:
     return outs
 
 
+def _batching(n: int, interval: float):
+    """A request of `n` outputs batched at `interval` seconds, its first output already made:
+    (stream, outputs, items)."""
+    stream, outs = RequestStream("r"), _outputs(n)
+    stream.queue.put_nowait(outs[0])
+    return stream, outs, batched_items(stream, interval)
+
+
 async def _next(items, within: float = 5.0):
     """The next item, and how long it took to come."""
     started = time.monotonic()
@@ -40,9 +48,8 @@ async def _next(items, within: float = 5.0):
 
 def test_the_first_output_goes_at_once_and_later_ones_merge_until_the_interval_is_over():
     async def main():
-        stream, outs, interval = RequestStream("r"), _outputs(6), 0.4
-        items = batched_items(stream, interval)
-        stream.queue.put_nowait(outs[0])
+        interval = 0.4
+        stream, outs, items = _batching(6, interval)
         first, waited = await _next(items)
         assert first is outs[0] and waited < interval  # whole, and not held for the interval
 
@@ -63,9 +70,8 @@ def test_the_first_output_goes_at_once_and_later_ones_merge_until_the_interval_i
 
 def test_after_a_quiet_interval_the_next_output_goes_as_it_comes():
     async def main():
-        stream, outs, interval = RequestStream("r"), _outputs(3), 0.5
-        items = batched_items(stream, interval)
-        stream.queue.put_nowait(outs[0])
+        interval = 0.5
+        stream, outs, items = _batching(3, interval)
         await _next(items)
         waiting = asyncio.create_task(_next(items))
         await asyncio.sleep(interval + 0.2)  # nothing came within the interval
@@ -82,9 +88,8 @@ def test_a_held_output_goes_with_the_first_output_after_the_interval_not_on_a_ti
     """Items leave right after an engine step (one wake-up for every stream), so what is held waits for
     the next output past the interval; a timer fires only once the stream is quiet for a further one."""
     async def main():
-        stream, outs, interval = RequestStream("r"), _outputs(5), 0.5
-        items = batched_items(stream, interval)
-        stream.queue.put_nowait(outs[0])
+        interval = 0.5
+        stream, outs, items = _batching(5, interval)
         await _next(items)
         stream.queue.put_nowait(outs[1])  # held
         loop = asyncio.get_running_loop()
@@ -101,9 +106,7 @@ def test_a_held_output_goes_with_the_first_output_after_the_interval_not_on_a_ti
 
 def test_the_final_output_is_never_held_for_the_interval():
     async def main():
-        stream, outs = RequestStream("r"), _outputs(3)
-        items = batched_items(stream, 10.0)
-        stream.queue.put_nowait(outs[0])
+        stream, outs, items = _batching(3, 10.0)
         await _next(items)
         stream.queue.put_nowait(outs[1])  # held for the interval...
         asyncio.get_running_loop().call_later(0.05, stream.queue.put_nowait, outs[2])  # ...until the final one
@@ -113,9 +116,7 @@ def test_the_final_output_is_never_held_for_the_interval():
             await anext(items)
 
         # Nothing held: the final output right after the first one goes at once too.
-        stream, outs = RequestStream("r"), _outputs(2)
-        items = batched_items(stream, 10.0)
-        stream.queue.put_nowait(outs[0])
+        stream, outs, items = _batching(2, 10.0)
         assert (await _next(items))[0] is outs[0]
         stream.queue.put_nowait(outs[1])
         last, waited = await _next(items)
@@ -143,9 +144,7 @@ def test_interval_zero_sends_one_item_per_output():
 
 def test_an_aborted_stream_sends_what_it_held_and_ends():
     async def main():
-        stream, outs = RequestStream("r"), _outputs(4)
-        items = batched_items(stream, 10.0)
-        stream.queue.put_nowait(outs[0])
+        stream, outs, items = _batching(4, 10.0)
         await _next(items)
         stream.queue.put_nowait(outs[1])
         asyncio.get_running_loop().call_later(0.05, stream.queue.put_nowait, _ABORTED)
