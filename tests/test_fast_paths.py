@@ -90,12 +90,13 @@ def test_int4_c_kernel_matches_the_q4_1_weights(kernel, rows):
     assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
 
 
-def q5_0_bytes(n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Q5_0 blocks of a random [n, k] weight, written by gguf's own quantizer (the file format's reference)."""
+def q5_0_bytes(n: int, k: int, seed: int = 0, qtype: str = "Q5_0") -> np.ndarray:
+    """Q5_0 (or `qtype`) blocks of a random [n, k] weight, written by gguf's own quantizer (the file
+    format's reference)."""
     import gguf
 
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
-    return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q5_0)
+    return gguf.quants.quantize(w, gguf.GGMLQuantizationType[qtype])
 
 
 def test_q5_0_blocks_dequantize_like_the_loader():
@@ -122,6 +123,22 @@ def test_int5_c_kernel_matches_the_q5_0_weights(kernel, rows):
         ref += (x.double() - xr.double()).reshape(rows, -1, 32).sum(-1) @ blocks[..., 1].double().t()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
+
+
+@pytest.mark.parametrize("kernel", C_KERNELS)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0"])
+def test_symmetric_codes_keep_no_offsets_and_give_the_same_bits(kernel, qtype):
+    """Q4_0's and Q5_0's offset is -8d / -16d: the layer keeps none, and the kernel computing it gives the
+    bits it gives reading it."""
+    n, k = 112, 96
+    blocks = linear.LOW_BIT_BLOCKS[qtype](q5_0_bytes(n, k, seed=8, qtype=qtype), (n, k))
+    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    assert layer.offsets is None and layer.bits == (5 if qtype == "Q5_0" else 4)
+    x = torch.randn(9, k)
+    stored = layer.scales * -(2 ** (layer.bits - 1))  # the same offsets, read from memory
+    assert torch.equal(layer(x), layer.kernel.int4(x, layer.codes, layer.scales, stored, layer.fifth))
+    ref = x.double() @ linear.dequantize_blocks(blocks).double().t()
+    torch.testing.assert_close(layer(x).double(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_five_bit_blocks_are_refused_by_torchs_int4_op():

@@ -60,8 +60,8 @@ def _weight(linear: Int4Linear | Int8Linear) -> _Weight:
     if isinstance(linear, Int8Linear):
         return _Weight(linear.codes.data_ptr(), None, linear.scales.data_ptr(), None, bias, 2 if linear.grouped else 1)
     fifth = linear.fifth.data_ptr() if linear.fifth is not None else None
-    return _Weight(linear.codes.data_ptr(), fifth, linear.scales.data_ptr(), linear.offsets.data_ptr(), bias,
-                   3 if fifth else 0)
+    offsets = linear.offsets.data_ptr() if linear.offsets is not None else None  # None: symmetric codes
+    return _Weight(linear.codes.data_ptr(), fifth, linear.scales.data_ptr(), offsets, bias, 3 if fifth else 0)
 
 
 def _tensors(linear: Int4Linear | Int8Linear) -> list[torch.Tensor]:

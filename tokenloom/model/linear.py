@@ -160,6 +160,15 @@ def _per_block(v: torch.Tensor) -> torch.Tensor:
     return v.to(torch.float16).reshape(n // 16, 16, kb).transpose(1, 2).contiguous()
 
 
+def _scales_and_offsets(blocks: torch.Tensor, five_bit: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Blocks' d and m per column block (`_per_block`); m None where every m is -8d (-16d for 5-bit codes):
+    the symmetric formats' (Q4_0, Q5_0), which the kernels compute instead of reading (Qwen2.5-0.5B's
+    Q5_0 layers: 14 MB less to keep)."""
+    d, m = _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
+    symmetric = torch.equal(m.float(), d.float() * -(16 if five_bit else 8))
+    return d, None if symmetric else m
+
+
 def _nibble_words(q: torch.Tensor) -> torch.Tensor:
     """[..., 4] codes -> [...] int16 with code t in bits 4t..4t+3 (the same 16 bits, signed)."""
     word = q[..., 0] | (q[..., 1] << 4) | (q[..., 2] << 8) | (q[..., 3] << 12)
@@ -186,7 +195,8 @@ def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | No
     n, kb, _ = blocks.shape
     q = blocks[..., 2:].to(torch.int32).reshape(n // 16, 16, kb, GROUP // 8, 4, 2)  # nb, c, g, jq, t, p
     q = q.permute(0, 2, 3, 1, 5, 4).reshape(n // 16, kb, GROUP // 8, 32, 4)  # nb, g, jq, lane, t
-    return _nibble_words(q & 0xF), _fifth_bits(q), _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
+    fifth = _fifth_bits(q)
+    return _nibble_words(q & 0xF), fifth, *_scales_and_offsets(blocks, fifth is not None)
 
 
 def pack_avx2_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -197,7 +207,8 @@ def pack_avx2_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor |
     n, kb, _ = blocks.shape
     q = blocks[..., 2:].to(torch.int32).reshape(n // 16, 2, 8, kb, GROUP // 4, 2, 2)  # nb, t%2, c, g, jj, t//2, p
     q = q.permute(0, 3, 4, 2, 6, 5, 1).reshape(n // 16, kb, GROUP // 4, 16, 4)  # nb, g, jj, lane, t
-    return _nibble_words(q & 0xF), _fifth_bits(q), _per_block(blocks[..., 0]), _per_block(blocks[..., 1])
+    fifth = _fifth_bits(q)
+    return _nibble_words(q & 0xF), fifth, *_scales_and_offsets(blocks, fifth is not None)
 
 
 def pack_int8_c_layout(q: torch.Tensor) -> torch.Tensor:
@@ -230,13 +241,14 @@ class QuantGemm:
             raise ValueError(f"quantized gemm: x must be float32 [rows, {k}], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        if x.shape[0] and fn(x.data_ptr(), x.shape[0], x.shape[1], *(w.data_ptr() for w in weights), n, out.data_ptr()):
+        pointers = (None if w is None else w.data_ptr() for w in weights)  # None: NULL (offsets of symmetric codes)
+        if x.shape[0] and fn(x.data_ptr(), x.shape[0], x.shape[1], *pointers, n, out.data_ptr()):
             raise MemoryError("quantized gemm: out of memory for the activation buffer")
         return out
 
-    def int4(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+    def int4(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
              fifth: torch.Tensor | None = None) -> torch.Tensor:
-        """4-bit codes, or 5-bit ones with their `fifth` bits (int5_gemm)."""
+        """4-bit codes, or 5-bit ones with their `fifth` bits (int5_gemm); `offsets` None for symmetric codes."""
         k, n = codes.shape[1] * GROUP, codes.shape[0] * 16
         if fifth is not None:
             return self._run(self._int5, x, k, n, codes, fifth, scales, offsets)
@@ -304,6 +316,11 @@ for r in range(M):
     for n in range(N):
         ref = sum(x[r * K + k] * (d[n][k // 32] * q[n][k] + m[n][k // 32]) for k in range(K))
         assert abs(y[r * N + n] - ref) < 1e-4 * (1 + abs(ref)), (r, n, y[r * N + n], ref)
+assert fn(xbuf, M, K, cbuf, sbuf, None, N, y) == 0  # symmetric codes: the offset is -8 d
+for r in range(M):
+    for n in range(N):
+        ref = sum(x[r * K + k] * d[n][k // 32] * (q[n][k] - 8) for k in range(K))
+        assert abs(y[r * N + n] - ref) < 1e-4 * (1 + abs(ref)), ("symmetric", r, n, y[r * N + n], ref)
 """
 _CHECK_INT5 = r"""
 fn5 = lib.int5_gemm
@@ -317,6 +334,12 @@ for r in range(M):
     for n in range(N):
         ref = sum(x[r * K + k] * (d[n][k // 32] * q5[n][k] + m[n][k // 32]) for k in range(K))
         assert abs(y[r * N + n] - ref) < 1e-4 * (1 + abs(ref)), ("int5", r, n, y[r * N + n], ref)
+assert fn5(xbuf, M, K, (ctypes.c_uint8 * len(codes5)).from_buffer(codes5), (ctypes.c_uint8 * len(fifth5)).from_buffer(fifth5),
+           sbuf, None, N, y) == 0  # symmetric codes: the offset is -16 d
+for r in range(M):
+    for n in range(N):
+        ref = sum(x[r * K + k] * d[n][k // 32] * (q5[n][k] - 16) for k in range(K))
+        assert abs(y[r * N + n] - ref) < 1e-4 * (1 + abs(ref)), ("int5 symmetric", r, n, y[r * N + n], ref)
 """
 _CHECK_INT8 = r"""
 fn8 = lib.int8_gemm
@@ -427,7 +450,7 @@ class Int4Linear(SplitRowsLinear):
             self.register_buffer("codes", codes)
             self.register_buffer("fifth", fifth)  # None: 4-bit codes (int4_gemm), else int5_gemm
             self.register_buffer("scales", scales)
-            self.register_buffer("offsets", offsets)
+            self.register_buffer("offsets", offsets)  # None: symmetric codes (Q4_0, Q5_0)
             self.compute_dtype = torch.float32
         else:
             if blocks[..., 2:].max() > 15:
@@ -553,6 +576,9 @@ def int4_head(weight: torch.Tensor | StoredRows, kernel: QuantGemm, rows: int = 
         del chunk
         trim_heap()  # a chunk's float32 temporaries (several times its packed size) back to the OS
     head = parts[0]
+    for part in parts:  # a chunk of all-zero rows reads as symmetric; the stacked head keeps every offset
+        if part.offsets is None:
+            part.offsets = part.scales * -8
     for name in ("codes", "scales", "offsets"):
         setattr(head, name, torch.cat([getattr(part, name) for part in parts]))
     head.out_features = sum(part.out_features for part in parts)

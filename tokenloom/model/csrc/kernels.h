@@ -18,7 +18,8 @@ typedef int int5_gemm_fn(const float *x, int64_t rows, int64_t k, const uint8_t 
                          const uint16_t *scales, const uint16_t *offsets, int64_t n, float *y);
 typedef int int8_gemm_fn(const float *x, int64_t rows, int64_t k, const int8_t *codes, const float *scales,
                          int64_t n, float *y);
-int4_gemm_fn int4_gemm;   /* Q4-style groups of 32: scale and offset per group and column (float16) */
+int4_gemm_fn int4_gemm;   /* Q4-style groups of 32: scale and offset per group and column (float16); offsets
+                           * NULL: symmetric codes, the offset -8 scale (int4) or -16 scale (int5) */
 int5_gemm_fn int5_gemm;   /* the same with a plane of fifth bits (Q5_0; each layout's own, see its source) */
 int8_gemm_fn int8_gemm;   /* int8, a float32 scale per column */
 int8_gemm_fn int8g_gemm;  /* int8, a float32 scale per group of 32 inputs and column */

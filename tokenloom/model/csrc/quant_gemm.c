@@ -24,8 +24,9 @@
  *
  * Layout (model/linear.py pack_c_layout): for each block of 16 output columns, group of 32 inputs and
  * quarter jq of the group, 32 16-bit lanes; nibble t of lane 2c + p is the code of column c, input
- * 8 jq + 2 t + p. Scales d and offsets m: float16, [N/16][K/32][16]. int5's fifth bits: uint32
- * [N/16][K/32][4 jq][4 t], bit 2c + p the one of nibble t of lane 2c + p.
+ * 8 jq + 2 t + p. Scales d and offsets m: float16, [N/16][K/32][16]; offsets NULL for symmetric codes,
+ * m = -8 d (int4: Q4_0's) or -16 d (int5: Q5_0's), computed instead of read (0.5 bits a weight less to
+ * keep). int5's fifth bits: uint32 [N/16][K/32][4 jq][4 t], bit 2c + p the one of nibble t of lane 2c + p.
  * int8: [N/16][K/2][16][2] bytes, scales float32 [N]; int8g: the same codes, scales float32 [N/16][K/32][16].
  *
  * Built at run time by model/kernels.py with -mavx512f -mavx512bw -mavx512vl -mavx512bf16.
@@ -93,7 +94,8 @@ INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, co
         for (int b = 0; b < NB; b++) {
             const int64_t at = ((nb0 + b) * G + g) * COLS;
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + at)));
-            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(offset + at)));
+            const __m512 m = offset ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(offset + at)))
+                                    : _mm512_mul_ps(_mm512_set1_ps(hi ? -16.0f : -8.0f), d);  /* symmetric */
             const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m);  /* m - 128 d */
             for (int r = 0; r < MR; r++) {
                 float *o = y + r * N + (nb0 + b) * COLS;

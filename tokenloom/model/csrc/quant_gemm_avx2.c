@@ -1,6 +1,7 @@
 /* quant_gemm.c's kernels for CPUs without AVX512-BF16 (AVX2 + FMA + F16C):
  *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T over the GGUF's Q4_1 blocks (the decoder's projections),
- *     in its own code layout (model/linear.py pack_avx2_layout; scales and offsets as quant_gemm.c's);
+ *     in its own code layout (model/linear.py pack_avx2_layout; scales and offsets as quant_gemm.c's,
+ *     offsets NULL for symmetric codes);
  *   int5_gemm: the same with 5-bit codes (Q5_0's): the nibbles plus a plane of fifth bits, uint16
  *     [N/16][K/32][8 jj][4 t], bit 2c + p the one of nibble t of lane 2c + p;
  *   int8_gemm: the same over per-column int8 weights (the LM head's approximate logits), quant_gemm.c's
@@ -113,7 +114,8 @@ INLINE void tile(const int16_t *xq, const float *xscale, const float *sums, int6
         const int64_t at = (nb * G + g) * COLS;
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + at + 8 * h)));
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offset + at + 8 * h)));
+            const __m256 m = offset ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(offset + at + 8 * h)))
+                                    : _mm256_mul_ps(_mm256_set1_ps(hi ? -16.0f : -8.0f), d);  /* symmetric */
             for (int r = 0; r < MR; r++) {
                 float *o = y + r * N + nb * COLS + 8 * h;
                 const __m256 dx = _mm256_mul_ps(d, _mm256_set1_ps(xscale[r * G + g]));
