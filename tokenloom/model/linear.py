@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import kernels, vocab_select
 from .gguf_tensors import StoredRows, trim_heap
 from .kernels import cpu_flags  # also what the benchmarks record the CPU flags from
 
@@ -557,7 +557,7 @@ class RescoredHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scan = self.approx
         logits = scan(x if getattr(scan, "kernel", None) is not None else x.to(torch.bfloat16)).float()
-        idx = logits.topk(min(self.top, logits.shape[-1]), dim=-1).indices  # [rows, top]
+        idx = vocab_select.topk_indices(logits, min(self.top, logits.shape[-1]))  # [rows, top]
         # Elementwise product and sum: each row's result is the same whatever the number of rows.
         exact = (self.weight[idx].float() * x.float().unsqueeze(1)).sum(-1)
         return logits.scatter_(1, idx, exact)

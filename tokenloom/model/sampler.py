@@ -24,6 +24,7 @@ from ..sampling_params import SamplingParams
 from ..step import RowConstraint
 from ..structured_outputs import bitmask_words, unpack_bitmask
 from ..token_sets import allowed_mask, bias_tensors
+from . import vocab_select
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int]) -> None:
@@ -167,7 +168,7 @@ class Sampler:
                 apply_penalties(logits[r], row_params[r], prompt_ids[s], history)
             apply_constraints(logits, row_constraints, raw)
 
-        greedy_tokens = logits.argmax(dim=-1).tolist()
+        greedy_tokens = vocab_select.argmax(logits).tolist()
         random_rows = [r for r, p in enumerate(row_params) if not p.greedy]
         probs_of: dict[int, torch.Tensor] = {}
         if random_rows:
