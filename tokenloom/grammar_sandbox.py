@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from . import grammar_worker
 from .grammar_worker import write_frame
@@ -28,8 +29,10 @@ _DIED, _TIMED_OUT = object(), object()  # building the tokenizer in the worker t
 
 
 class GrammarSandbox:
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos: list[int]):
-        self._setup = {"tokenizer_json": tokenizer_json, "vocab_size": vocab_size, "eos": eos}
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos: list[int]):
+        """`tokenizer_json`: makes the tokenizer's JSON for each worker started (not held in between)."""
+        self._tokenizer_json = tokenizer_json
+        self._setup = {"vocab_size": vocab_size, "eos": eos}
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()  # one job at a time: the worker has one pipe
         self.num_restarts = 0  # workers replaced after a crash or a timeout (tests, reliability report)
@@ -60,7 +63,7 @@ class GrammarSandbox:
             self.num_restarts += 1
         self._proc = subprocess.Popen([sys.executable, grammar_worker.__file__], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, close_fds=True)
-        write_frame(self._proc.stdin, self._setup)
+        write_frame(self._proc.stdin, {"tokenizer_json": self._tokenizer_json(), **self._setup})
         if not isinstance(reply := self._read(self._proc, _START_TIMEOUT_S), dict):
             why = self._kill(self._proc, timed_out=reply is _TIMED_OUT)
             raise RuntimeError(f"the grammar worker did not start: {why}")  # noqa: TRY004 - a server fault, a 500

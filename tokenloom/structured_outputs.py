@@ -156,7 +156,8 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, limits: GrammarLimits = DEFAULT_LIMITS):
         self.limits = limits
-        self._tokenizer_json = tokenizer.tokenizer.to_str()
+        # The tokenizer as JSON, made when a grammar first needs it: held, Qwen2.5's would be 21 MB of str.
+        self._tokenizer_json = tokenizer.tokenizer.to_str
         self._eos = list(tokenizer.eos_token_ids)
         self._vocab_size = vocab_size
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
@@ -177,7 +178,7 @@ class GrammarCompiler:
         with self._lock:
             if self._ll_tokenizer is None:  # ~0.3 s: built on first use, not at start-up
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos
+                    self._tokenizer_json(), n_vocab=self._vocab_size, eos_token=self._eos
                 )
             return self._ll_tokenizer
 
