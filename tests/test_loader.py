@@ -185,8 +185,9 @@ K_QUANT_SCALES = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
 
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
-def test_stored_rows_read_exactly_what_the_whole_tensor_dequantizes_to(qtype):
-    """The embedding and the head's exact rows read from the file: bit-identical to the dense tensor."""
+def test_stored_rows_read_exactly_what_the_whole_tensor_dequantizes_to(qtype, tmp_path):
+    """The embedding and the head's exact rows read from the file: bit-identical to the dense tensor,
+    from the array and with `pread` from a file holding it at an offset."""
     from tokenloom.model.gguf_tensors import StoredRows, dequantize
 
     rng = np.random.default_rng(0)
@@ -197,13 +198,15 @@ def test_stored_rows_read_exactly_what_the_whole_tensor_dequantizes_to(qtype):
             data[:, offset:offset + 2] = np.full((40, 1), 0.01, np.float16).view(np.uint8)
     else:
         data = values if qtype == "F32" else gguf.quants.quantize(values, gguf.GGMLQuantizationType[qtype])
-    rows = StoredRows(data, qtype, (40, 256))
+    (tmp_path / "t.bin").write_bytes(b"x" * 96 + np.ascontiguousarray(data).tobytes())
     whole = dequantize(data, qtype, (40, 256))
     idx = torch.tensor([[0, 39, 7, 7, 12], [3, 3, 0, 21, 38]])
-    assert torch.equal(rows[idx], whole[idx]) and rows[idx].dtype == torch.float32
-    assert torch.equal(torch.cat(list(rows.chunks(16))), whole)
-    with pytest.raises(IndexError):
-        rows[torch.tensor([40])]
+    for rows in (StoredRows(data, qtype, (40, 256)), StoredRows(data, qtype, (40, 256), file=(str(tmp_path / "t.bin"), 96))):
+        assert torch.equal(rows[idx], whole[idx]) and rows[idx].dtype == torch.float32
+        assert rows[torch.tensor([], dtype=torch.long)].shape == (0, 256)
+        assert torch.equal(torch.cat(list(rows.chunks(16))), whole)
+        with pytest.raises(IndexError):
+            rows[torch.tensor([40])]
 
 
 def test_the_quantized_load_keeps_no_float32_copy_of_the_weights(tmp_path):

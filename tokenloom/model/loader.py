@@ -269,7 +269,8 @@ def _read_gguf(path: str, blocks: dict | None = None
         if len(t.shape) != 2:
             raise ValueError(f"{path}: tensor {name!r} has shape {shape(t)}, not [rows, dim]")
         return StoredRows(t.data, t.tensor_type.name, shape(t),
-                          release=functools.partial(release_mapped_pages, reader.data, t.data_offset, t.n_bytes))
+                          release=functools.partial(release_mapped_pages, reader.data, t.data_offset, t.n_bytes),
+                          file=(path, int(t.data_offset)))
 
     def get_blocks(name: str) -> torch.Tensor:
         t = tensors[name]
