@@ -66,8 +66,12 @@ class StoredRows:
         self._row_bytes = data[:1].nbytes
         if file is not None and data.strides[0] != self._row_bytes:
             raise ValueError("StoredRows: the rows of a file-backed tensor must be contiguous")
-        self._file = open(file[0], "rb", buffering=0) if file is not None else None  # noqa: SIM115 - kept for lookups
+        self._file = open(file[0], "rb", buffering=0) if file is not None else None  # noqa: SIM115 - closed in __del__
         self._offset = file[1] if file is not None else 0
+
+    def __del__(self):
+        if getattr(self, "_file", None) is not None:
+            self._file.close()
 
     def __getitem__(self, idx: torch.Tensor) -> torch.Tensor:
         flat = idx.reshape(-1).numpy()

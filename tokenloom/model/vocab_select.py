@@ -7,7 +7,7 @@ the vectorized chunk maxima first and then look only inside the chunks that can 
 - each of the row's k largest values lies in a chunk whose maximum is at least the k-th largest, and at
   most k chunks are such (ties aside: then any k of them hold k values as large), so the k chunks with
   the largest maxima hold a top k.
-Each row's result depends on that row alone (batch invariance), and rows with a NaN, or a vocabulary
+Each row's result depends on that row alone (batch invariance). Logits holding a NaN, or a vocabulary
 that is not whole chunks, go to torch's own ops.
 """
 
