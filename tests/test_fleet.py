@@ -263,7 +263,11 @@ def test_a_killed_replica_loses_no_request_silently(fleet):
 
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         futures = [pool.submit(stream, i) for i in range(12)]
-        time.sleep(1.5)  # requests on both replicas, some tokens out
+        def both_running() -> bool:
+            running = replica_totals(fleet.url, "tokenloom:num_requests_running")[0]
+            return len(running) == 2 and all(running.values())
+
+        assert wait_for(both_running, 30)  # the burst was spread over both replicas
         os.kill(pids[0], signal.SIGKILL)
         outcomes = [f.result(timeout=180) for f in futures]
     assert all(o in ("completed", "error event", "http 503") for o in outcomes), outcomes

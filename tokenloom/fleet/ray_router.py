@@ -54,8 +54,15 @@ class FleetRequestRouter(FIFOMixin, RequestRouter):
         ranking = self.policy.rank(_prompt_ids(pending_request), [replica_load(r) for r in candidate_replicas])
         return [[by_id[rid]] for rid in ranking]
 
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        # Counted in flight the moment it is sent: Ray reports a request routed only once its replica has
+        # answered that it accepts it, and a burst ranked before those answers would all see the same
+        # loads and go to one replica. Every send ends in on_request_completed, accepted or rejected.
+        super().on_send_request(replica_id)
+        self.policy.sent(replica_id.unique_id)
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
-        self.policy.routed(replica_id.unique_id, _prompt_ids(pending_request))
+        self.policy.placed(replica_id.unique_id, _prompt_ids(pending_request))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self.policy.completed(replica_id.unique_id)

@@ -67,7 +67,16 @@ class RoutingPolicy(ABC):
         return [r.replica_id for r in sorted(replicas, key=lambda r: (self.load(r), r.replica_id))]
 
     def routed(self, replica_id: str, prompt_ids: Sequence[int]) -> None:
+        """A request went to the replica: in flight there until `completed`, its prompt remembered."""
+        self.sent(replica_id)
+        self.placed(replica_id, prompt_ids)
+
+    def sent(self, replica_id: str) -> None:
+        """A request is on its way to the replica: counted in flight until `completed`."""
         self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
+
+    def placed(self, replica_id: str, prompt_ids: Sequence[int]) -> None:
+        """The replica took a request with this prompt. Only prefix-aware routing has a use for it."""
 
     def completed(self, replica_id: str) -> None:
         if self.in_flight.get(replica_id, 0) > 0:
@@ -153,8 +162,7 @@ class PrefixAware(RoutingPolicy):
         # No replica holds enough of it: the one caching least, so distinct prefixes spread out.
         return sorted(by_load, key=lambda rid: len(self.cached.get(rid, ())))
 
-    def routed(self, replica_id: str, prompt_ids: Sequence[int]) -> None:
-        super().routed(replica_id, prompt_ids)
+    def placed(self, replica_id: str, prompt_ids: Sequence[int]) -> None:
         cached = self.cached.setdefault(replica_id, OrderedDict())
         for h in prefix_hashes(prompt_ids, self.block_size):
             cached[h] = None
