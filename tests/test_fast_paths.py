@@ -75,7 +75,7 @@ def test_int4_bf16_close_and_row_invariant(kernel):
 def test_int4_c_kernel_matches_the_q4_1_weights(kernel, rows):
     """Only the activations are rounded (to bfloat16 by the AVX512-BF16 kernel, to int16 per group of 32
     by the AVX2 one): against the dequantized weights in float64 the error is float32 accumulation
-    noise; every tile shape (rows % 8, columns % 48) gives the same bits."""
+    noise; every tile shape (however the rows fall into tiles, columns % 48) gives the same bits."""
     n, k = 112, 96  # 7 column blocks: a full tile of 3, another, and one of 1
     blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=5), (n, k))
     layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))

@@ -40,8 +40,9 @@
 #define GROUP 32
 #define COLS 16      /* output columns per zmm */
 #define TILE_COLS 3  /* column blocks per tile: 48 columns */
-#define TILE_ROWS 8  /* int4 rows per tile: 8 x 3 accumulators + 3 code vectors + 3 operands fit in 32 zmm
-                        * (the running outputs stay in y): each operand serves 8 rows (4 rows: 10% slower) */
+#define TILE_ROWS 6  /* int4 rows per tile: 6 x 3 accumulators + 3 code vectors + 3 operands in 32 zmm (the
+                        * running outputs stay in y). 8 rows, each operand serving more, were 10-14% slower at
+                        * 32-512 rows (the compiler spills); 7 as fast as 6; 5 or 4 rows of 4 blocks no faster */
 #define INT8_TILE_ROWS 8  /* each converted int8 weight serves 8 rows (4 rows: the 32-row LM head 3.4 -> 2.5 ms) */
 #define PREFETCH_GROUPS 8  /* the codes this many groups on are asked for: at one row the projections stream
                             * 53 MB from DRAM a token (batch-1 int4 time 2.6-2.9 -> 2.1-2.2 ms; 2, 4, 16 slower) */
@@ -106,14 +107,14 @@ INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, co
     }
 }
 
-/* All rows for column blocks [nb0, nb0 + nb): full tiles of TILE_ROWS, then one tile of the rest.
+/* All rows for column blocks [nb0, nb0 + nb), in tiles of at most TILE_ROWS (gemm_tile_rows).
  * The switch gives the compiler constant tile sizes to unroll and keep in registers; inlined into its
  * callers, int4's (hi NULL) loses the fifth-bit code altogether. */
 INLINE void column_tile(const uint16_t *xb, const float *sums, int64_t M, int64_t K, int64_t G,
                         const uint8_t *codes, const uint32_t *hi, const uint16_t *scale, const uint16_t *offset,
                         int64_t nb0, int nb, float *y, int64_t N) {
-    for (int64_t m = 0; m < M; m += TILE_ROWS) {
-        const int mr = (int)(M - m < TILE_ROWS ? M - m : TILE_ROWS);
+    for (int64_t m = 0, mr; m < M; m += mr) {
+        mr = gemm_tile_rows(M - m, TILE_ROWS);
         const uint16_t *xm = xb + m * K;
         const float *sm = sums + m * G;
         float *ym = y + m * N;
@@ -121,7 +122,7 @@ INLINE void column_tile(const uint16_t *xb, const float *sums, int64_t M, int64_
 #define ROWS(MR) case MR * 4 + 3: TILE(MR, 3); break; case MR * 4 + 2: TILE(MR, 2); break; \
                  case MR * 4 + 1: TILE(MR, 1); break;
         switch (mr * 4 + nb) {
-            ROWS(8) ROWS(7) ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2) ROWS(1)
+            ROWS(6) ROWS(5) ROWS(4) ROWS(3) ROWS(2) ROWS(1)
         }
 #undef ROWS
 #undef TILE
@@ -250,8 +251,8 @@ static int int8_any(const float *x, int64_t M, int64_t K, const int8_t *codes, c
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t nb0 = t * TILE_COLS;
         const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
-        for (int64_t m = 0; m < M; m += INT8_TILE_ROWS) {
-            const int mr = (int)(M - m < INT8_TILE_ROWS ? M - m : INT8_TILE_ROWS);
+        for (int64_t m = 0, mr; m < M; m += mr) {
+            mr = gemm_tile_rows(M - m, INT8_TILE_ROWS);
             const uint16_t *xm = xb + m * K;
             float *ym = y + m * N;
 #define TILE8(MR, NB) (gscale ? tile8g(xm, K, G, MR, NB, codes, gscale, nb0, ym, N) \

@@ -148,11 +148,12 @@ static int low_bit_gemm(const float *x, int64_t M, int64_t K, const uint8_t *cod
     if (!rows.xq) return 1;
 #pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
     for (int64_t nb = 0; nb < blocks; nb++) {
-        for (int64_t m = 0; m < M; m += TILE_ROWS) {
+        for (int64_t m = 0, mr; m < M; m += mr) {
+            mr = gemm_tile_rows(M - m, TILE_ROWS);
             const int16_t *xm = rows.xq + m * K;
             const float *sm = rows.sum + m * G, *cm = rows.scale + m * G;
             float *ym = y + m * N;
-            switch (M - m < TILE_ROWS ? (int)(M - m) : TILE_ROWS) {
+            switch (mr) {
                 case 4: tile(xm, cm, sm, K, G, 4, codes, hi, scale, offset, nb, ym, N); break;
                 case 3: tile(xm, cm, sm, K, G, 3, codes, hi, scale, offset, nb, ym, N); break;
                 case 2: tile(xm, cm, sm, K, G, 2, codes, hi, scale, offset, nb, ym, N); break;
@@ -229,11 +230,12 @@ static int int8_any(const float *x, int64_t M, int64_t K, const int8_t *codes, c
     if (!rows.xq) return 1;
 #pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
     for (int64_t nb = 0; nb < blocks; nb++) {
-        for (int64_t m = 0; m < M; m += TILE_ROWS) {
+        for (int64_t m = 0, mr; m < M; m += mr) {
+            mr = gemm_tile_rows(M - m, TILE_ROWS);
             const int16_t *xm = rows.xq + m * K;
             const float *cm = rows.scale + m * G;
             float *ym = y + m * N;
-            switch (M - m < TILE_ROWS ? (int)(M - m) : TILE_ROWS) {
+            switch (mr) {
                 case 4: tile8(xm, cm, K, G, 4, codes, scale, gscale, nb, ym, N); break;
                 case 3: tile8(xm, cm, K, G, 3, codes, scale, gscale, nb, ym, N); break;
                 case 2: tile8(xm, cm, K, G, 2, codes, scale, gscale, nb, ym, N); break;
