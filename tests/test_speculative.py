@@ -140,6 +140,25 @@ def test_policy_proposes_at_batch_1_and_little_at_32_busy_streams():
     assert sum(len(s.spec_token_ids) for s in many) > 32
 
 
+def test_a_sequence_that_stopped_drafting_tries_again():
+    """A rate is only measured on drafts: a sequence whose drafts missed until a row no longer paid
+    stops drafting, and without a way back it would never draft again however well a lookup would do."""
+    policy = SpeculationPolicy(SpeculativeConfig(num_speculative_tokens=4))
+    for rows in (1, 2, 5, 8):
+        policy.observe_step(rows, 0.005 + 0.0008 * rows)  # SmolLM2's grounded c=1 steps
+    [seq] = _seqs(1, [1, 2, 3, 4] * 10)
+    drafting = []
+    for _ in range(40):
+        policy.propose([seq], [4])
+        drafting.append(bool(seq.spec_token_ids))
+        if seq.spec_token_ids:
+            policy.observe(seq, len(seq.spec_token_ids), 0)  # every draft wrong
+    first_pause = drafting.index(False)
+    assert first_pause <= 6  # it stops after a few misses
+    assert any(drafting[first_pause:]), drafting  # and tries again
+    assert sum(drafting) < 20  # at long intervals: probes, not a draft every step
+
+
 def test_acceptance_rate_tracks_what_was_accepted():
     a = Acceptance()
     for _ in range(30):
