@@ -26,8 +26,8 @@ int8_gemm_fn int8g_gemm;  /* int8, a float32 scale per group of 32 inputs and co
 
 /* The gemms' row tiles: the next tile's rows when `left` rows remain and a tile holds at most `most`,
  * spreading them evenly over the fewest tiles (9 rows in tiles of 8: 5 + 4, not 8 + 1). A one-row tile
- * waits on the latency of its few accumulator chains: SmolLM2's 9-row step cost a tenth more than its
- * 10-row one. Which tile a row falls in never changes its bits. */
+ * waits on the latency of its few accumulator chains: SmolLM2's projections took 6.6 ms at 9 rows as
+ * 8 + 1, 6.3 at 10 rows, 5.3 at 9 as 5 + 4. Which tile a row falls in never changes its bits. */
 static inline int gemm_tile_rows(int64_t left, int most) {
     const int64_t tiles = (left + most - 1) / most;
     return (int)((left + tiles - 1) / tiles);
