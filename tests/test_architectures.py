@@ -24,6 +24,7 @@ from tokenloom import LLM, SamplingParams
 from tokenloom.model import linear
 from tokenloom.model.config import FULL, SLIDING, ModelConfig
 from tokenloom.model.loader import ModelSource, dequantize, load_model, random_model
+from tokenloom.step import HOLE
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -224,12 +225,28 @@ def test_windowed_decode_through_the_engine_equals_one_prefill(tokenizer, quanti
         use_c_kernels(model, torch_dtype("float32"))
     engine = LLMEngine(EngineConfig(max_num_batched_tokens=8, max_model_len=256, num_kv_blocks=64, block_size=4),
                        model=model, tokenizer=tokenizer)
+    assert engine.kv.windows == (None,) + (8,) * 5  # a KV group per layer: the full one first
     prompt = list(range(100, 119))
-    engine.add_request("w", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    out = None
-    while engine.has_unfinished_requests():
-        out = [o for o in engine.step() if o.finished] or out
-    tokens = out[0].outputs[0].token_ids
+
+    def generate(request_id: str) -> tuple[list[int], int]:
+        """(greedy tokens, most blocks a sliding group's table had released at once)"""
+        engine.add_request(request_id, {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        out, released = None, 0
+        while engine.has_unfinished_requests():
+            out = [o for o in engine.step() if o.finished] or out
+            for running in engine.scheduler.running:
+                released = max(released, running.block_tables[-1].count(HOLE))
+                engine.kv.check_invariants(engine.scheduler.running)
+        return out[0].outputs[0].token_ids, released
+
+    tokens, released = generate("w")
+    # The query at position 28 reads positions 21-28, blocks 5 to 7 of 4 tokens: 0 to 4 were released.
+    assert released == 5
+    # The same prompt again starts from the prefix cache: the full group's first 4 blocks, the sliding
+    # groups' blocks 2 and 3 (what position 16 reads), some of them cached after their release.
+    hits = engine.kv.prefix_hits
+    assert generate("again")[0] == tokens and engine.kv.prefix_hits - hits == 16
     seq = list(prompt)
     for token in tokens:
         assert int(logits_of(model, seq).argmax()) == token

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tokenloom import SamplingParams
-from tokenloom.engine.kv_cache import KVCacheManager
-from tokenloom.step import Sequence
+from tokenloom.engine.kv_cache import KVCacheManager, held_blocks
+from tokenloom.step import HOLE, Sequence
 
 PARAMS = SamplingParams(max_tokens=8)
 
@@ -42,7 +42,7 @@ def test_prefix_hit_shares_full_blocks_and_leaves_one_token():
     assert admit(kv, a)
     b = seq_of(range(12), "b")  # identical prompt: 2 full blocks hit, the last block is recomputed
     hits = kv.get_computed_blocks(b)
-    assert [h.block_id for h in hits] == a.block_table[:2]
+    assert [h.block_id for h, in hits] == a.block_table[:2]
     assert kv.allocate_slots(b, 12 - 8, hits)
     assert b.num_computed_tokens == 0  # the scheduler counts the hits as computed
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
@@ -187,3 +187,50 @@ class KVMachine(RuleBasedStateMachine):
 
 TestKVMachine = KVMachine.TestCase
 TestKVMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class WindowedKVMachine(KVMachine):
+    """The same rules on a cache with sliding-window groups (Gemma 3's layout in small): one full group and
+    two whose tables release blocks behind a 6-token window. Besides the accounting, every block a next
+    query reads is still held, and every held block that is cached holds this sequence's tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.kv = KVCacheManager(num_blocks=48, block_size=4, num_host_blocks=24, windows=(None, 6, 6))
+
+    @invariant()
+    def windows_hold_what_the_next_query_reads(self):
+        for seq in self.live:
+            if seq.host_blocks:
+                continue
+            for group, (table, window) in enumerate(zip(seq.block_tables, self.kv.windows, strict=True)):
+                # The next query, at position num_computed_tokens, reads the window's positions before it.
+                first = 0 if window is None else max(seq.num_computed_tokens - window + 1, 0) // self.kv.block_size
+                assert HOLE not in table[first:], f"{seq.seq_id} group {group} released a block its window reads"
+                for i, block_id in enumerate(table[: len(seq.block_keys)]):
+                    key = self.kv.blocks[block_id].key if block_id != HOLE else None
+                    assert key in (None, self.kv._group_key(seq.block_keys[i], group)), "a block holds other tokens"
+
+
+TestWindowedKVMachine = WindowedKVMachine.TestCase
+TestWindowedKVMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_a_sliding_group_releases_blocks_behind_its_window_and_a_hit_needs_only_the_window():
+    kv = KVCacheManager(num_blocks=64, block_size=4, windows=(None, 6))
+    a = seq_of(list(range(40)), "a")
+    assert admit(kv, a)
+    assert held_blocks(a)[:10] == a.block_table and len(a.block_tables[1]) == 10
+    a.token_ids.append(99)
+    assert kv.allocate_slots(a, 1)  # the query at position 40 reads positions 35..40: blocks 8 to 10
+    assert a.block_tables[1][:8] == [HOLE] * 8 and HOLE not in a.block_tables[1][8:]
+    assert kv.num_free_blocks == 64 - 11 - 3
+    # A new sequence with the same 40 tokens hits blocks 0-8 in the full group (one token left to
+    # compute) and, in the sliding group, only blocks 7 and 8, which its position 36 reads.
+    b = seq_of(list(range(40)), "b")
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 9 and all(row[0] is not None for row in hits)
+    assert [row[1] is not None for row in hits] == [False] * 7 + [True] * 2
+    assert kv.allocate_slots(b, 4, hits)
+    kv.check_invariants([a, b])
+    assert kv.most_blocks_held(1000, step_tokens=8) == 250 + kv.blocks_needed(6 - 1 + 8) + 1

@@ -172,3 +172,36 @@ def test_the_kernel_refuses_what_it_was_not_loaded_for():
     too_long[1] = tables.shape[1] * 16 + 1
     with pytest.raises(ValueError, match="longer than its block table"):
         kernel.prepare(tables, too_long, 16)
+
+
+def masked_window_attention(q, k, v, tables, lens, block_size, window, scale):
+    """The reference a sliding-window query is held to: its whole context gathered, every position
+    before its last `window` masked out."""
+    slots = (tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)
+    keys = torch.arange(slots.shape[1])[None, :]
+    mask = (keys < lens[:, None]) & (keys >= lens[:, None] - window)
+    kd, vd = k[slots].float().transpose(1, 2), v[slots].float().transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask[:, None, None, :],
+                                                           scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+@pytest.mark.parametrize("which", [pytest.param("torch", id="torch"), *KERNELS])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_a_sliding_window_reads_only_its_last_positions(which, kv_dtype):
+    """Contexts longer and shorter than the window in one batch (Gemma 3's head_dim 256 and a GQA
+    group). Blocks wholly behind a row's window are overwritten with NaN first, as if released and
+    reused: nothing reads them."""
+    if which != "torch" and LIB is None:
+        pytest.skip("the C kernel does not build or run here (logged)")
+    block_size, window = 4, 11
+    q, k, v, tables, lens = random_case(6, 4, 2, 256 if which != "avx512" else 64, block_size, seed=3, max_len=60)
+    lens[0] = 5  # within the window
+    ref = masked_window_attention(q, k.to(kv_dtype), v.to(kv_dtype), tables, lens, block_size, window, 0.1)
+    for row, n in enumerate(lens.tolist()):
+        for b in range(max(n - window, 0) // block_size):
+            k[tables[row, b] * block_size : (tables[row, b] + 1) * block_size] = float("nan")
+            v[tables[row, b] * block_size : (tables[row, b] + 1) * block_size] = float("nan")
+    impl = pa.TorchDecodeAttention() if which == "torch" else kernel_for(which)
+    out = impl(impl.prepare(tables, lens, block_size, window), q, k.to(kv_dtype), v.to(kv_dtype), 0.1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

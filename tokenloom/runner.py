@@ -13,7 +13,8 @@ import time
 import numpy as np
 import torch
 
-from .model.decoder import DecoderModel, ForwardBatch, PrefillSpan
+from .model.decoder import DecoderModel, ForwardBatch, GroupSlots, PrefillSpan
+from .model.kv_layout import KVLayout
 from .model.lora import LoRABatch, LoRAStacks
 from .model.sampler import Sampler, top_logprobs
 from .step import Runner, StepPlan, StepResult, is_decode, samples
@@ -34,12 +35,15 @@ class ModelRunner(Runner):
         self.device, self.dtype = param.device, kv_dtype or model.kv_cache_dtype or param.dtype
         self.block_size = block_size
 
-        def cache(n: int, device) -> torch.Tensor:  # [layer, K/V, slot, kv head, head dim]
-            shape = (cfg.num_layers, 2, n * block_size, cfg.num_kv_heads, cfg.dim_per_head)
+        self.layout = KVLayout.of(cfg)
+
+        def cache(n: int, device) -> torch.Tensor:  # [layer slot, K/V, slot, kv head, head dim]
+            shape = (self.layout.layers_per_page, 2, n * block_size, cfg.num_kv_heads, cfg.dim_per_head)
             return torch.zeros(shape, dtype=self.dtype, device=device)
 
         self.kv_cache = cache(num_blocks, self.device)
-        self.layer_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        planes = [self.layout.place(layer)[1] for layer in range(cfg.num_layers)]
+        self.layer_caches = [(self.kv_cache[p, 0], self.kv_cache[p, 1]) for p in planes]
         self.host_cache = cache(num_host_blocks, "cpu") if num_host_blocks else None
         self.sampler = Sampler(seed)
         # adapters' weights stacked per set that shares steps, in the dtype the layer ops' LoRA kernel takes
@@ -88,11 +92,15 @@ class ModelRunner(Runner):
         return self._sample(out, logits, sample_rows, prompt_rows)
 
     def _prepare(self, out: StepPlan):
-        bs = self.block_size
+        bs, groups = self.block_size, range(self.layout.num_groups)
         tokens: list[int] = []
         positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        decode_idx, decode_tables, decode_ctx = [], [], []
+        # Per KV group (model/kv_layout.py): the slots its layers write, its decode rows' tables and its
+        # prefill spans' context slots. One group unless the model has sliding-window layers.
+        slots: list[list[np.ndarray]] = [[] for _ in groups]
+        decode_tables: list[list[np.ndarray]] = [[] for _ in groups]
+        context_slots: list[list[torch.Tensor]] = [[] for _ in groups]
+        decode_idx, decode_ctx = [], []
         # The paged C kernel also takes prompt tokens as single queries (each with its own context
         # length, i.e. the causal mask): faster than gather + SDPA at every length measured.
         per_token = self.model.decode_attention.takes_prefill_rows
@@ -117,21 +125,25 @@ class ModelRunner(Runner):
             q0 = len(tokens)
             tokens.extend(seq.step_token_ids(start, ctx))
             row_lora.extend([seq.lora] * n)
-            table = np.asarray(seq.block_table, dtype=np.int64)
+            # A sliding group's released entries (HOLE) read block 0: its window's mask hides them.
+            tables = [np.maximum(np.asarray(t, dtype=np.int64), 0) for t in seq.block_tables]
             pos = np.arange(start, ctx)
             positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+            for g in groups:
+                slots[g].append(tables[g][pos // bs] * bs + pos % bs)
             if is_decode(n) or per_token or seq.spec_token_ids:
                 decode_idx.extend(range(q0, q0 + n))
-                decode_tables.extend([table] * n)
+                for g in groups:
+                    decode_tables[g].extend([tables[g]] * n)
                 decode_ctx.extend(range(start + 1, ctx + 1))
             else:
                 ctx_pos = np.arange(ctx)
-                ctx_slots = torch.from_numpy(table[ctx_pos // bs] * bs + ctx_pos % bs).to(self.device)
+                for g in groups:
+                    context_slots[g].append(torch.from_numpy(tables[g][ctx_pos // bs] * bs + ctx_pos % bs).to(self.device))
                 mask = None
                 if start > 0:  # query i (at position start+i) sees context positions <= start+i
                     mask = torch.from_numpy(ctx_pos[None, :] <= pos[:, None]).to(self.device)
-                prefills.append(PrefillSpan(q0, n, ctx_slots, mask))
+                prefills.append(PrefillSpan(q0, n, context_slots[0][-1], mask))
             if seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
                 # The row at prompt position p predicts prompt token p+1; the last prompt position samples.
                 # After a recompute-preemption, positions whose logprobs exist are not done again.
@@ -148,23 +160,29 @@ class ModelRunner(Runner):
             row_lora.extend([row_lora[0]] * out.num_padding)
 
         dev = self.device
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
-        for r, t in enumerate(decode_tables):
-            tables[r, : len(t)] = t
+        slot_mappings = [torch.from_numpy(np.concatenate(s)).to(dev) for s in slots]
+        tables = [self._padded_tables(t) for t in decode_tables]
         batch = ForwardBatch(
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            slot_mapping=slot_mappings[0],
             num_decodes=len(decode_idx),
             decode_like_rows=sum(n for _, n in out.scheduled if n < SHORT_CHUNK) + (out.num_padding if decodes else 0),
-            decode_block_tables=torch.from_numpy(tables).to(dev),
+            decode_block_tables=tables[0],
             decode_context_lens=torch.tensor(decode_ctx, dtype=torch.long, device=dev),
             block_size=bs,
             prefills=prefills,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             lora=self._lora_batch(row_lora),
+            other_groups=tuple(GroupSlots(slot_mappings[g], tables[g], context_slots[g]) for g in groups[1:]),
         )
         return torch.tensor(tokens, dtype=torch.long, device=dev), batch, sample_rows, prompt_rows
+
+    def _padded_tables(self, rows: list[np.ndarray]) -> torch.Tensor:
+        """[rows, longest] block tables, zero-padded."""
+        tables = np.zeros((len(rows), max((len(t) for t in rows), default=0)), dtype=np.int64)
+        for r, t in enumerate(rows):
+            tables[r, : len(t)] = t
+        return torch.from_numpy(tables).to(self.device)
 
     def _lora_batch(self, row_lora: list) -> LoRABatch | None:
         """The rows of each adapter in the step (padding rows take their row's, so they write the same K/V)."""
@@ -180,12 +198,14 @@ class ModelRunner(Runner):
     @staticmethod
     def _pad(pad, tokens, positions, slots, decode_idx, decode_tables, decode_ctx) -> None:
         """Padding rows repeat the first decode row: same token, position and slot, so they rewrite the
-        identical K/V and change nothing, but cost what a padded slot of a static batch costs."""
+        identical K/V and change nothing, but cost what a padded slot of a static batch costs.
+        `slots` and `decode_tables`: per KV group."""
         decode_idx.extend(range(len(tokens), len(tokens) + pad))
         tokens.extend([tokens[0]] * pad)
         positions.extend([positions[0]] * pad)
-        slots.extend([slots[0]] * pad)
-        decode_tables.extend([decode_tables[0]] * pad)
+        for group_slots, group_tables in zip(slots, decode_tables, strict=True):
+            group_slots.extend([group_slots[0]] * pad)
+            group_tables.extend([group_tables[0]] * pad)
         decode_ctx.extend([decode_ctx[0]] * pad)
 
     def _sample(self, out, logits, sample_rows, prompt_rows) -> list[StepResult]:

@@ -2,7 +2,7 @@
 a `Runner` (`ModelRunner`, the simulator's `SimRunner`) returns. A `Sequence` is one generated completion.
 A request with `n > 1` becomes n sequences with the same prompt; they share the prompt's full KV
 blocks through the prefix cache. Invariant: `num_computed_tokens <= num_tokens`; the KV of the first
-`num_computed_tokens` tokens lives in the blocks of `block_table` (or in `host_blocks` when swapped).
+`num_computed_tokens` tokens lives in the blocks of `block_tables` (or in `host_blocks` when swapped).
 Whenever a step brings `num_computed_tokens` up to `num_tokens`, the sequence samples its next token.
 Speculative drafts (`spec_token_ids`, set for one step) are scored after a decoding sequence's last
 token in the same row; they are not in `token_ids` until accepted, so nothing (the prefix cache's
@@ -24,6 +24,9 @@ from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .model.lora import LoRAWeights
+
+
+HOLE = -1  # a block-table entry whose block fell behind its group's sliding window and was released
 
 
 class SequenceStatus(enum.IntEnum):
@@ -61,7 +64,8 @@ class Sequence:
         self.generator = generator
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        # One table per KV group (model/kv_layout.py): one unless the model has sliding-window layers.
+        self.block_tables: list[list[int]] = []
         self.block_keys: list = []  # prefix-cache keys of full blocks, computed incrementally
         self.host_blocks: list[int] = []  # host-pool blocks while swapped out
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache (first admission)
@@ -83,6 +87,11 @@ class Sequence:
         """The tokens at positions [start, end) of this step's row: known tokens, then the drafts."""
         known = self.token_ids[start:end]
         return known + self.spec_token_ids[: end - start - len(known)] if end > self.num_tokens else known
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's table: every block of the sequence's computed tokens."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ import logging
 import time
 
 from ..model.decoder import DecoderModel
+from ..model.kv_layout import KVLayout
 from ..runner import ModelRunner
 from ..sampling_params import SamplingParams
 from ..step import Sequence, StepPlan
@@ -39,8 +40,12 @@ class DraftModelProposer:
         `max_catch_up`: the most tokens a mirror is fed in one step (a long prompt's catch-up is
         spread over steps, as a chunked prefill is)."""
         self.model = model
+        groups = KVLayout.of(model.config).num_groups
+        num_blocks *= groups  # each KV group's tables may hold as many blocks as the target's pool
         self.runner = ModelRunner(model, num_blocks, block_size)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        # A mirror's computed count moves back past rejected drafts (`trim`), behind blocks a sliding
+        # window would have released: its tables keep every block.
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False, windows=(None,) * groups)
         self.size_ratio = size_ratio
         self.cost = StepCost(prior_ratio=0.05)  # a round's time: d0 + d1 * tokens fed, measured
         self.max_catch_up = max_catch_up

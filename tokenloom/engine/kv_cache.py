@@ -25,8 +25,8 @@ written again: no copy-on-write is needed.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-import itertools
 from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from ..config import EngineConfig
 from ..model.config import ModelConfig
 from ..model.loader import kv_bytes_per_block_for, torch_dtype
-from ..step import Sequence
+from ..step import HOLE, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -135,10 +135,14 @@ class FreeBlockQueue:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0,
+                 windows: tuple[int | None, ...] = (None,)):
+        """`windows`: per KV group (model/kv_layout.py), None (its table keeps every block) or the sliding
+        window whose older blocks its table releases."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = tuple(windows)
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockKey, KVBlock] = {}
@@ -148,6 +152,10 @@ class KVCacheManager:
         self.prefix_queries = self.prefix_hits = 0
 
     # -- queries ---------------------------------------------------------------------------------
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_free_blocks(self) -> int:
@@ -160,7 +168,19 @@ class KVCacheManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks of one group's table that cover `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
+
+    def most_blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks a sequence growing to `num_tokens` holds at once, in steps of at most
+        `step_tokens` tokens: a sliding group holds its window's blocks and the step's."""
+        every = self.blocks_needed(num_tokens)
+        return sum(every if w is None else min(every, self.blocks_needed(w - 1 + step_tokens) + 1)
+                   for w in self.windows)
+
+    def _first_in_window(self, position: int, window: int | None) -> int:
+        """The first block a query at `position` reads in a group of that window (0: full attention)."""
+        return 0 if window is None else max(position - window + 1, 0) // self.block_size
 
     # -- prefix cache ----------------------------------------------------------------------------
 
@@ -172,19 +192,40 @@ class KVCacheManager:
             keys.append(block_key(keys[i - 1] if i else None, seq.token_ids[i * bs : (i + 1) * bs], salt, adapter))
         return keys[:num_full_blocks]
 
+    @staticmethod
+    def _group_key(key: BlockKey, group: int) -> BlockKey:
+        """The cache key of a block's K/V in `group` (group 0's is the block key itself)."""
+        return key if group == 0 else key + group.to_bytes(2, "little")
+
     def prefix_keys(self, token_ids, salt: str | None = None) -> list[BlockKey]:
         """The keys of the full blocks of `token_ids` (a base-model sequence's, under `salt`)."""
         return prefix_keys(token_ids, self.block_size, salt)
 
-    def cached_prefix(self, keys: list[BlockKey]) -> list[KVBlock]:
-        """The cached blocks holding the longest run of `keys` from the first."""
-        return list(itertools.takewhile(lambda block: block is not None, (self.cached.get(k) for k in keys)))
+    def cached_prefix(self, keys: list[BlockKey]) -> list[tuple[KVBlock | None, ...]]:
+        """The longest run of `keys` from the first whose K/V is cached: per block, its block in each
+        group. A sliding group needs only the blocks its window reaches back to from the run's end; its
+        older entries are None."""
+        rows: list[tuple[KVBlock | None, ...]] = []
+        for key in keys:
+            row = tuple(self.cached.get(self._group_key(key, g)) for g in range(self.num_groups))
+            if any(block is None for block, w in zip(row, self.windows, strict=True) if w is None):
+                break
+            rows.append(row)
+        n = len(rows)
+        while n and any(row[g] is None for g, w in enumerate(self.windows) if w is not None
+                        for row in rows[self._first_in_window(n * self.block_size, w) : n]):
+            n -= 1
+        firsts = [self._first_in_window(n * self.block_size, w) for w in self.windows]
+        return [tuple(block if i >= first else None for block, first in zip(row, firsts, strict=True))
+                for i, row in enumerate(rows[:n])]
 
     def adopt(self, keys: list[BlockKey]) -> list[tuple[int, KVBlock]]:
         """Make `keys` cached blocks, free for any sequence to hit (their K/V must be written before the
         next step: the caller does it at once, on the engine thread). Keys already cached are left as
         they are; returns (index in keys, block) of those given new blocks. Stops early rather than take
-        more than a quarter of the free blocks (a handed-over prefix must not evict a busy engine's cache)."""
+        more than a quarter of the free blocks (a handed-over prefix must not evict a busy engine's cache).
+        One KV group only (`LLMEngine.import_prefix_kv` refuses others)."""
+        assert self.num_groups == 1, "K/V handed between engines is one group's"
         budget = self.num_free_blocks // 4
         adopted: list[tuple[int, KVBlock]] = []
         for i, key in enumerate(keys):
@@ -199,9 +240,9 @@ class KVCacheManager:
             adopted.append((i, block))
         return adopted
 
-    def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
-        """Cached blocks holding the longest prefix of `seq`'s tokens. At least one token is always
-        left to compute, because its logits are needed to sample."""
+    def get_computed_blocks(self, seq: Sequence) -> list[tuple[KVBlock | None, ...]]:
+        """Cached blocks holding the longest prefix of `seq`'s tokens (see `cached_prefix`). At least one
+        token is always left to compute, because its logits are needed to sample."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
@@ -209,27 +250,45 @@ class KVCacheManager:
 
     # -- allocation ------------------------------------------------------------------------------
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[KVBlock] = ()) -> bool:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int,
+                       computed_blocks: list[tuple[KVBlock | None, ...]] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and after any prefix-cache
-        hits, which join the table; the caller counts them as computed). Returns False, changing nothing,
-        when there are not enough blocks."""
-        num_hit_tokens = len(computed_blocks) * self.block_size
-        total = seq.num_computed_tokens + num_hit_tokens + num_new_tokens
-        num_new_blocks = self.blocks_needed(total) - len(seq.block_table) - len(computed_blocks)
+        hits, which join the tables; the caller counts them as computed). Returns False when there are
+        not enough blocks, changing nothing but releasing blocks that fell behind a sliding window."""
+        tables = seq.block_tables or [[] for _ in self.windows]
+        start = seq.num_computed_tokens + len(computed_blocks) * self.block_size  # the step's first position
+        self._release_behind_windows(tables, start)
+        num_blocks = self.blocks_needed(start + num_new_tokens)
+        num_new_blocks = sum(max(num_blocks - len(table) - len(computed_blocks), 0) for table in tables)
         # Hits that sit in the free queue stop being free once we take them.
-        free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        free_hits = sum(1 for row in computed_blocks for b in row if b is not None and b.ref_cnt == 0)
         if num_new_blocks > self.num_free_blocks - free_hits:
             return False
-        for block in computed_blocks:
-            if block.ref_cnt == 0:
-                self.free_queue.remove(block)
-            block.ref_cnt += 1
-            seq.block_table.append(block.block_id)
-        for _ in range(max(num_new_blocks, 0)):
-            seq.block_table.append(self._take_free_block().block_id)
+        seq.block_tables = tables
+        for row in computed_blocks:
+            for table, block in zip(tables, row, strict=True):
+                if block is None:
+                    table.append(HOLE)
+                    continue
+                if block.ref_cnt == 0:
+                    self.free_queue.remove(block)
+                block.ref_cnt += 1
+                table.append(block.block_id)
+        for table in tables:
+            table.extend(self._take_free_block().block_id for _ in range(num_blocks - len(table)))
         if self.enable_prefix_caching:
-            self._register_full_blocks(seq, total)
+            self._register_full_blocks(seq, start + num_new_tokens)
         return True
+
+    def _release_behind_windows(self, tables: list[list[int]], position: int) -> None:
+        """Release the blocks of each sliding group that no query at `position` or later reads (their
+        cached K/V stays a prefix-cache entry until evicted). The table's released entries are a prefix,
+        and it keeps its length: positions still index it."""
+        for table, window in zip(tables, self.windows, strict=True):
+            first = min(self._first_in_window(position, window), len(table))
+            for i in reversed(range(bisect.bisect_left(table, True, hi=first, key=_is_block), first)):
+                self._release(table[i])  # newest first, as `free` does: the oldest stays cached longest
+                table[i] = HOLE
 
     def _take_free_block(self) -> KVBlock:
         block = self.free_queue.popleft()
@@ -242,21 +301,31 @@ class KVCacheManager:
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         keys = self._keys_up_to(seq, min(num_tokens, seq.num_tokens) // self.block_size)
-        for key, block_id in zip(keys, seq.block_table, strict=False):
-            block = self.blocks[block_id]
-            if block.key is None and key not in self.cached:
-                block.key = key
-                self.cached[key] = block
+        for group, table in enumerate(seq.block_tables):
+            for key, block_id in zip(keys, table, strict=False):
+                if block_id == HOLE:
+                    continue
+                block, key = self.blocks[block_id], self._group_key(key, group)
+                if block.key is None and key not in self.cached:
+                    block.key = key
+                    self.cached[key] = block
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_cnt -= 1
+        assert block.ref_cnt >= 0, f"block {block_id} freed twice"
+        if block.ref_cnt == 0:
+            self.free_queue.append(block)
 
     def free(self, seq: Sequence) -> None:
-        """The one release path: finish, abort, disconnect and recompute-preemption all come here."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"block {block_id} freed twice"
-            if block.ref_cnt == 0:
-                self.free_queue.append(block)
-        seq.block_table = []
+        """The one release path: finish, abort, disconnect and recompute-preemption all come here.
+        Tail first, each block in every group before the one before it: the prefix stays cached longest."""
+        tables = seq.block_tables
+        for i in reversed(range(max(map(len, tables), default=0))):
+            for table in tables:
+                if i < len(table) and table[i] != HOLE:
+                    self._release(table[i])
+        seq.block_tables = []
         self.free_host(seq)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
@@ -264,13 +333,15 @@ class KVCacheManager:
         were written to). They hold nothing worth keeping, so they go to the front of the free queue:
         the next allocation takes them back before it evicts a cached prefix."""
         keep = self.blocks_needed(num_tokens)
-        released = [self.blocks[b] for b in reversed(seq.block_table[keep:])]
+        released = [self.blocks[b] for table in seq.block_tables for b in reversed(table[keep:])]
         for block in released:  # checked before anything changes
-            assert block.key is None and block.ref_cnt == 1, f"block {block.block_id} holds more than drafts"
+            assert block.block_id != HOLE and block.key is None and block.ref_cnt == 1, \
+                f"block {block.block_id} holds more than drafts"
         for block in released:
             block.ref_cnt = 0
             self.free_queue.appendleft(block)
-        del seq.block_table[keep:]
+        for table in seq.block_tables:
+            del table[keep:]
 
     def reset_prefix_cache(self) -> None:
         for key, block in list(self.cached.items()):
@@ -281,26 +352,44 @@ class KVCacheManager:
     # -- swap ------------------------------------------------------------------------------------
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(seq.block_table) <= len(self.free_host_blocks)
+        return len(held_blocks(seq)) <= len(self.free_host_blocks)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move `seq`'s blocks to the host pool; returns (device block, host block) copies to make
-        before the device blocks are reused."""
-        host = [self.free_host_blocks.pop() for _ in seq.block_table]
-        mapping = list(zip(seq.block_table, host, strict=True))
+        before the device blocks are reused. The tables keep their released entries, so `swap_in`
+        knows where each group's blocks resume."""
+        device = held_blocks(seq)
+        host = [self.free_host_blocks.pop() for _ in device]
+        released = [table.count(HOLE) for table in seq.block_tables]
         self.free(seq)  # frees the device blocks; the host blocks are attached only after
         seq.host_blocks = host
-        return mapping
+        seq.block_tables = [[HOLE] * n for n in released]
+        return list(zip(device, host, strict=True))
+
+    def blocks_to_swap_in(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Free blocks a swapped sequence needs to come back and compute `num_new_tokens` more."""
+        grow = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - self._swapped_table_len(seq)
+        return len(seq.host_blocks) + self.num_groups * max(grow, 0)
+
+    def _swapped_table_len(self, seq: Sequence) -> int:
+        released = sum(map(len, seq.block_tables))
+        return (len(seq.host_blocks) + released) // self.num_groups
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]] | None:
         """Bring a swapped sequence back; returns (host block, device block) copies, or None if the
         device has no room."""
         if len(seq.host_blocks) > self.num_free_blocks:
             return None
-        device = [self._take_free_block().block_id for _ in seq.host_blocks]
+        length = self._swapped_table_len(seq)
+        tables = seq.block_tables or [[] for _ in self.windows]
+        device: list[int] = []
+        for table in tables:  # in the order swap_out listed them
+            new = [self._take_free_block().block_id for _ in range(length - len(table))]
+            table.extend(new)
+            device.extend(new)
         mapping = list(zip(seq.host_blocks, device, strict=True))
         self.free_host(seq)
-        seq.block_table = device
+        seq.block_tables = tables
         return mapping
 
     def free_host(self, seq: Sequence) -> None:
@@ -316,7 +405,10 @@ class KVCacheManager:
         refs = [0] * self.num_blocks
         host_used = 0
         for seq in live:
-            for block_id in seq.block_table:
+            assert len(seq.block_tables) in (0, self.num_groups), f"{seq.seq_id} has {len(seq.block_tables)} tables"
+            for table in seq.block_tables:
+                assert table[: table.count(HOLE)] == [HOLE] * table.count(HOLE), f"{seq.seq_id}: a hole after a block"
+            for block_id in held_blocks(seq):
                 refs[block_id] += 1
             host_used += len(seq.host_blocks)
         for block in self.blocks:
@@ -331,3 +423,12 @@ class KVCacheManager:
 
     def all_free(self) -> bool:
         return self.num_free_blocks == self.num_blocks and len(self.free_host_blocks) == self.num_host_blocks
+
+
+def held_blocks(seq: Sequence) -> list[int]:
+    """The device blocks `seq` holds, group by group in table order (released entries left out)."""
+    return [b for table in seq.block_tables for b in table if b != HOLE]
+
+
+def _is_block(entry: int) -> bool:
+    return entry != HOLE

@@ -35,6 +35,7 @@ from .. import step as steps
 from ..config import EngineConfig
 from ..model.config import ModelConfig
 from ..model.gguf_tensors import trim_heap
+from ..model.kv_layout import KVLayout
 from ..model.load import load, set_num_threads, weight_bytes
 from ..model.loader import torch_dtype
 from ..model.lora import LoRARequest
@@ -174,7 +175,8 @@ class LLMEngine:
         elif model is not None:
             kv_dtype = getattr(model, "kv_cache_dtype", None)
         num_blocks, num_host_blocks, block_bytes = kv_cache_size(config, model_config, kv_dtype)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks,
+                                 KVLayout.of(model_config).group_windows)
         self.stall_free = None
         if config.stall_free_factor and config.batching == "continuous":
             self.stall_free = StallFreeBudget(config.block_size, config.stall_free_factor,
@@ -304,9 +306,10 @@ class LLMEngine:
     def _check_lengths(self, ids: list[int], params: SamplingParams) -> None:
         """What `check_request` cannot know: whether the longest the sequence may grow fits the KV cache."""
         worst = len(ids) + self.max_tokens(len(ids), params)
-        if self.kv.blocks_needed(worst) > self.kv.num_blocks:
+        needed = self.kv.most_blocks_held(worst, self.config.max_num_batched_tokens)
+        if needed > self.kv.num_blocks:
             raise ValueError(
-                f"max_tokens: a sequence of {worst} tokens needs {self.kv.blocks_needed(worst)} KV blocks but the cache "
+                f"max_tokens: a sequence of {worst} tokens needs {needed} KV blocks but the cache "
                 f"has {self.kv.num_blocks}; raise kv_cache_memory_bytes or lower max_tokens"
             )
 
@@ -328,16 +331,18 @@ class LLMEngine:
         """(tokens, K/V) of the longest cached prefix of `token_ids` (whole blocks), as the runner's
         `read_blocks` gives it; (0, None) when nothing is cached. A prefill engine calls this right after
         the prompt's request finished, while its blocks are still cached."""
+        self._check_one_kv_group()
         blocks = self.kv.cached_prefix(self.kv.prefix_keys(token_ids, cache_salt))
         if not blocks:
             return 0, None
-        return len(blocks) * self.kv.block_size, self.runner.read_blocks([b.block_id for b in blocks])
+        return len(blocks) * self.kv.block_size, self.runner.read_blocks([b.block_id for b, in blocks])
 
     def import_prefix_kv(self, token_ids: list[int], kv, cache_salt: str | None = None) -> int:
         """Put another engine's K/V of `token_ids`' first blocks (export_prefix_kv) into this engine's
         prefix cache, so a request with that prompt starts from a cache hit; returns the tokens now
         cached. The blocks stay free, so memory pressure may evict them: that costs a recompute, never a
         wrong token."""
+        self._check_one_kv_group()
         if kv is None:
             return 0
         bs = self.kv.block_size
@@ -348,6 +353,11 @@ class LLMEngine:
             rows = torch.cat([torch.arange(i * bs, (i + 1) * bs) for i, _ in adopted])
             self.runner.write_blocks([b.block_id for _, b in adopted], kv[:, :, rows])
         return len(self.kv.cached_prefix(keys)) * bs
+
+    def _check_one_kv_group(self) -> None:
+        if self.kv.num_groups > 1:
+            raise ValueError(f"K/V handed between engines is not built for models with sliding-window layers "
+                             f"({self.model_config.architecture}: {self.kv.num_groups} KV groups)")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

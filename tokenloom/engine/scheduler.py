@@ -178,8 +178,7 @@ class Scheduler:
             n = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             if n == 0:
                 return 0
-            needed = max(self.kv.blocks_needed(seq.num_computed_tokens + n), len(seq.host_blocks))
-            if needed > self.kv.num_free_blocks:
+            if self.kv.blocks_to_swap_in(seq, n) > self.kv.num_free_blocks:
                 return 0
             out.swap_in.extend(self.kv.swap_in(seq))
             allocated = self.kv.allocate_slots(seq, n)

@@ -25,6 +25,7 @@ from collections import deque
 import numpy as np
 
 from ..step import SequenceStatus
+from .kv_cache import held_blocks
 
 # One character per KV block in the snapshot's `kv.map`: a 2,000-block pool is a 2,000-byte string
 # built in numpy (tens of microseconds), which the page decodes with charCodeAt.
@@ -177,10 +178,11 @@ class EngineRecorder:
         return snap
 
     def _seq_row(self, seq, now: float, seq_name) -> dict:
+        blocks = held_blocks(seq)  # every KV group's, in table order
         row = {"id": seq_name(seq), "age_s": round(now - seq.times.arrival, 3), "priority": seq.params.priority,
                "prompt_tokens": seq.num_prompt_tokens, "output_tokens": seq.num_output_tokens,
-               "computed": seq.num_computed_tokens, "blocks": len(seq.block_table), "host_blocks": len(seq.host_blocks),
-               "block_runs": block_runs(seq.block_table), "preemptions": seq.num_preemptions}
+               "computed": seq.num_computed_tokens, "blocks": len(blocks), "host_blocks": len(seq.host_blocks),
+               "block_runs": block_runs(blocks), "preemptions": seq.num_preemptions}
         if self.show_text:
             state = self.engine.requests.get(seq.request_id)
             prompt = state.prompt if state is not None and state.prompt is not None else ""

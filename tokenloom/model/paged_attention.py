@@ -28,6 +28,20 @@ from . import kernels
 MAX_HEAD_DIM = 256  # csrc/paged_attention.c's float32 tile of K or V rows is sized for it
 
 
+def windowed(tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int | None):
+    """(tables, context lengths, block size) for a sliding-window layer's queries: where a context is
+    longer than `window`, each row's last `window` positions become a table of single slots (block
+    size 1), so an implementation that attends to a whole context reads only the window (and a sliding
+    group's released blocks are never among them). Unchanged when every context fits the window."""
+    if window is None or int(context_lens.max()) <= window:
+        return tables, context_lens, block_size
+    lens = context_lens.clamp(max=window)
+    positions = (context_lens - lens)[:, None] + torch.arange(window, device=tables.device)[None, :]
+    positions = torch.minimum(positions, (context_lens - 1).clamp(min=0)[:, None])  # a short row's tail: never read
+    slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
+    return slots, lens, 1
+
+
 class TorchDecodeAttention:
     """Gather + SDPA. `prepare` builds the padded slots and mask once a step; every layer reuses them."""
 
@@ -36,13 +50,11 @@ class TorchDecodeAttention:
 
     def prepare(self, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int | None = None):
         """`window`: each query sees only its last `window` positions (a sliding-window layer)."""
+        tables, context_lens, block_size = windowed(tables, context_lens, block_size, window)
         offsets = torch.arange(block_size, device=tables.device)
         slots = (tables[:, :, None] * block_size + offsets).flatten(1)  # [D, max_blocks * block_size]
         keys = torch.arange(slots.shape[1], device=tables.device)[None, :]
-        mask = keys < context_lens[:, None]
-        if window is not None:
-            mask &= keys >= context_lens[:, None] - window
-        return slots, mask[:, None, None, :]
+        return slots, (keys < context_lens[:, None])[:, None, None, :]
 
     def __call__(self, prepared, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
         slots, mask = prepared
@@ -71,8 +83,10 @@ class PagedDecodeAttention:
         if self._fns512:
             self.name = "paged-c-avx512"
 
-    def prepare(self, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int):
-        """Once a step: the kernel reads a context through its table, so no context may outrun it."""
+    def prepare(self, tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int | None = None):
+        """Once a step: the kernel reads a context through its table, so no context may outrun it.
+        `window`: each query sees only its last `window` positions (a sliding-window layer)."""
+        tables, context_lens, block_size = windowed(tables, context_lens, block_size, window)
         tables, context_lens = tables.to(torch.int64).contiguous(), context_lens.to(torch.int64).contiguous()
         if len(context_lens) != len(tables) or bool((context_lens > tables.shape[1] * block_size).any()):
             raise ValueError("paged attention: a context is longer than its block table")

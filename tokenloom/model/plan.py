@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import SLIDING
+from .kv_layout import KVLayout
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,9 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> Forwa
         lm_head = "tied to the embedding" if model.lm_head is None else _dtype(model.lm_head.weight.dtype)
     attention = model.decode_attention.name
     if cfg.layer_types and SLIDING in cfg.layer_types:
-        attention += f" (sliding layers: torch beyond {cfg.sliding_window} positions)"
+        layout = KVLayout.of(cfg)
+        attention += (f" (sliding layers read their last {cfg.sliding_window} positions; {layout.num_groups} KV "
+                      f"groups of {layout.layers_per_page} layers, blocks behind a window released)")
     sources = ", ".join(f"{n} {kind}" for kind, n in source_types.most_common()) or "random weights"
     return ForwardPlan(
         architecture=cfg.architecture, weights=weights, weight_sources=sources,
