@@ -379,3 +379,34 @@ def test_serving_greedy_is_batch_invariant_and_qwen_chat_stops_at_its_turn_end(a
                        use_tqdm=False)[0].outputs[0]
         assert out.finish_reason == "stop" and "<|im_end|>" not in out.text and out.text.strip(), out
 
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_windowed_kv_groups_survive_preemption(tokenizer, mode):
+    """Six sequences in a pool too small for them: preempted ones (their sliding groups' tables partly
+    released) come back by swap or recompute with the greedy tokens an unpressed engine writes."""
+    from tokenloom import EngineConfig
+    from tokenloom.engine.llm_engine import LLMEngine
+
+    model = random_model(dataclasses.replace(GEMMA3, vocab_size=tokenizer.vocab_size), seed=6)
+    prompts = [[(31 * r + 7 * i) % 400 + 5 for i in range(14 + 3 * r)] for r in range(6)]
+
+    def run(**kwargs) -> tuple[list[list[int]], LLMEngine]:
+        engine = LLMEngine(EngineConfig(max_num_batched_tokens=16, max_model_len=256, block_size=4, **kwargs),
+                           model=model, tokenizer=tokenizer)
+        for r, prompt in enumerate(prompts):
+            engine.add_request(f"r{r}", {"prompt_token_ids": prompt},
+                               SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+            engine.check_kv_invariants()
+        assert engine.kv.all_free()
+        return [tokens[f"r{r}"] for r in range(len(prompts))], engine
+
+    expected, _ = run(num_kv_blocks=1024)
+    got, pressed = run(num_kv_blocks=6 * 16, preemption_mode=mode, swap_space=0.01)
+    assert pressed.scheduler.num_preemptions > 0 and (mode != "swap" or pressed.scheduler.num_swaps > 0)
+    assert got == expected

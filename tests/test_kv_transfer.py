@@ -52,3 +52,34 @@ def test_an_import_takes_at_most_a_quarter_of_the_free_blocks(make_engine):
     _, kv = a.export_prefix_kv(PROMPT)
     assert b.import_prefix_kv(PROMPT, kv) == 32  # 2 of 8 blocks
     assert_engine_clean(b)
+
+
+def test_a_model_with_sliding_windows_hands_over_every_kv_group(tokenizer):
+    """Gemma 3's layout in small (a full layer and five with an 8-token window, a KV group each): the
+    prefill engine's sliding groups released the blocks behind their window, which stay cached, so the
+    hand-over carries all six groups' blocks, and the decode engine's tokens equal its own."""
+    import dataclasses
+
+    from test_architectures import GEMMA3
+
+    from tokenloom import EngineConfig
+    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.model.loader import random_model
+
+    model = random_model(dataclasses.replace(GEMMA3, vocab_size=tokenizer.vocab_size), seed=5)
+
+    def engine():
+        return LLMEngine(EngineConfig(max_num_batched_tokens=16, max_model_len=256, num_kv_blocks=256),
+                         model=model, tokenizer=tokenizer)
+
+    prefill, decode, alone = engine(), engine(), engine()
+    assert prefill.kv.num_groups == 6
+    _run(prefill, "p", PROMPT, 1)
+    tokens, kv = prefill.export_prefix_kv(PROMPT)
+    assert tokens == 48 and kv.shape[2] == 6 * 48
+    assert decode.import_prefix_kv(PROMPT, kv) == 48
+    got = _run(decode, "d", PROMPT, 12)
+    assert decode.kv.prefix_hits == 48
+    assert got == _run(alone, "a", PROMPT, 12)
+    for e in (prefill, decode, alone):
+        assert_engine_clean(e)

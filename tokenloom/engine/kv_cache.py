@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 from array import array
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -219,25 +220,32 @@ class KVCacheManager:
         return [tuple(block if i >= first else None for block, first in zip(row, firsts, strict=True))
                 for i, row in enumerate(rows[:n])]
 
+    def cached_in_every_group(self, keys: list[BlockKey]) -> list[tuple[KVBlock, ...]]:
+        """The longest run of `keys` from the first whose K/V every group holds (what one engine hands
+        another: `LLMEngine.export_prefix_kv`)."""
+        rows = (tuple(self.cached.get(self._group_key(key, g)) for g in range(self.num_groups)) for key in keys)
+        return list(itertools.takewhile(lambda row: None not in row, rows))
+
     def adopt(self, keys: list[BlockKey]) -> list[tuple[int, KVBlock]]:
-        """Make `keys` cached blocks, free for any sequence to hit (their K/V must be written before the
-        next step: the caller does it at once, on the engine thread). Keys already cached are left as
-        they are; returns (index in keys, block) of those given new blocks. Stops early rather than take
-        more than a quarter of the free blocks (a handed-over prefix must not evict a busy engine's cache).
-        One KV group only (`LLMEngine.import_prefix_kv` refuses others)."""
-        assert self.num_groups == 1, "K/V handed between engines is one group's"
+        """Make `keys` cached blocks in every group, free for any sequence to hit (their K/V must be written
+        before the next step: the caller does it at once, on the engine thread). Keys already cached are
+        left as they are; returns (g * len(keys) + index in keys, block) of those given new blocks, g the
+        group. Stops early rather than take more than a quarter of the free blocks (a handed-over prefix
+        must not evict a busy engine's cache)."""
         budget = self.num_free_blocks // 4
         adopted: list[tuple[int, KVBlock]] = []
         for i, key in enumerate(keys):
-            if key in self.cached:
-                continue
-            if len(adopted) >= budget:
-                break
-            block = self._take_free_block()
-            block.key, block.ref_cnt = key, 0
-            self.cached[key] = block
-            self.free_queue.append(block)  # the most recently freed: the last to be evicted
-            adopted.append((i, block))
+            for group in range(self.num_groups):
+                group_key = self._group_key(key, group)
+                if group_key in self.cached:
+                    continue
+                if len(adopted) >= budget:
+                    return adopted
+                block = self._take_free_block()
+                block.key, block.ref_cnt = group_key, 0
+                self.cached[group_key] = block
+                self.free_queue.append(block)  # the most recently freed: the last to be evicted
+                adopted.append((group * len(keys) + i, block))
         return adopted
 
     def get_computed_blocks(self, seq: Sequence) -> list[tuple[KVBlock | None, ...]]:

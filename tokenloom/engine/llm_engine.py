@@ -328,36 +328,31 @@ class LLMEngine:
     # -- KV handed between engines (disaggregated prefill) ---------------------------------------
 
     def export_prefix_kv(self, token_ids: list[int], cache_salt: str | None = None):
-        """(tokens, K/V) of the longest cached prefix of `token_ids` (whole blocks), as the runner's
-        `read_blocks` gives it; (0, None) when nothing is cached. A prefill engine calls this right after
-        the prompt's request finished, while its blocks are still cached."""
-        self._check_one_kv_group()
-        blocks = self.kv.cached_prefix(self.kv.prefix_keys(token_ids, cache_salt))
-        if not blocks:
+        """(tokens, K/V) of the longest cached prefix of `token_ids` (whole blocks, held in every KV group),
+        as the runner's `read_blocks` gives it, group after group; (0, None) when nothing is cached. A
+        prefill engine calls this right after the prompt's request finished, while its blocks are still
+        cached."""
+        rows = self.kv.cached_in_every_group(self.kv.prefix_keys(token_ids, cache_salt))
+        if not rows:
             return 0, None
-        return len(blocks) * self.kv.block_size, self.runner.read_blocks([b.block_id for b, in blocks])
+        blocks = [row[group].block_id for group in range(self.kv.num_groups) for row in rows]
+        return len(rows) * self.kv.block_size, self.runner.read_blocks(blocks)
 
     def import_prefix_kv(self, token_ids: list[int], kv, cache_salt: str | None = None) -> int:
         """Put another engine's K/V of `token_ids`' first blocks (export_prefix_kv) into this engine's
         prefix cache, so a request with that prompt starts from a cache hit; returns the tokens now
         cached. The blocks stay free, so memory pressure may evict them: that costs a recompute, never a
         wrong token."""
-        self._check_one_kv_group()
         if kv is None:
             return 0
         bs = self.kv.block_size
-        num_blocks = kv.shape[2] // bs
+        num_blocks = kv.shape[2] // (bs * self.kv.num_groups)
         keys = self.kv.prefix_keys(token_ids[: num_blocks * bs], cache_salt)
         adopted = self.kv.adopt(keys)
         if adopted:
             rows = torch.cat([torch.arange(i * bs, (i + 1) * bs) for i, _ in adopted])
             self.runner.write_blocks([b.block_id for _, b in adopted], kv[:, :, rows])
         return len(self.kv.cached_prefix(keys)) * bs
-
-    def _check_one_kv_group(self) -> None:
-        if self.kv.num_groups > 1:
-            raise ValueError(f"K/V handed between engines is not built for models with sliding-window layers "
-                             f"({self.model_config.architecture}: {self.kv.num_groups} KV groups)")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
