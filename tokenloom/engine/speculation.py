@@ -265,8 +265,9 @@ class SpeculationPolicy:
         """Could the best first draft pay for its row? If not (many busy streams with modest acceptance),
         the step skips looking for drafts at all."""
         c0, c1 = self.cost.coefficients()
-        best = max((self.acceptance[s.seq_id].rate if s.seq_id in self.acceptance else Acceptance().rate
-                    for s in seqs), default=0.0)
+        first = self._prior().rate
+        best = max((self.acceptance[s.seq_id].rate if s.seq_id in self.acceptance else first for s in seqs),
+                   default=0.0)
         return best * (c0 + c1 * len(seqs)) > c1 * len(seqs)
 
     def _worth(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[int]:
@@ -274,7 +275,7 @@ class SpeculationPolicy:
         second than the step makes on average (E/t grows with a row of value v iff v > c1 * E / t)."""
         c0, c1 = self.cost.coefficients()
         expected, seconds = float(len(seqs)), c0 + c1 * len(seqs)
-        rates = [self.acceptance.setdefault(s.seq_id, Acceptance()).rate for s in seqs]
+        rates = [self.acceptance.setdefault(s.seq_id, self._prior()).rate for s in seqs]
         heap = [(-rates[i], i, 1) for i, d in enumerate(drafts) if d]
         heapq.heapify(heap)
         keep = [0] * len(seqs)
@@ -335,7 +336,7 @@ class SpeculationPolicy:
         return c0, c1, d0, d1
 
     def observe(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        self.acceptance.setdefault(seq.seq_id, Acceptance()).observe(proposed, accepted)
+        self.acceptance.setdefault(seq.seq_id, self._prior()).observe(proposed, accepted)
         self.overall.observe(proposed, accepted, decay=0.98)
         self.stats.record(proposed, accepted)
 
