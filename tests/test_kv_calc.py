@@ -111,3 +111,18 @@ def test_cli_json(capsys):
     args = parser.parse_args(["kv-calc", "--model", "smollm2-135m", "--num-seqs", "8"])
     assert args.func(args) == 0
     assert "23040 B" in capsys.readouterr().out
+
+
+def test_sliding_window_layers_hold_only_their_window():
+    """Gemma 3 270M: 3 full layers hold every block, 15 sliding ones at most ceil(511 / 16) + 1 = 33."""
+    shape = load_model_shape("gemma-3-270m")
+    layer_block = 16 * 2 * 1 * 256 * 2
+    assert shape.paged_bytes(100, 16) == 18 * 7 * layer_block  # within the window: every layer, every block
+    assert shape.paged_bytes(4096, 16) == (3 * 256 + 15 * 33) * layer_block
+    report = compute_kv(shape, [4096] * 4, 4096, 16, memory_gb=1.0)
+    assert report.paged_bytes == 4 * (3 * 256 + 15 * 33) * layer_block
+    assert report.concurrent_paged == GIB // ((3 * 256 + 15 * 33) * layer_block)  # 3.6x the 18 full layers' count
+    gguf_like = shape_from_hf_config({"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                                      "hidden_size": 640, "num_hidden_layers": 18, "sliding_window": 512,
+                                      "model_type": "gemma3_text"})
+    assert (gguf_like.sliding_layers, gguf_like.sliding_window) == (15, 512)

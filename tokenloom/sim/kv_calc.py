@@ -5,13 +5,16 @@ Definitions:
   (Llama-3-8B in fp16: 2 * 32 * 8 * 128 * 2 = 131072 B = 128 KiB).
 - Pre-allocated: every sequence reserves max_model_len token slots.
 - Paged: a sequence of L tokens holds ceil(L / block_size) blocks = ceil(L / block_size) * block_size
-  slots; internal fragmentation = slots - tokens (unused tail of each last block).
+  slots; internal fragmentation = slots - tokens (unused tail of each last block). A model with
+  sliding-window layers (Gemma 3: 5 of every 6 see `window` positions) holds in those layers only the
+  blocks the window reaches, min(ceil(L / block_size), ceil((window - 1) / block_size) + 1), as the
+  engine does (model/kv_layout.py); paged bytes count both kinds of layers.
 - Sequence lengths are drawn (seeded) from --length-dist and clipped to [1, max_model_len]:
   ``fixed:L``, ``uniform:a,b`` (inclusive integers), ``normal:mean,std`` (rounded), ``mixed:short,long``
   (half/half).
 - Budget (--memory-gb, GiB = 2**30 bytes): pre-allocated holds floor(budget / (max_model_len * per_token))
-  sequences; paged has floor(budget / (block_size * per_token)) blocks and holds
-  floor(blocks * num_seqs / total_blocks_of_the_sample) sequences of the sampled mix (mean blocks/seq).
+  sequences; paged has floor(budget / (block_size * per_token)) blocks of every layer and holds
+  floor(budget * num_seqs / paged_bytes_of_the_sample) sequences of the sampled mix.
 
 Model shapes come from a preset name, a HF ``config.json`` or a ``.gguf`` file (read with `gguf`).
 """
@@ -37,10 +40,24 @@ class ModelShape:
     head_dim: int
     dtype_bytes: int = 2
     name: str = "custom"
+    sliding_layers: int = 0  # of num_layers, those that see only the last `sliding_window` positions
+    sliding_window: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.num_layers * self.layer_bytes_per_token
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def paged_bytes(self, length: int, block_size: int) -> int:
+        """K/V bytes a sequence of `length` tokens holds in blocks of `block_size` (see module docstring)."""
+        blocks = math.ceil(length / block_size)
+        layer_blocks = (self.num_layers - self.sliding_layers) * blocks
+        if self.sliding_layers:
+            layer_blocks += self.sliding_layers * min(blocks, math.ceil((self.sliding_window - 1) / block_size) + 1)
+        return layer_blocks * block_size * self.layer_bytes_per_token
 
 
 PRESETS: dict[str, tuple[int, int, int]] = {  # name -> (layers, kv heads, head_dim)
@@ -50,14 +67,30 @@ PRESETS: dict[str, tuple[int, int, int]] = {  # name -> (layers, kv heads, head_
     "smollm2-135m": (30, 3, 64),
     "llama-2-7b": (32, 32, 128),
     "qwen2.5-7b": (28, 4, 128),
+    "gemma-3-270m": (18, 1, 256),
 }
+SLIDING_PRESETS: dict[str, tuple[int, int]] = {"gemma-3-270m": (15, 512)}  # name -> (sliding layers, window)
+
+
+def _sliding(num_layers: int, window, layer_types=None, every_sixth: bool = False) -> dict:
+    """ModelShape's sliding fields: from per-layer types, or Gemma 3's pattern (every sixth layer full)."""
+    if not window:
+        return {}
+    if layer_types:
+        return {"sliding_layers": sum(t == "sliding_attention" for t in layer_types), "sliding_window": int(window)}
+    if every_sixth:
+        return {"sliding_layers": num_layers - num_layers // 6, "sliding_window": int(window)}
+    return {}
 
 
 def shape_from_hf_config(cfg: dict[str, Any], dtype_bytes: int = 2, name: str = "hf") -> ModelShape:
     heads = int(cfg["num_attention_heads"])
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    return ModelShape(int(cfg["num_hidden_layers"]), kv_heads, head_dim, dtype_bytes, name)
+    layers = int(cfg["num_hidden_layers"])
+    sliding = _sliding(layers, cfg.get("sliding_window"), cfg.get("layer_types"),
+                       str(cfg.get("model_type", "")).startswith("gemma3"))
+    return ModelShape(layers, kv_heads, head_dim, dtype_bytes, name, **sliding)
 
 
 def _gguf_value(reader: Any, key: str) -> Any:
@@ -84,7 +117,8 @@ def shape_from_gguf(path: str, dtype_bytes: int = 2) -> ModelShape:
         raise ValueError(f"{path}: no {arch}.block_count / {arch}.attention.head_count in the GGUF metadata")
     kv_heads = get("attention.head_count_kv") or heads
     head_dim = get("attention.key_length") or int(width) // int(heads)
-    return ModelShape(int(layers), int(kv_heads), int(head_dim), dtype_bytes, Path(path).name)
+    sliding = _sliding(int(layers), get("attention.sliding_window"), every_sixth=arch == "gemma3")
+    return ModelShape(int(layers), int(kv_heads), int(head_dim), dtype_bytes, Path(path).name, **sliding)
 
 
 def load_model_shape(model: str, dtype: str = "fp16") -> ModelShape:
@@ -93,7 +127,8 @@ def load_model_shape(model: str, dtype: str = "fp16") -> ModelShape:
         raise ValueError(f"unknown dtype {dtype!r}: choose from {sorted(DTYPE_BYTES)}")
     nbytes = DTYPE_BYTES[dtype]
     if model.lower() in PRESETS:
-        return ModelShape(*PRESETS[model.lower()], nbytes, model.lower())
+        sliding_layers, window = SLIDING_PRESETS.get(model.lower(), (0, None))
+        return ModelShape(*PRESETS[model.lower()], nbytes, model.lower(), sliding_layers, window)
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -157,6 +192,7 @@ def compute_kv(
     blocks = sum(math.ceil(length / block_size) for length in lengths)
     tokens = sum(lengths)
     slots = blocks * block_size
+    paged = sum(shape.paged_bytes(length, block_size) for length in lengths)
     prealloc = len(lengths) * max_model_len * per_tok
     report = KVReport(
         model=shape.name,
@@ -167,9 +203,9 @@ def compute_kv(
         total_tokens=tokens,
         mean_len=tokens / len(lengths),
         preallocated_bytes=prealloc,
-        paged_bytes=slots * per_tok,
+        paged_bytes=paged,
         paged_blocks=blocks,
-        saving_pct=100.0 * (prealloc - slots * per_tok) / prealloc,
+        saving_pct=100.0 * (prealloc - paged) / prealloc,
         fragmentation_slots=slots - tokens,
         fragmentation_pct=100.0 * (slots - tokens) / slots,
     )
@@ -178,7 +214,7 @@ def compute_kv(
         report.memory_gib = memory_gb
         report.budget_blocks = budget // (block_size * per_tok)
         report.concurrent_preallocated = budget // (max_model_len * per_tok)
-        report.concurrent_paged = report.budget_blocks * len(lengths) // blocks
+        report.concurrent_paged = budget * len(lengths) // paged
     return report
 
 
