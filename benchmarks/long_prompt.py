@@ -18,9 +18,9 @@ import platform
 import resource
 import subprocess
 import time
-
 from pydoc_data import topics
 
+import tokenloom
 from tokenloom import LLM, SamplingParams
 from tokenloom.model import catalog
 
@@ -45,13 +45,16 @@ def main() -> None:
     start = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=args.output_tokens,
                                                                    ignore_eos=True), use_tqdm=False)
+    checkout = os.path.dirname(os.path.dirname(tokenloom.__file__))  # the code that ran (PYTHONPATH's, if set)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False,
+                            cwd=checkout).stdout.strip()
     entry = {"seconds": round(time.perf_counter() - start, 2), "peak_rss_mib_before": round(before),
-             "peak_rss_mib": round(peak_rss_mib()), "tokens": out[0].outputs[0].token_ids,
-             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                      cwd=os.path.dirname(os.path.dirname(__import__("tokenloom").__file__))
-                                      ).stdout.strip()}
+             "peak_rss_mib": round(peak_rss_mib()), "tokens": out[0].outputs[0].token_ids, "commit": commit}
     print(args.label, {k: v for k, v in entry.items() if k != "tokens"})
-    results = json.load(open(args.out)) if os.path.exists(args.out) else {}
+    results = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            results = json.load(f)
     results.update({"model": args.model, "prompt_tokens": len(ids), "output_tokens": args.output_tokens,
                     "cpu": platform.processor() or platform.machine(), args.label: entry})
     if "before" in results and "after" in results:

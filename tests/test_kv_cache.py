@@ -234,3 +234,19 @@ def test_a_sliding_group_releases_blocks_behind_its_window_and_a_hit_needs_only_
     assert kv.allocate_slots(b, 4, hits)
     kv.check_invariants([a, b])
     assert kv.most_blocks_held(1000, step_tokens=8) == 250 + kv.blocks_needed(6 - 1 + 8) + 1
+
+
+def test_a_swapped_sequence_copies_only_its_window_and_comes_back():
+    """Preempted before its allocation in a step, a sequence still holds blocks behind its window: swap-out
+    releases them instead of copying them, so what swap-in asks for fits a pool the sequence fits."""
+    kv = KVCacheManager(num_blocks=24, block_size=4, num_host_blocks=24, windows=(None, 8))
+    seq = seq_of(range(64), "s")
+    for _ in range(3):  # three chunks of 16; the engine advances the computed count after each
+        assert kv.allocate_slots(seq, 16)
+        seq.num_computed_tokens += 16
+    assert kv.most_blocks_held(65, 16) <= kv.num_blocks
+    copies = kv.swap_out(seq)
+    assert len(copies) == 12 + 2  # the full group's 12 blocks; of the sliding group's, blocks 10 and 11
+    assert kv.blocks_to_swap_in(seq, 16) <= kv.num_free_blocks
+    assert kv.swap_in(seq) is not None and kv.allocate_slots(seq, 16)
+    kv.check_invariants([seq])

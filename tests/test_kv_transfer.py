@@ -81,5 +81,11 @@ def test_a_model_with_sliding_windows_hands_over_every_kv_group(tokenizer):
     got = _run(decode, "d", PROMPT, 12)
     assert decode.kv.prefix_hits == 48
     assert got == _run(alone, "a", PROMPT, 12)
-    for e in (prefill, decode, alone):
+    # An engine handed the same K/V for a shorter prompt takes each group's first blocks from their place.
+    short, short_alone = engine(), engine()
+    assert short.import_prefix_kv(PROMPT[:40], kv) == 32
+    assert _run(short, "s", PROMPT[:40], 12) == _run(short_alone, "sa", PROMPT[:40], 12)
+    with pytest.raises(ValueError, match="kv:"):
+        short.import_prefix_kv(PROMPT, kv[:, :, :-16])
+    for e in (prefill, decode, alone, short, short_alone):
         assert_engine_clean(e)

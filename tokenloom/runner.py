@@ -66,7 +66,8 @@ class ModelRunner(Runner):
     # -- KV handed between engines (disaggregated prefill) -------------------------------------
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of the blocks' K/V: [layer, K/V, len(block_ids) * block_size, kv head, head dim]."""
+        """A copy of the blocks' K/V: [layer slot, K/V, len(block_ids) * block_size, kv head, head dim] (one KV
+        group: a slot per layer)."""
         return self.kv_cache[:, :, self._slots(block_ids)].cpu()
 
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
@@ -125,8 +126,9 @@ class ModelRunner(Runner):
             q0 = len(tokens)
             tokens.extend(seq.step_token_ids(start, ctx))
             row_lora.extend([seq.lora] * n)
-            # A sliding group's released entries (HOLE) read block 0: its window's mask hides them.
-            tables = [np.maximum(np.asarray(t, dtype=np.int64), 0) for t in seq.block_tables]
+            tables = [np.asarray(t, dtype=np.int64) for t in seq.block_tables]
+            if self.layout.num_groups > 1:  # a sliding group's released entries (HOLE) read block 0, unread
+                tables = [np.maximum(t, 0) for t in tables]
             pos = np.arange(start, ctx)
             positions.append(pos)
             for g in groups:

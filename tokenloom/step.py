@@ -66,6 +66,7 @@ class Sequence:
         self.num_computed_tokens = 0
         # One table per KV group (model/kv_layout.py): one unless the model has sliding-window layers.
         self.block_tables: list[list[int]] = []
+        self.num_registered_blocks = 0  # of its full blocks, how many were offered to the prefix cache
         self.block_keys: list = []  # prefix-cache keys of full blocks, computed incrementally
         self.host_blocks: list[int] = []  # host-pool blocks while swapped out
         self.num_cached_prompt_tokens = 0  # prompt tokens served by the prefix cache (first admission)

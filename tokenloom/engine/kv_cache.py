@@ -19,8 +19,13 @@ runs before anything else can read it), and dropped only when a free block is ta
 (LRU eviction: the free queue hands out the least recently freed block first, and a sequence's
 blocks are freed tail first so its prefix stays longest).
 
-Only full blocks are ever shared, and block tables are append-only, so a shared block is never
-written again: no copy-on-write is needed.
+KV groups (model/kv_layout.py): a model with sliding-window layers has a table per group, all drawing
+from this one pool, and a group's cache keys are the block keys tagged with the group. A sliding
+group's table releases the blocks its window has left behind as the sequence advances: the entries
+become HOLE (always a prefix of the table), and the blocks stay cached until evicted, oldest last.
+
+Only full blocks are ever shared, and a table only grows at its end (besides those released entries),
+so a shared block is never written again: no copy-on-write is needed.
 """
 
 from __future__ import annotations
@@ -226,14 +231,14 @@ class KVCacheManager:
         rows = (tuple(self.cached.get(self._group_key(key, g)) for g in range(self.num_groups)) for key in keys)
         return list(itertools.takewhile(lambda row: None not in row, rows))
 
-    def adopt(self, keys: list[BlockKey]) -> list[tuple[int, KVBlock]]:
+    def adopt(self, keys: list[BlockKey]) -> list[tuple[int, int, KVBlock]]:
         """Make `keys` cached blocks in every group, free for any sequence to hit (their K/V must be written
         before the next step: the caller does it at once, on the engine thread). Keys already cached are
-        left as they are; returns (g * len(keys) + index in keys, block) of those given new blocks, g the
-        group. Stops early rather than take more than a quarter of the free blocks (a handed-over prefix
-        must not evict a busy engine's cache)."""
+        left as they are; returns (group, index in keys, block) of those given new blocks. Stops early
+        rather than take more than a quarter of the free blocks (a handed-over prefix must not evict a
+        busy engine's cache)."""
         budget = self.num_free_blocks // 4
-        adopted: list[tuple[int, KVBlock]] = []
+        adopted: list[tuple[int, int, KVBlock]] = []
         for i, key in enumerate(keys):
             for group in range(self.num_groups):
                 group_key = self._group_key(key, group)
@@ -245,7 +250,7 @@ class KVCacheManager:
                 block.key, block.ref_cnt = group_key, 0
                 self.cached[group_key] = block
                 self.free_queue.append(block)  # the most recently freed: the last to be evicted
-                adopted.append((group * len(keys) + i, block))
+                adopted.append((group, i, block))
         return adopted
 
     def get_computed_blocks(self, seq: Sequence) -> list[tuple[KVBlock | None, ...]]:
@@ -308,15 +313,18 @@ class KVCacheManager:
         return block
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Offer the blocks that became full since the last call to the prefix cache (a block whose key
+        another block already holds stays out of it)."""
         keys = self._keys_up_to(seq, min(num_tokens, seq.num_tokens) // self.block_size)
         for group, table in enumerate(seq.block_tables):
-            for key, block_id in zip(keys, table, strict=False):
-                if block_id == HOLE:
+            for i in range(seq.num_registered_blocks, min(len(keys), len(table))):
+                if table[i] == HOLE:
                     continue
-                block, key = self.blocks[block_id], self._group_key(key, group)
+                block, key = self.blocks[table[i]], self._group_key(keys[i], group)
                 if block.key is None and key not in self.cached:
                     block.key = key
                     self.cached[key] = block
+        seq.num_registered_blocks = max(seq.num_registered_blocks, min(len(keys), *map(len, seq.block_tables)))
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -334,6 +342,7 @@ class KVCacheManager:
                 if i < len(table) and table[i] != HOLE:
                     self._release(table[i])
         seq.block_tables = []
+        seq.num_registered_blocks = 0
         self.free_host(seq)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
@@ -341,10 +350,10 @@ class KVCacheManager:
         were written to). They hold nothing worth keeping, so they go to the front of the free queue:
         the next allocation takes them back before it evicts a cached prefix."""
         keep = self.blocks_needed(num_tokens)
+        assert all(b != HOLE for table in seq.block_tables for b in table[keep:]), "a draft block was released"
         released = [self.blocks[b] for table in seq.block_tables for b in reversed(table[keep:])]
         for block in released:  # checked before anything changes
-            assert block.block_id != HOLE and block.key is None and block.ref_cnt == 1, \
-                f"block {block.block_id} holds more than drafts"
+            assert block.key is None and block.ref_cnt == 1, f"block {block.block_id} holds more than drafts"
         for block in released:
             block.ref_cnt = 0
             self.free_queue.appendleft(block)
@@ -360,12 +369,20 @@ class KVCacheManager:
     # -- swap ------------------------------------------------------------------------------------
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(held_blocks(seq)) <= len(self.free_host_blocks)
+        return len(held_blocks(seq)) - self._behind_windows(seq) <= len(self.free_host_blocks)
+
+    def _behind_windows(self, seq: Sequence) -> int:
+        """Blocks `seq` still holds that its next query (at `num_computed_tokens`) does not read."""
+        return sum(sum(1 for b in table[: self._first_in_window(seq.num_computed_tokens, w)] if b != HOLE)
+                   for table, w in zip(seq.block_tables, self.windows, strict=False) if w is not None)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move `seq`'s blocks to the host pool; returns (device block, host block) copies to make
-        before the device blocks are reused. The tables keep their released entries, so `swap_in`
-        knows where each group's blocks resume."""
+        before the device blocks are reused. Blocks behind a window are released first, not copied (a
+        sequence preempted before its allocation this step still holds them). The tables keep their
+        released entries, so `swap_in` knows where each group's blocks resume."""
+        if seq.block_tables:
+            self._release_behind_windows(seq.block_tables, seq.num_computed_tokens)
         device = held_blocks(seq)
         host = [self.free_host_blocks.pop() for _ in device]
         released = [table.count(HOLE) for table in seq.block_tables]

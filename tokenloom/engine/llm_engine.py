@@ -345,13 +345,16 @@ class LLMEngine:
         wrong token."""
         if kv is None:
             return 0
-        bs = self.kv.block_size
-        num_blocks = kv.shape[2] // (bs * self.kv.num_groups)
+        bs, groups = self.kv.block_size, self.kv.num_groups
+        if kv.dim() < 3 or kv.shape[2] % (bs * groups):
+            raise ValueError(f"kv: a {tuple(kv.shape)} tensor is not whole blocks of {bs} tokens in {groups} KV groups")
+        num_blocks = kv.shape[2] // (bs * groups)  # the export's blocks per group, group after group
         keys = self.kv.prefix_keys(token_ids[: num_blocks * bs], cache_salt)
         adopted = self.kv.adopt(keys)
         if adopted:
-            rows = torch.cat([torch.arange(i * bs, (i + 1) * bs) for i, _ in adopted])
-            self.runner.write_blocks([b.block_id for _, b in adopted], kv[:, :, rows])
+            starts = [(group * num_blocks + i) * bs for group, i, _ in adopted]
+            rows = torch.cat([torch.arange(start, start + bs) for start in starts])
+            self.runner.write_blocks([b.block_id for _, _, b in adopted], kv[:, :, rows])
         return len(self.kv.cached_prefix(keys)) * bs
 
     def has_unfinished_requests(self) -> bool:

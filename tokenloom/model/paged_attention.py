@@ -36,8 +36,9 @@ def windowed(tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, 
     if window is None or int(context_lens.max()) <= window:
         return tables, context_lens, block_size
     lens = context_lens.clamp(max=window)
+    # A row within the window reads from position 0 as before (its table past its length is never read,
+    # and rows of one short prompt keep equal tables: the kernel shares their task).
     positions = (context_lens - lens)[:, None] + torch.arange(window, device=tables.device)[None, :]
-    positions = torch.minimum(positions, (context_lens - 1).clamp(min=0)[:, None])  # a short row's tail: never read
     slots = tables.gather(1, positions // block_size) * block_size + positions % block_size
     return slots, lens, 1
 
