@@ -164,6 +164,12 @@ class KVCacheManager:
         return len(self.windows)
 
     @property
+    def prefix_capacity(self) -> int:
+        """How many blocks of a prompt the pool holds in every group at once (what a router mirroring
+        this cache counts; the pool's blocks when there is one group)."""
+        return self.num_blocks // self.num_groups
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free empty + free cached)."""
         return self.free_queue.size

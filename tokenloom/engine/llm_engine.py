@@ -210,9 +210,11 @@ class LLMEngine:
         # all made some steps 2-3x slower (a full collection inside the forward: 7 ms of a 5 ms step).
         gc.collect()
         gc.freeze()
+        layout = KVLayout.of(model_config)
+        groups = "" if layout.num_groups == 1 else f" (a block: {layout.layers_per_page} layers of one of {layout.num_groups} KV groups)"
         logger.info(
-            "engine ready: %d KV blocks of %d tokens (%.0f MiB, %s), max_model_len %d, dtype %s",
-            num_blocks, config.block_size, num_blocks * block_bytes / 2**20,
+            "engine ready: %d KV blocks of %d tokens%s (%.0f MiB, %s), max_model_len %d, dtype %s",
+            num_blocks, config.block_size, groups, num_blocks * block_bytes / 2**20,
             str(kv_dtype or config.dtype).removeprefix("torch."), config.max_model_len, config.dtype,
         )
 

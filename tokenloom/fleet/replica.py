@@ -97,7 +97,7 @@ class EngineReplica:
         """What the ingress needs to know about the model it fronts."""
         engine = self.async_llm.engine
         return {"max_model_len": self.async_llm.config.max_model_len, "vocab_size": engine.model_config.vocab_size,
-                "block_size": self.async_llm.config.block_size, "num_kv_blocks": engine.kv.num_blocks}
+                "block_size": self.async_llm.config.block_size, "num_kv_blocks": engine.kv.prefix_capacity}
 
     async def prefill(self, request: dict):
         """Disaggregated prefill: compute the prompt's K/V here (a one-token request), and return the

@@ -427,7 +427,7 @@ def _run_fleet(cost_model, workload, num_replicas, routing_policy, config, model
         roles = ["prefill"] * disaggregation.prefill + ["decode"] * disaggregation.decode
     replicas = build_replicas(cost_model, roles, config, model_config, tokenizer)
     first = replicas[0].engine
-    policy = policy_for(routing_policy, first.config, first.kv.num_blocks)
+    policy = policy_for(routing_policy, first.config, first.kv.prefix_capacity)
     sim = FleetSim(replicas, policy, workload, disaggregation, kv_bytes_per_token(first.model_config, first.config),
                    slo_ttft_ms, slo_tpot_ms, warmup_s)
     return sim.run()
