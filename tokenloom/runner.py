@@ -101,6 +101,7 @@ class ModelRunner(Runner):
         slots: list[list[np.ndarray]] = [[] for _ in groups]
         decode_tables: list[list[np.ndarray]] = [[] for _ in groups]
         context_slots: list[list[torch.Tensor]] = [[] for _ in groups]
+        context_starts: list[list[int]] = [[] for _ in groups]
         decode_idx, decode_ctx = [], []
         # The paged C kernel also takes prompt tokens as single queries (each with its own context
         # length, i.e. the causal mask): faster than gather + SDPA at every length measured.
@@ -139,13 +140,16 @@ class ModelRunner(Runner):
                     decode_tables[g].extend([tables[g]] * n)
                 decode_ctx.extend(range(start + 1, ctx + 1))
             else:
-                ctx_pos = np.arange(ctx)
-                for g in groups:
+                for g, window in zip(groups, self.layout.group_windows, strict=True):
+                    # A sliding group's context starts where the span's first query starts reading.
+                    first = 0 if window is None else max(start - window + 1, 0)
+                    ctx_pos = np.arange(first, ctx)
                     context_slots[g].append(torch.from_numpy(tables[g][ctx_pos // bs] * bs + ctx_pos % bs).to(self.device))
+                    context_starts[g].append(first)
                 mask = None
                 if start > 0:  # query i (at position start+i) sees context positions <= start+i
-                    mask = torch.from_numpy(ctx_pos[None, :] <= pos[:, None]).to(self.device)
-                prefills.append(PrefillSpan(q0, n, context_slots[0][-1], mask))
+                    mask = torch.from_numpy(np.arange(ctx)[None, :] <= pos[:, None]).to(self.device)
+                prefills.append(PrefillSpan(q0, n, context_slots[0][-1], mask, context_starts[0][-1]))
             if seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
                 # The row at prompt position p predicts prompt token p+1; the last prompt position samples.
                 # After a recompute-preemption, positions whose logprobs exist are not done again.
@@ -175,7 +179,8 @@ class ModelRunner(Runner):
             prefills=prefills,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             lora=self._lora_batch(row_lora),
-            other_groups=tuple(GroupSlots(slot_mappings[g], tables[g], context_slots[g]) for g in groups[1:]),
+            other_groups=tuple(GroupSlots(slot_mappings[g], tables[g], context_slots[g], context_starts[g])
+                               for g in groups[1:]),
         )
         return torch.tensor(tokens, dtype=torch.long, device=dev), batch, sample_rows, prompt_rows
 

@@ -41,6 +41,9 @@ class PrefillSpan:
     query_len: int
     context_slots: torch.Tensor  # [context_len] cache slots it attends to (earlier chunks + this one)
     causal_mask: torch.Tensor | None  # [query_len, context_len] bool, None when context == query
+    # The position of context_slots[0]: 0, or for a sliding-window group the first position the span's
+    # first query reads (the context starts there, and its mask comes from the window).
+    context_start: int = 0
 
 
 @dataclass
@@ -52,6 +55,7 @@ class GroupSlots:
     slot_mapping: torch.Tensor
     decode_block_tables: torch.Tensor
     context_slots: list[torch.Tensor]  # per prefill span, in the batch's order
+    context_starts: list[int]  # per prefill span: the position of its context_slots[0]
 
 
 @dataclass
@@ -79,7 +83,8 @@ class ForwardBatch:
         if group == 0 or not self.other_groups:
             return self
         slots = self.other_groups[group - 1]
-        spans = [replace(span, context_slots=c) for span, c in zip(self.prefills, slots.context_slots, strict=True)]
+        spans = [replace(span, context_slots=c, context_start=start)
+                 for span, c, start in zip(self.prefills, slots.context_slots, slots.context_starts, strict=True)]
         return replace(self, slot_mapping=slots.slot_mapping, decode_block_tables=slots.decode_block_tables,
                        prefills=spans, other_groups=())
 
@@ -130,9 +135,10 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def window_mask(query_positions: torch.Tensor, context_len: int, window: int) -> torch.Tensor:
-    """[queries, context] bool: key position j is seen by the query at position p when p - window < j <= p."""
-    keys = torch.arange(context_len, device=query_positions.device)[None, :]
+def window_mask(query_positions: torch.Tensor, context_start: int, context_len: int, window: int) -> torch.Tensor:
+    """[queries, context] bool over the context's positions context_start, context_start + 1, ...: key
+    position j is seen by the query at position p when p - window < j <= p."""
+    keys = torch.arange(context_start, context_start + context_len, device=query_positions.device)[None, :]
     p = query_positions[:, None]
     return (keys <= p) & (keys > p - window)
 
@@ -198,9 +204,10 @@ class Attention(nn.Module):
                 out[:d] = od
         for span in batch.prefills:
             mask, causal = span.causal_mask, span.causal_mask is None
-            if self.window is not None and len(span.context_slots) > self.window:
+            if self.window is not None and (span.context_start or len(span.context_slots) > self.window):
                 positions = batch.positions[span.query_start : span.query_start + span.query_len]
-                mask, causal = window_mask(positions, len(span.context_slots), self.window), False
+                mask = window_mask(positions, span.context_start, len(span.context_slots), self.window)
+                causal = False
             # 4-D [1, heads, tokens, head_dim]: SDPA's CPU flash kernel (3-D inputs take the math path,
             # which materialises the whole score matrix: 2.7x slower for 512 queries over 6,000 keys).
             qs = q[span.query_start : span.query_start + span.query_len].transpose(0, 1)[None]
