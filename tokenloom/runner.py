@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .model.decoder import DecoderModel, ForwardBatch, GroupSlots, PrefillSpan
-from .model.kv_layout import KVLayout
+from .model.kv_layout import KVLayout, window_start
 from .model.lora import LoRABatch, LoRAStacks
 from .model.sampler import Sampler, top_logprobs
 from .step import Runner, StepPlan, StepResult, is_decode, samples
@@ -142,7 +142,7 @@ class ModelRunner(Runner):
             else:
                 for g, window in zip(groups, self.layout.group_windows, strict=True):
                     # A sliding group's context starts where the span's first query starts reading.
-                    first = 0 if window is None else max(start - window + 1, 0)
+                    first = window_start(start, window)
                     ctx_pos = np.arange(first, ctx)
                     context_slots[g].append(torch.from_numpy(tables[g][ctx_pos // bs] * bs + ctx_pos % bs).to(self.device))
                     context_starts[g].append(first)

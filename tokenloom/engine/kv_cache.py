@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from ..config import EngineConfig
 from ..model.config import ModelConfig
+from ..model.kv_layout import window_start
 from ..model.loader import kv_bytes_per_block_for, torch_dtype
 from ..step import HOLE, Sequence
 
@@ -192,7 +193,7 @@ class KVCacheManager:
 
     def _first_in_window(self, position: int, window: int | None) -> int:
         """The first block a query at `position` reads in a group of that window (0: full attention)."""
-        return 0 if window is None else max(position - window + 1, 0) // self.block_size
+        return window_start(position, window) // self.block_size
 
     # -- prefix cache ----------------------------------------------------------------------------
 
@@ -218,8 +219,7 @@ class KVCacheManager:
         group. A sliding group needs only the blocks its window reaches back to from the run's end; its
         older entries are None."""
         rows: list[tuple[KVBlock | None, ...]] = []
-        for key in keys:
-            row = tuple(self.cached.get(self._group_key(key, g)) for g in range(self.num_groups))
+        for row in self._cached_rows(keys):
             if any(block is None for block, w in zip(row, self.windows, strict=True) if w is None):
                 break
             rows.append(row)
@@ -234,8 +234,12 @@ class KVCacheManager:
     def cached_in_every_group(self, keys: list[BlockKey]) -> list[tuple[KVBlock, ...]]:
         """The longest run of `keys` from the first whose K/V every group holds (what one engine hands
         another: `LLMEngine.export_prefix_kv`)."""
-        rows = (tuple(self.cached.get(self._group_key(key, g)) for g in range(self.num_groups)) for key in keys)
-        return list(itertools.takewhile(lambda row: None not in row, rows))
+        return list(itertools.takewhile(lambda row: None not in row, self._cached_rows(keys)))
+
+    def _cached_rows(self, keys: list[BlockKey]):
+        """Per key, its cached block in each group (None where not cached)."""
+        for key in keys:
+            yield tuple(self.cached.get(self._group_key(key, g)) for g in range(self.num_groups))
 
     def adopt(self, keys: list[BlockKey]) -> list[tuple[int, int, KVBlock]]:
         """Make `keys` cached blocks in every group, free for any sequence to hit (their K/V must be written

@@ -175,8 +175,9 @@ class LLMEngine:
         elif model is not None:
             kv_dtype = getattr(model, "kv_cache_dtype", None)
         num_blocks, num_host_blocks, block_bytes = kv_cache_size(config, model_config, kv_dtype)
+        layout = KVLayout.of(model_config)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks,
-                                 KVLayout.of(model_config).group_windows)
+                                 layout.group_windows)
         self.stall_free = None
         if config.stall_free_factor and config.batching == "continuous":
             self.stall_free = StallFreeBudget(config.block_size, config.stall_free_factor,
@@ -210,7 +211,6 @@ class LLMEngine:
         # all made some steps 2-3x slower (a full collection inside the forward: 7 ms of a 5 ms step).
         gc.collect()
         gc.freeze()
-        layout = KVLayout.of(model_config)
         groups = "" if layout.num_groups == 1 else f" (a block: {layout.layers_per_page} layers of one of {layout.num_groups} KV groups)"
         logger.info(
             "engine ready: %d KV blocks of %d tokens%s (%.0f MiB, %s), max_model_len %d, dtype %s",

@@ -23,6 +23,11 @@ from dataclasses import dataclass
 from .config import ModelConfig
 
 
+def window_start(position: int, window: int | None) -> int:
+    """The first position a query at `position` reads in a layer of that window (0: full attention)."""
+    return 0 if window is None else max(position - window + 1, 0)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     layers_per_page: int
