@@ -29,6 +29,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..model.architectures.gemma3 import layer_types_of as gemma3_layer_types
+from ..model.config import SLIDING
+
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
 GIB = 1 << 30
 
@@ -72,15 +75,13 @@ PRESETS: dict[str, tuple[int, int, int]] = {  # name -> (layers, kv heads, head_
 SLIDING_PRESETS: dict[str, tuple[int, int]] = {"gemma-3-270m": (15, 512)}  # name -> (sliding layers, window)
 
 
-def _sliding(num_layers: int, window, layer_types=None, every_sixth: bool = False) -> dict:
-    """ModelShape's sliding fields: from per-layer types, or Gemma 3's pattern (every sixth layer full)."""
-    if not window:
+def _sliding(num_layers: int, window, layer_types=None, gemma3: bool = False) -> dict:
+    """ModelShape's sliding fields: from per-layer types, or Gemma 3's own pattern (model/architectures)."""
+    if gemma3 and not layer_types:
+        layer_types = gemma3_layer_types(num_layers)
+    if not window or not layer_types:
         return {}
-    if layer_types:
-        return {"sliding_layers": sum(t == "sliding_attention" for t in layer_types), "sliding_window": int(window)}
-    if every_sixth:
-        return {"sliding_layers": num_layers - num_layers // 6, "sliding_window": int(window)}
-    return {}
+    return {"sliding_layers": sum(t == SLIDING for t in layer_types), "sliding_window": int(window)}
 
 
 def shape_from_hf_config(cfg: dict[str, Any], dtype_bytes: int = 2, name: str = "hf") -> ModelShape:
@@ -89,7 +90,7 @@ def shape_from_hf_config(cfg: dict[str, Any], dtype_bytes: int = 2, name: str = 
     head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
     layers = int(cfg["num_hidden_layers"])
     sliding = _sliding(layers, cfg.get("sliding_window"), cfg.get("layer_types"),
-                       str(cfg.get("model_type", "")).startswith("gemma3"))
+                       gemma3=str(cfg.get("model_type", "")).startswith("gemma3"))
     return ModelShape(layers, kv_heads, head_dim, dtype_bytes, name, **sliding)
 
 
@@ -117,7 +118,7 @@ def shape_from_gguf(path: str, dtype_bytes: int = 2) -> ModelShape:
         raise ValueError(f"{path}: no {arch}.block_count / {arch}.attention.head_count in the GGUF metadata")
     kv_heads = get("attention.head_count_kv") or heads
     head_dim = get("attention.key_length") or int(width) // int(heads)
-    sliding = _sliding(int(layers), get("attention.sliding_window"), every_sixth=arch == "gemma3")
+    sliding = _sliding(int(layers), get("attention.sliding_window"), gemma3=arch == "gemma3")
     return ModelShape(int(layers), int(kv_heads), int(head_dim), dtype_bytes, Path(path).name, **sliding)
 
 

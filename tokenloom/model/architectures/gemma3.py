@@ -13,13 +13,13 @@ PATTERN = 6  # every sixth layer attends to the whole context
 LOCAL_ROPE_THETA = 10000.0  # the sliding layers' RoPE base (llama.cpp and transformers hard-code it too)
 
 
-def _layer_types(num_layers: int) -> tuple[str, ...]:
+def layer_types_of(num_layers: int) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % PATTERN == 0 else SLIDING for i in range(num_layers))
 
 
 def _gemma_fields(hidden: int, num_layers: int, window: int, head_dim: int) -> dict:
     return {"qk_norm": True, "hidden_act": "gelu_tanh", "sandwich_norms": True, "embedding_scale": hidden**0.5,
-                "sliding_window": window, "layer_types": _layer_types(num_layers), "rope_local_theta": LOCAL_ROPE_THETA,
+                "sliding_window": window, "layer_types": layer_types_of(num_layers), "rope_local_theta": LOCAL_ROPE_THETA,
                 "query_pre_attn_scalar": float(head_dim)}
 
 
