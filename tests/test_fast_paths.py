@@ -309,6 +309,48 @@ def test_random_model_int4_runs_in_bfloat16():
     assert isinstance(model.layers[0].mlp.down_proj, linear.Int4Linear)
 
 
+@pytest.mark.parametrize("method", [
+    pytest.param("int4", marks=pytest.mark.skipif(not CAP.get("int4_c"), reason="no C int4 kernel here")), "none"])
+def test_long_chunks_pass_through_the_mlp_in_slices_with_the_same_bits(method):
+    """On the C kernels a chunk longer than MLP_ROWS_PER_PASS goes through the MLP a slice of rows at a
+    time (its activations are a step's biggest buffers), every row keeping the bits of one pass; dense
+    float32 projections (whose rows' bits depend on the matmul's shape) take the chunk in one pass."""
+    from tokenloom.model import decoder
+    from tokenloom.model.config import ModelConfig
+    from tokenloom.model.loader import random_model
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=1, num_heads=4, num_kv_heads=2)
+    model = random_model(cfg)
+    if method != "none":
+        model = linear.quantize_model(model, method)
+    mlp = model.layers[0].mlp
+    x = torch.randn(2 * decoder.MLP_ROWS_PER_PASS + 37, 64, generator=torch.Generator().manual_seed(5))
+    batch = mock.Mock(lora=None, decode_like_rows=x.shape[0])
+    calls = []
+    with mock.patch.object(mlp, "_rows", side_effect=lambda rows, *a: calls.append(len(rows)) or type(mlp)._rows(mlp, rows, *a)):
+        sliced = mlp(x, batch)
+    assert calls == ([decoder.MLP_ROWS_PER_PASS] * 2 + [37] if method != "none" else [x.shape[0]])
+    with mock.patch.object(decoder, "MLP_ROWS_PER_PASS", x.shape[0]):
+        whole = mlp(x, batch)
+    assert torch.equal(sliced, whole)
+
+
+@pytest.mark.parametrize("kernel", C_KERNELS)
+def test_large_gemm_outputs_come_from_whole_row_steps_and_keep_their_bits(kernel):
+    """An output of LARGE_OUTPUT_BYTES or more is a view of a buffer rounded up to OUTPUT_ROWS_STEP rows
+    (so glibc reuses the blocks freed by batches of other sizes), contiguous and with each row's bits."""
+    n, k = 8192, 64
+    blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=6), (n, k))
+    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    x = torch.randn(33, k)
+    assert 33 * n * 4 >= linear.LARGE_OUTPUT_BYTES
+    out = layer(x)
+    assert out.shape == (33, n) and out.is_contiguous()
+    assert out.untyped_storage().nbytes() == 48 * n * 4
+    assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(33)]))
+    assert layer(x[:1]).untyped_storage().nbytes() == n * 4  # a small output is its own size
+
+
 # --- the real model ---------------------------------------------------------------------------------
 
 PROSE = """

@@ -58,10 +58,12 @@ from .stall_free import StallFreeBudget
 logger = logging.getLogger("tokenloom.engine")
 
 MAX_CONSECUTIVE_FORWARD_FAILURES = 3
-# After a step with this many prompt tokens the heap's free pages go back to the OS: a prefill's
-# activations are freed into holes glibc keeps resident (measured: +100-170 MB over a serving run on
-# Qwen2.5-0.5B); the trim measured 1.4-2.1 ms, against 100 ms or more for such a step.
-PROMPT_TOKENS_BEFORE_TRIM = 256
+# After a step that ran prompt tokens the heap's free pages go back to the OS: a prefill's activations
+# are freed into holes glibc keeps resident (measured: +100-170 MB over a serving run on Qwen2.5-0.5B).
+# A trim takes 0.2-3.4 ms (more when more was freed), so it runs only after a forward at least
+# 1 / TRIM_MAX_SHARE times as long as the last trim took: a long prompt step always, a short one on a
+# small model only while trims stay cheap.
+TRIM_MAX_SHARE = 0.03
 
 
 class EngineFatalError(RuntimeError):
@@ -205,6 +207,7 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_prompt_tokens = 0
         self.num_steps = 0
+        self._last_trim_s = 0.003  # how long the last heap trim took (TRIM_MAX_SHARE)
         self.fault_stats = FaultStats()
         # What exists now (weights, tokenizer tables, compiled kernels' handles) lives as long as the engine:
         # out of the garbage collector's reach, a collection scans only what steps allocate. Scanning it
@@ -393,10 +396,13 @@ class LLMEngine:
                 in_step = {(seq.request_id, self.requests[seq.request_id].fault_text) for seq, _ in plan.scheduled}
                 faults.maybe_raise_step("forward", self.num_steps, tuple(in_step))
                 faults.maybe_raise_step("stall", self.num_steps, tuple(in_step))
+            forward_start = time.perf_counter()
             results = self.runner.execute(plan)
-            prompt_tokens = sum(n for (_, n), drafts in zip(plan.scheduled, row_drafts) if n > 1 and not drafts)
-            if prompt_tokens >= PROMPT_TOKENS_BEFORE_TRIM:
+            ran_prompt = any(n > 1 and not drafts for (_, n), drafts in zip(plan.scheduled, row_drafts))
+            if ran_prompt and (time.perf_counter() - forward_start) * TRIM_MAX_SHARE >= self._last_trim_s:
+                trim_start = time.perf_counter()
                 trim_heap()
+                self._last_trim_s = time.perf_counter() - trim_start
         except Exception as exc:  # noqa: BLE001 - not one request's fault: fail the step's requests
             results = []
             self._forward_failed(plan, exc, changed)

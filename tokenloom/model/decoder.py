@@ -94,6 +94,8 @@ class Linear(nn.Linear):
     ones (model/linear.py) can run them and long prefill chunks through different kernels; a dense one
     needs not."""
 
+    rows_independent = False  # a row's bits may depend on how many rows share the matmul (oneDNN's blocking)
+
     def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
@@ -223,6 +225,10 @@ class Attention(nn.Module):
         return y
 
 
+# Rows of a long prompt chunk that go through the MLP together (see MLP.forward).
+MLP_ROWS_PER_PASS = 128
+
+
 class MLP(nn.Module):
     ops: TorchLayerOps = TORCH_OPS  # set per model at load (DecoderModel.layer_ops)
 
@@ -234,13 +240,29 @@ class MLP(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, batch.decode_like_rows)
-        if batch.lora is not None:
-            batch.lora.add(self.ops, self.layer, "gate_up", x, gate_up)
+        rows = x.shape[0]
+        if (rows <= MLP_ROWS_PER_PASS or batch.lora is not None
+                or not (self.gate_up_proj.rows_independent and self.down_proj.rows_independent)):
+            return self._rows(x, batch.decode_like_rows, batch.lora)
+        # A long prompt chunk in passes of rows: its [rows, 2 x intermediate] activations are the biggest
+        # buffers of a step (30 MB at 512 rows on Qwen2.5-0.5B); on kernels whose rows are independent
+        # every row's output keeps its bits.
+        y = x.new_empty(rows, self.down_proj.out_features)
+        for start in range(0, rows, MLP_ROWS_PER_PASS):
+            end = min(start + MLP_ROWS_PER_PASS, rows)
+            decode_like = min(max(batch.decode_like_rows - start, 0), end - start)
+            y[start:end] = self._rows(x[start:end], decode_like, None)
+        return y
+
+    def _rows(self, x: torch.Tensor, decode_like_rows: int, lora: LoRABatch | None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, decode_like_rows)
+        if lora is not None:
+            lora.add(self.ops, self.layer, "gate_up", x, gate_up)
         act = self.ops.gelu_tanh_mul(gate_up) if self.gelu else self.ops.silu_mul(gate_up)
-        y = self.down_proj(act, batch.decode_like_rows)
-        if batch.lora is not None:
-            batch.lora.add(self.ops, self.layer, "down", act, y)
+        del gate_up
+        y = self.down_proj(act, decode_like_rows)
+        if lora is not None:
+            lora.add(self.ops, self.layer, "down", act, y)
         return y
 
 
