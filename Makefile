@@ -39,7 +39,7 @@ generate: install
 	$(VENV)/bin/tokenloom generate --prompt "The capital of France is" --max-tokens 32
 
 test: install browser
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow"
