@@ -119,25 +119,65 @@ def shared_prefix_dataset(path: Path, systems: int = 8, users: int = 16, seed: i
 
 
 def routing(raw: Path, rate: float) -> dict:
+    """Each policy's run; the replicas record their steps (raw/steps-POLICY-PID.jsonl) for the simulator's
+    check (benchmarks/fleet_sim.py check-real), and the engine-side TTFT (replica arrival to first token,
+    from the summed /metrics) is kept beside the client's: the difference is the serving path's."""
     data = shared_prefix_dataset(raw / "shared_prefix.jsonl")
     cell = ["--dataset", str(data), "--num-prompts", "128", "--request-rate", str(rate)]
+    counters = {"hits": "tokenloom:prefix_cache_hits_total", "queries": "tokenloom:prefix_cache_queries_total",
+                "ttft_sum": "tokenloom:time_to_first_token_seconds_sum",
+                "ttft_count": "tokenloom:time_to_first_token_seconds_count"}
     rows: dict[str, dict] = {}
     for policy in POLICIES:
         print(f"== routing: {policy}", flush=True)
-        proc = serve(["--data-parallel-size", "2", "--routing-policy", policy], raw / f"routing-{policy}.log")
+        for old in raw.glob(f"steps-{policy}-*.jsonl"):
+            old.unlink()
+        proc = serve(["--data-parallel-size", "2", "--routing-policy", policy,
+                      "--record-steps", str(raw / f"steps-{policy}.jsonl")], raw / f"routing-{policy}.log")
         try:
             bench(["--num-prompts", "2", "--output-len", "4"], raw / "warm-up.json")
             time.sleep(2.5)  # the replicas' counters reach the ingress every second
-            hits0, queries0 = summed("tokenloom:prefix_cache_hits_total"), summed("tokenloom:prefix_cache_queries_total")
+            before = {key: summed(name) for key, name in counters.items()}
             rows[policy] = row(bench(cell, raw / f"routing-{policy}.json"))
             time.sleep(2.5)
-            hits = summed("tokenloom:prefix_cache_hits_total") - hits0
-            queries = summed("tokenloom:prefix_cache_queries_total") - queries0
-            rows[policy]["prefix_hit_rate"] = hits / queries if queries else None
+            d = {key: summed(name) - before[key] for key, name in counters.items()}
+            rows[policy]["prefix_hit_rate"] = d["hits"] / d["queries"] if d["queries"] else None
+            rows[policy]["engine_mean_ttft_ms"] = 1000 * d["ttft_sum"] / d["ttft_count"] if d["ttft_count"] else None
+            rows[policy]["mean_ttft_ms"] = json.loads((raw / f"routing-{policy}.json").read_text())["mean_ttft_ms"]
             print(f"  {rows[policy]}", flush=True)
         finally:
             stop(proc)
-    return {"rate_req_s": rate, "requests": 128, "rows": rows}
+    return {"rate_req_s": rate, "requests": 128, "rows": rows, "simulated": simulator_check(raw, rows, rate)}
+
+
+def simulator_check(raw: Path, rows: dict, rate: float) -> dict:
+    """The fleet simulator's twin of each policy's run: the same requests at the same times, two simulated
+    replicas with `tokenloom serve`'s defaults, a cost model fitted on recorded steps with their spread
+    (`calibrate --from-steps`) — this run's own, and the other two runs' — and the serving path's time
+    (client TTFT minus the replicas') from the other runs. Its hit rate and TTFT against the measured."""
+    from tokenloom.cli import build_parser
+    from tokenloom.config import engine_config_from_args
+    from tokenloom.sim.cost_model import fit_linear, with_spread
+    from tokenloom.sim.fleet import simulate_fleet
+    from tokenloom.sim.fleet_report import compare_with_real, dataset_workload
+    from tokenloom.sim.step_log import read_step_logs
+
+    config = engine_config_from_args(build_parser().parse_args(["serve"]))
+    workload = dataset_workload(str(raw / "shared_prefix.jsonl"), 128, rate)
+    steps = {p: read_step_logs(sorted(map(str, raw.glob(f"steps-{p}-*.jsonl")))) for p in rows}
+    checks: dict[str, dict] = {}
+    for policy, real in rows.items():
+        others = [p for p in rows if p != policy]
+        path_s = statistics.mean(rows[p]["mean_ttft_ms"] - rows[p]["engine_mean_ttft_ms"] for p in others) / 1000
+        for steps_from, samples in (("own", steps[policy]), ("others", [s for p in others for s in steps[p]])):
+            cost = with_spread(fit_linear(samples), samples)
+            sim = simulate_fleet(cost, workload, 2, policy, config, serving_path_s=path_s).summary()
+            print(f"  simulated {policy}, steps from {steps_from} run(s):", flush=True)
+            checks[f"{policy}/{steps_from}"] = {
+                "policy": policy, "steps_from": steps_from, "serving_path_ms": 1000 * path_s,
+                **{stat: compare_with_real(real["prefix_hit_rate"], real[f"{stat}_ttft_ms"], sim, ttft_stat=stat)
+                   for stat in ("median", "mean")}}
+    return checks
 
 
 def write_markdown(result: dict, path: Path) -> None:
@@ -166,6 +206,22 @@ def write_markdown(result: dict, path: Path) -> None:
                          f"{x['p90_ttft_ms']:.1f} ms | {x['median_tpot_ms']:.1f} ms | {x['output_tok_s']:.1f} | "
                          f"{x['failed']} |")
         lines.append("")
+        if "simulated" in r:
+            lines += ["### The simulator's twin of each run", "",
+                      ("`benchmarks/fleet.py`'s `simulator_check`: the same requests and arrival times through the fleet "
+                      "simulator (two replicas, the same routing policy, `tokenloom serve`'s defaults), its cost model "
+                      "fitted on the steps the replicas recorded (`--record-steps`, then `calibrate --from-steps`, with "
+                      "the steps' measured spread) in this policy's own run or in the other two runs, plus the serving "
+                      "path's time outside the engines (client TTFT minus the replicas' TTFT, from the other two runs)."),
+                      "", ("| policy | steps from | hit rate real / sim | TTFT p50 real / sim | diff | TTFT mean real / sim "
+                      "| diff |"), "|---|---|---|---|---|---|---|"]
+            for c in r["simulated"].values():
+                hit, p50, mean = c["median"]["prefix_hit_rate"], c["median"]["median_ttft_ms"], c["mean"]["mean_ttft_ms"]
+                lines.append(f"| {c['policy']} | {'its own run' if c['steps_from'] == 'own' else 'the other runs'} | "
+                             f"{hit['real']:.3f} / {hit['simulated']:.3f} | {p50['real']:.1f} / {p50['simulated']:.1f} ms | "
+                             f"{100 * p50['relative_difference']:.1f}% | {mean['real']:.1f} / {mean['simulated']:.1f} ms | "
+                             f"{100 * mean['relative_difference']:.1f}% |")
+            lines.append("")
     path.write_text("\n".join(lines))
 
 

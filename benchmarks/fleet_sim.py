@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/fleet_sim.py [--cost-model llama-3-8b@h100] [--quick]
     .venv/bin/python benchmarks/fleet_sim.py check-real --hit-rate 0.883 --ttft-ms 86.5 --policy prefix-aware \
-        --dataset shared_prefix.jsonl --num-prompts 128 --request-rate 4 --cost-model cal.json [engine flags]
+        --dataset shared_prefix.jsonl --num-prompts 128 --request-rate 4 --cost-model cal.json \
+        [--serving-path-ms 13] [engine flags]
 
 Each replica is the real scheduler and KV cache on a virtual clock (`tokenloom.sim.fleet`), one H100
 running Llama-3-8B by the roofline preset (or a calibration file), with vLLM-like server knobs
@@ -25,9 +26,11 @@ rate, TTFT CDF per scenario). Virtual time: CPU contention changes the wall time
 --dataset` file, tokenized as the server does, at the same arrival times — or a `shared_prefix_workload`
 by flags; its engine flags, defaults as `tokenloom serve`'s: stall-free factor 1.5, float16 KV) with a
 cost model of this machine, and prints the simulated prefix-cache hit rate and TTFT (median by default,
-as benchmarks/fleet.md reports it) beside the measured ones, flagging any off by more than 15% (exit 1). The cost model should be calibrated on the engine the replicas run (`tokenloom
-calibrate --quantization auto --num-threads 1 --out cal.json`, then `--cost-model cal.json`); the default,
-results/calibration.json, is the float32 path's.
+as benchmarks/fleet.md reports it) beside the measured ones, flagging any off by more than 15% (exit 1). The
+cost model should come from the replicas' own steps in such a run (`tokenloom serve ... --record-steps F`,
+then `tokenloom calibrate --from-steps F-*.jsonl --out cal.json`): a quiet calibration (`tokenloom calibrate
+--quantization auto --num-threads 1`) measures about half the step time replicas sharing 2 cores with Ray
+and the clients take. `benchmarks/fleet.py --parts routing` runs this check on every policy's run itself.
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ def check_real(args) -> int:
                                 args.output_len, seed=args.workload_seed)
         workload = spec.workload(args.request_rate)
     report = check_against_real(args.hit_rate, args.ttft_ms, cost, workload, args.replicas, args.policy, config,
-                                args.ttft_stat)
+                                args.ttft_stat, serving_path_s=args.serving_path_ms / 1000)
     return 0 if all(m["within"] for m in report.values()) else 1
 
 
@@ -168,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--hit-rate", type=float, required=True, help="the real run's prefix-cache hit rate (0-1)")
         ap.add_argument("--ttft-ms", type=float, required=True, help="the real run's TTFT (--ttft-stat)")
         ap.add_argument("--ttft-stat", choices=("mean", "median", "p90", "p99"), default="median")
+        ap.add_argument("--serving-path-ms", type=float, default=0.0,
+                        help="the serving path's time outside the engines, added to each simulated TTFT: a real "
+                             "run's client mean TTFT minus its replicas' (benchmarks/fleet.py reports both)")
         ap.add_argument("--dataset", help="the real run's `bench serve --dataset` .jsonl: its very prompts")
         ap.add_argument("--cost-model", default=str(RESULTS / "calibration.json"))
         ap.add_argument("--replicas", type=int, default=2)

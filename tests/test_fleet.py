@@ -21,6 +21,7 @@ from conftest_fleet import FleetProcess, ServeRunFleet, replica_pids, replica_to
 from conftest_server import scrape, wait_for
 
 from tokenloom import SamplingParams
+from tokenloom.sim.step_log import read_step_logs, replica_path
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +35,17 @@ STALL_TIMEOUT_S = 8
 
 
 @pytest.fixture(scope="module")
-def fleet():
+def steps_file(tmp_path_factory):
+    return tmp_path_factory.mktemp("steps") / "steps.jsonl"
+
+
+@pytest.fixture(scope="module")
+def fleet(steps_file):
     # Armed for the last test: a request marked STALLME hangs its replica's engine (others are untouched).
     os.environ["TOKENLOOM_FAULTS"] = "stall:STALLME"
     try:
-        srv = ServeRunFleet(["--routing-policy", "prefix-aware", "--engine-stall-timeout", str(STALL_TIMEOUT_S)])
+        srv = ServeRunFleet(["--routing-policy", "prefix-aware", "--engine-stall-timeout", str(STALL_TIMEOUT_S),
+                             "--record-steps", str(steps_file)])
     finally:
         del os.environ["TOKENLOOM_FAULTS"]
     yield srv
@@ -79,13 +86,18 @@ def test_sdk_through_the_router_matches_one_engine(sdk, offline, real_llm):
     assert chunks[-1].usage.completion_tokens == len(expected.outputs[0].token_ids)
 
 
-def test_metrics_per_replica_and_summed(fleet, sdk):
+def test_metrics_per_replica_and_summed(fleet, sdk, steps_file):
     for prompt in PROMPTS * 2:
         sdk.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=4, temperature=0)
     time.sleep(2.5)  # the replicas report every second
     per, total = replica_totals(fleet.url, "tokenloom:generation_tokens_total")
     assert len(per) == 2, per
     assert total == sum(per.values()) >= 32
+    # --record-steps: each replica wrote its own steps, which the simulator's calibration reads.
+    files = [replica_path(str(steps_file), str(pid)) for pid in replica_pids(fleet, "engine")]
+    steps = [read_step_logs([f]) for f in files]
+    assert len(files) == 2 and all(steps), files
+    assert sum(f.sampled for s in steps for f, _ in s) >= total
 
 
 def test_bad_requests_are_refused_not_bounced(fleet):

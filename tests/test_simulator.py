@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import statistics
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from tokenloom.bench.replay import Replay, replay
 from tokenloom.bench.workload import WorkloadRequest, make_workload
 from tokenloom.config import EngineConfig
+from tokenloom.sampling_params import SamplingParams
 from tokenloom.sim.cost_model import (
     LinearCostModel,
     StepFeatures,
@@ -209,3 +211,75 @@ def test_calibrate_on_tiny_model_then_simulate(make_engine, tokenizer):
     assert model.predict(StepFeatures(tokens=1, sampled=1, seqs=1)) > 0
     res = simulate(model, make_workload("uniform", 4, 16, 4), EngineConfig(max_model_len=64), tokenizer=tokenizer)
     assert res.metrics.completed == 4
+
+
+def test_served_steps_recorded_then_fitted(make_engine, tmp_path):
+    """`--record-steps` on the tiny model: every step that ran tokens is a line, and `calibrate --from-steps`
+    fits a model on them that predicts those steps' times."""
+    from tokenloom.sim.step_log import StepLog, read_step_logs
+
+    engine = make_engine(num_kv_blocks=512)
+    log = StepLog(engine, str(tmp_path / "steps.jsonl"))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    rng = random.Random(0)
+    for i, n in enumerate((8, 40, 16, 90, 24, 3, 64, 12)):
+        engine.add_request(f"r{i}", {"prompt_token_ids": [rng.randrange(100) for _ in range(n)]}, params)
+        for _ in range(i % 3):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    log.close()
+    lines = (tmp_path / "steps.jsonl").read_text().splitlines()
+    samples = read_step_logs([str(tmp_path / "steps.jsonl")])
+    assert len(samples) == len(lines) > 10 and all(d > 0 for _, d in samples)
+    assert sum(f.tokens for f, _ in samples) == 8 + 40 + 16 + 90 + 24 + 3 + 64 + 12 + 8 * 5
+    out = tmp_path / "cal.json"
+    _cli(["calibrate", "--from-steps", str(tmp_path / "steps.jsonl"), "--out", str(out)])
+    model = load_cost_model(out)
+    assert model.fit_stats["samples"] >= 0.8 * len(samples) and model.predict(samples[0][0]) > 0
+
+
+def test_a_busy_step_lasts_until_the_next_one_starts():
+    from tokenloom.sim.step_log import busy_step_times
+
+    f = StepFeatures(tokens=1, sampled=1, seqs=1)
+    records = [{"start": 0.0, "end": 1.0, "busy_after": True, "features": f},
+               {"start": 1.25, "end": 2.0, "busy_after": False, "features": f},  # the loop's 0.25 s counts
+               {"start": 5.0, "end": 5.5, "busy_after": True, "features": f}]  # the idle 3 s does not
+    assert [d for _, d in busy_step_times(records)] == [1.25, 0.75, 0.5]
+
+
+def test_a_step_log_that_is_not_one_is_named(tmp_path):
+    from tokenloom.sim.step_log import read_step_logs
+
+    bad = tmp_path / "steps.jsonl"
+    bad.write_text('{"start": 0, "end": 1, "busy_after": false, "features": {"tokens": 1}}\n{"start": 2}\n')
+    with pytest.raises(ValueError, match=r"steps.jsonl line 2 is not a step record"):
+        read_step_logs([str(bad)])
+    bad.write_text('{"start": 0, "end": 1, "busy_after": false, "features": {"bogus": 1}}\n')
+    with pytest.raises(ValueError, match=r"line 1 is not a step record"):
+        read_step_logs([str(bad)])
+
+
+def _cli(argv: list[str]) -> int:
+    from tokenloom.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def test_a_measured_spread_scales_step_times_and_survives_json(tmp_path):
+    from tokenloom.sim.cost_model import with_spread
+
+    model = const_model(0.010)
+    f = StepFeatures(tokens=1, sampled=1, seqs=1)
+    samples = [(f, 0.010)] * 50 + [(f, 0.020)] * 50  # half the steps took twice their prediction
+    spread = with_spread(model, samples)
+    assert spread.spread[0] == pytest.approx(1.0) and spread.spread[-1] == pytest.approx(2.0)
+    rng = random.Random(0)
+    draws = [spread.step_time(f, rng) for _ in range(2000)]
+    assert min(draws) >= 0.010 - 1e-12 and max(draws) <= 0.020 + 1e-12
+    assert statistics.mean(draws) == pytest.approx(0.015, rel=0.05)
+    assert model.step_time(f, rng) == 0.010  # no spread: the prediction
+    save_cost_model(spread, tmp_path / "c.json")
+    assert load_cost_model(tmp_path / "c.json").spread == spread.spread

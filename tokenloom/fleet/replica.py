@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 from contextlib import aclosing
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..sim.step_log import replica_path
 from .board import REPORT_PERIOD_S
 from .prefix_summary import PrefixSummary
 from .stream_batching import batched_items
@@ -45,6 +47,8 @@ class EngineReplica:
         from ..server.loading import load_served_engine
 
         args = argparse.Namespace(**engine_args)
+        if args.record_steps:  # one file per replica
+            args.record_steps = replica_path(args.record_steps, str(os.getpid()))
         logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         config = engine_config_from_args(args)
         for source, field in ((config.model, "model"), (config.draft_model, "speculative_config.model")):

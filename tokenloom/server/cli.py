@@ -113,6 +113,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    p.add_argument("--record-steps", metavar="FILE", default=None,
+                   help="append each engine step's batch shape and wall time to FILE (JSON lines; a fleet's "
+                        "replicas each write FILE with their pid before the suffix), for `tokenloom calibrate "
+                        "--from-steps`")
     add_engine_args(p)
     # Serving takes the fastest weights that passed the quality check (int4 where it runs, with a
     # float32 residual); --quantization none gives the exact float32 path. Prefill slices are sized

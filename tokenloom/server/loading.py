@@ -50,6 +50,10 @@ def load_served_engine(args: argparse.Namespace, config, lora_modules=()) -> Ser
     engine = LLMEngine(config)
     for lora in lora_modules:  # a bad adapter stops the start, named, rather than failing its first request
         engine.adapters.load(lora)
+    if args.record_steps:
+        from ..sim.step_log import StepLog
+
+        StepLog(engine, args.record_steps)
     names = args.served_model_name or [default_served_name(config.model, path)]
     metrics = EngineMetrics(names[0], log_interval_s=args.log_interval, log_requests=not args.disable_log_requests)
     async_llm = AsyncLLM(engine, max_queue_len=args.max_queue_len, metrics=metrics, num_threads=num_threads,

@@ -1,6 +1,7 @@
 """`tokenloom simulate` and `tokenloom calibrate` (registered into the main parser by `tokenloom.cli`).
 
     tokenloom calibrate --out calibration.json [--quick] [engine knobs]
+    tokenloom calibrate --out calibration.json --from-steps steps-*.jsonl   (a server's --record-steps)
     tokenloom simulate (--cost-model calibration.json | --preset llama-3-8b@h100) --workload poisson \
         --num-prompts 200 --request-rate 8 --input-len 512 --output-len 128 [engine knobs] [--json]
 
@@ -97,14 +98,25 @@ def add_simulate_parser(subparsers) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from ..config import engine_config_from_args
-    from ..engine.llm_engine import LLMEngine
-    from .calibrate import calibrate, calibration_record
-    from .cost_model import save_cost_model
+    from .cost_model import fit_linear, save_cost_model, with_spread
 
-    engine = LLMEngine(engine_config_from_args(args))
-    model, _ = calibrate(engine, quick=args.quick)
-    save_cost_model(model, args.out, calibration_record(model, engine, args.quick))
+    if args.from_steps:
+        from .step_log import read_step_logs
+
+        samples = read_step_logs(args.from_steps)
+        model = with_spread(fit_linear(samples, source=f"tokenloom calibrate --from-steps: {len(samples)} served "
+                                                        "steps"), samples)
+        save_cost_model(model, args.out, {"from_steps": args.from_steps,
+                                          "formula": "step_s = intercept + sum(coef[f] * feature f); features "
+                                                     "in tokenloom/sim/cost_model.py"})
+    else:
+        from ..config import engine_config_from_args
+        from ..engine.llm_engine import LLMEngine
+        from .calibrate import calibrate, calibration_record
+
+        engine = LLMEngine(engine_config_from_args(args))
+        model, _ = calibrate(engine, quick=args.quick)
+        save_cost_model(model, args.out, calibration_record(model, engine, args.quick))
     stats = model.fit_stats
     print(f"wrote {args.out}: intercept {model.intercept * 1000:.2f} ms, "
           + ", ".join(f"{k} {v * 1e6:.3g} us" for k, v in model.coef.items()))
@@ -119,6 +131,9 @@ def add_calibrate_parser(subparsers) -> None:
     p = subparsers.add_parser("calibrate", help="measure real step times and fit the simulator's cost model")
     p.add_argument("--out", default="calibration.json")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
+    p.add_argument("--from-steps", nargs="+", metavar="FILE", default=None,
+                   help="fit on the steps a server recorded (`tokenloom serve --record-steps`) instead of "
+                        "measuring the grid: the engine as it ran, on that machine under that load")
     add_engine_args(p)
     # The forward `tokenloom serve` runs (--quantization auto), so the fitted costs are a server's;
     # --quantization none measures the exact float32 path.

@@ -28,7 +28,9 @@ overhead are typical of a good serving engine, not measurements.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import random
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -83,15 +85,33 @@ class LinearCostModel:
     coef: dict[str, float]
     fit_stats: dict = field(default_factory=dict)  # samples, r2, median/p90 relative error of the fit
     source: str = ""
+    # Measured / predicted step time at evenly spaced quantiles (0%, ..., 100%) over the fitted steps, or
+    # empty: a served engine's steps vary with what else runs on the machine, and `step_time` draws from
+    # that spread (see `with_spread`). Empty: every step takes its prediction.
+    spread: list[float] = field(default_factory=list)
 
     kind = "linear"
 
     def predict(self, f: StepFeatures) -> float:
         return self.intercept + sum(c * getattr(f, name) for name, c in self.coef.items())
 
+    def step_time(self, f: StepFeatures, rng: random.Random) -> float:
+        """One step's time: the prediction scaled by a draw from the measured spread."""
+        if not self.spread:
+            return self.predict(f)
+        return self.predict(f) * float(np.interp(rng.random(), np.linspace(0, 1, len(self.spread)), self.spread))
+
     def to_dict(self) -> dict:
         return {"kind": self.kind, "intercept": self.intercept, "coef": self.coef,
-                "fit_stats": self.fit_stats, "source": self.source}
+                "fit_stats": self.fit_stats, "source": self.source, "spread": self.spread}
+
+
+def with_spread(model: LinearCostModel, samples: list[tuple[StepFeatures, float]],
+                quantiles: int = 101) -> LinearCostModel:
+    """`model` with the spread of measured / predicted over `samples`, all of them (the fit drops a
+    shared machine's hiccups; a served engine's hiccups are part of what its requests wait for)."""
+    ratios = np.array([d / model.predict(f) for f, d in samples])
+    return dataclasses.replace(model, spread=[float(q) for q in np.quantile(ratios, np.linspace(0, 1, quantiles))])
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -217,6 +237,9 @@ class RooflineCostModel:
             raise ValueError(f"preset: {self.model} does not fit on {self.num_gpus} x {hw.name}")
         return int(free)
 
+    def step_time(self, f: StepFeatures, _rng: random.Random) -> float:
+        return self.predict(f)
+
     def predict(self, f: StepFeatures) -> float:
         cfg, hw = self.model_config, HARDWARE[self.hardware]
         flops = (
@@ -255,7 +278,7 @@ def cost_model_from_dict(d: dict) -> CostModel:
     kind = d.get("kind")
     if kind == "linear":
         return LinearCostModel(float(d["intercept"]), {k: float(v) for k, v in d["coef"].items()},
-                               d.get("fit_stats", {}), d.get("source", ""))
+                               d.get("fit_stats", {}), d.get("source", ""), [float(q) for q in d.get("spread", [])])
     if kind == "roofline":
         names = {f.name for f in fields(RooflineCostModel)}
         return RooflineCostModel(**{k: v for k, v in d.items() if k in names})

@@ -217,7 +217,8 @@ class FleetSim:
 
     def __init__(self, replicas: list[SimReplica], policy: RoutingPolicy, workload: list[WorkloadRequest],
                  disaggregation: Disaggregation | None = None, kv_bytes_per_token: int = 0,
-                 slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, warmup_s: float = 0.0):
+                 slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, warmup_s: float = 0.0,
+                 serving_path_s: float = 0.0):
         self.replicas = replicas
         self.policy = policy
         self.workload = workload
@@ -225,6 +226,7 @@ class FleetSim:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.slos = (slo_ttft_ms, slo_tpot_ms)
         self.warmup_s = warmup_s
+        self.serving_path_s = serving_path_s
         self.front = [r for r in replicas if r.role != "decode"]  # where arrivals go
         self.back = [r for r in replicas if r.role == "decode"]
         self.decode_policy = make_policy("least-loaded") if self.back else None
@@ -349,11 +351,11 @@ class FleetSim:
             raise ValueError(f"warmup_s: no request arrives after the warm-up ({self.warmup_s} s)")
         results = []
         for rec in measured:
-            req, times = rec.request, rec.token_times
+            req, times, path = rec.request, rec.token_times, self.serving_path_s
             results.append(RequestResult(
                 success=True, prompt_len=len(req.prompt_token_ids), output_tokens=len(times),
-                ttft=times[0] - req.arrival_time, itl=[b - a for a, b in itertools.pairwise(times)],
-                latency=rec.finished - req.arrival_time, start_time=req.arrival_time - self.warmup_s,
+                ttft=times[0] - req.arrival_time + path, itl=[b - a for a, b in itertools.pairwise(times)],
+                latency=rec.finished - req.arrival_time + path, start_time=req.arrival_time - self.warmup_s,
             ))
         for replica in self.replicas:
             replica.engine.check_kv_invariants()
@@ -385,7 +387,7 @@ def build_replicas(cost_model: CostModel, roles: Seq[str], config: EngineConfig 
     replicas = []
     for i, role in enumerate(roles):
         engine, clock = build_sim_engine(cost_model, dataclasses.replace(config or EngineConfig()), model_config,
-                                         tokenizer)
+                                         tokenizer, seed=i)
         rid = f"{role[0]}{i}" if role != "mixed" else f"r{i}"
         replicas.append(SimReplica(rid, role, engine, clock, ReplicaReport(rid, role), ReplicaLoad(rid)))
     return replicas
@@ -403,12 +405,15 @@ def simulate_fleet(
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
     warmup_s: float = 0.0,
+    serving_path_s: float = 0.0,
 ) -> FleetResult:
     """Run `workload` over `num_replicas` simulated engines behind `routing_policy` (or, with
     `disaggregation`, over its prefill and decode replicas; `num_replicas` is then ignored). Requests
-    arriving in the first `warmup_s` seconds warm the caches and queues but are not measured."""
+    arriving in the first `warmup_s` seconds warm the caches and queues but are not measured.
+    `serving_path_s`: what the serving path adds to each request's first token and end, outside the
+    engine (the HTTP front, Ray's hops, the stream to the client)."""
     result = _run_fleet(cost_model, workload, num_replicas, routing_policy, config, model_config, tokenizer,
-                        disaggregation, slo_ttft_ms, slo_tpot_ms, warmup_s)
+                        disaggregation, slo_ttft_ms, slo_tpot_ms, warmup_s, serving_path_s)
     # Each `LLMEngine` freezes what exists when built (gc.freeze), so the engines built before the last
     # one are frozen too and their reference cycles would outlive the run: ~3 MB a replica, every run.
     # The result holds no engine; let the collector have them.
@@ -418,7 +423,7 @@ def simulate_fleet(
 
 
 def _run_fleet(cost_model, workload, num_replicas, routing_policy, config, model_config, tokenizer, disaggregation,
-               slo_ttft_ms, slo_tpot_ms, warmup_s) -> FleetResult:
+               slo_ttft_ms, slo_tpot_ms, warmup_s, serving_path_s) -> FleetResult:
     if disaggregation is None:
         if num_replicas < 1:
             raise ValueError(f"replicas: must be at least 1, got {num_replicas}")
@@ -429,5 +434,5 @@ def _run_fleet(cost_model, workload, num_replicas, routing_policy, config, model
     first = replicas[0].engine
     policy = policy_for(routing_policy, first.config, first.kv.prefix_capacity)
     sim = FleetSim(replicas, policy, workload, disaggregation, kv_bytes_per_token(first.model_config, first.config),
-                   slo_ttft_ms, slo_tpot_ms, warmup_s)
+                   slo_ttft_ms, slo_tpot_ms, warmup_s, serving_path_s)
     return sim.run()

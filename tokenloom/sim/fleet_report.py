@@ -144,10 +144,11 @@ def compare_with_real(real_hit_rate: float, real_ttft_ms: float, simulated: Flee
 def check_against_real(real_hit_rate: float, real_ttft_ms: float, cost_model: CostModel,
                        workload: list[WorkloadRequest], num_replicas: int = 2, policy: str = "prefix-aware",
                        config: EngineConfig | None = None, ttft_stat: str = "median",
-                       tolerance: float = TOLERANCE) -> dict:
+                       tolerance: float = TOLERANCE, serving_path_s: float = 0.0) -> dict:
     """Simulate the measured run's setup (its requests — `dataset_workload` or `SharedPrefixSpec` — replica
-    count, policy and engine knobs) and print its hit rate and TTFT beside the measured ones."""
-    result = simulate_fleet(cost_model, workload, num_replicas, policy, config)
+    count, policy and engine knobs; `serving_path_s` as simulate_fleet's) and print its hit rate and TTFT
+    beside the measured ones."""
+    result = simulate_fleet(cost_model, workload, num_replicas, policy, config, serving_path_s=serving_path_s)
     prompt = sum(len(r.prompt_token_ids) for r in workload) / len(workload)
     print(f"simulated {num_replicas} replicas, {policy}, {len(workload)} requests (mean prompt {prompt:.0f} "
           f"tokens) over {workload[-1].arrival_time:.1f} s, cost model {cost_model.kind}")

@@ -12,6 +12,8 @@ virtual clock to the next arrival), so simulated and measured `ReplayResult`s me
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from ..bench.replay import ReplayResult, VirtualClock, replay
@@ -29,8 +31,10 @@ SIM_TOKEN_ID = 1000  # an ordinary token every simulated sequence "generates"
 class SimRunner(Runner):
     """A runner whose forward is a cost-model prediction on a virtual clock."""
 
-    def __init__(self, cost_model: CostModel, clock: VirtualClock, block_size: int, token_id: int = SIM_TOKEN_ID):
+    def __init__(self, cost_model: CostModel, clock: VirtualClock, block_size: int, token_id: int = SIM_TOKEN_ID,
+                 seed: int = 0):
         self.cost_model = cost_model
+        self.rng = random.Random(seed)  # a measured spread's draws (LinearCostModel.step_time)
         self.clock = clock
         self.block_size = block_size
         self.token_id = token_id
@@ -42,7 +46,7 @@ class SimRunner(Runner):
             self.last_forward_time = 0.0
             return []
         feats = step_features(plan.shape, self.block_size)
-        dt = self.cost_model.predict(feats)
+        dt = self.cost_model.step_time(feats, self.rng)
         self.clock.advance(dt)
         self.last_forward_time = dt
         self.steps.append((feats, dt))
@@ -64,9 +68,11 @@ def build_sim_engine(
     config: EngineConfig | None = None,
     model_config: ModelConfig | None = None,
     tokenizer=None,
+    seed: int = 0,
 ) -> tuple[LLMEngine, VirtualClock]:
     """An `LLMEngine` over a `SimRunner`. The pretended model defaults to the preset's model (roofline
-    cost models) or the bundled SmolLM2-135M (calibrated ones); the tokenizer only detokenizes."""
+    cost models) or the bundled SmolLM2-135M (calibrated ones); the tokenizer only detokenizes. `seed`:
+    the step times' draws, where the cost model has a spread."""
     if tokenizer is None:
         from ..model.loader import bundled_model_path
         from ..model.tokenizer import load_tokenizer
@@ -76,7 +82,7 @@ def build_sim_engine(
         model_config = getattr(cost_model, "model_config", None) or MODELS["smollm2-135m"]
     config = config or EngineConfig()
     clock = VirtualClock()
-    runner = SimRunner(cost_model, clock, config.block_size)
+    runner = SimRunner(cost_model, clock, config.block_size, seed=seed)
     engine = LLMEngine(config, tokenizer=tokenizer, runner=runner, model_config=model_config, clock=clock)
     return engine, clock
 

@@ -1,0 +1,78 @@
+"""A serving engine's steps on file, to fit the simulator's cost model on the traffic it really served.
+
+`tokenloom serve --record-steps FILE` appends one JSON line per step that ran tokens: when it started
+and ended (the engine's monotonic clock), whether the engine still had work when it ended, and the
+step's `StepFeatures`. A fleet's replicas each write their own file (the replica's pid before the
+suffix). `tokenloom calibrate --from-steps FILE...` fits the linear cost model on these instead of
+running the calibration grid on a quiet engine.
+
+Why: the grid measures one engine alone on the machine. A replica shares it with the other replicas,
+Ray's processes, the HTTP front and the clients, and its steps took about twice as long as that grid
+predicted on 2 cores. The simulator's clock must advance by what a step costs *there*, including the
+engine loop's own time between two busy steps (posting outputs, taking requests, waiting for the GIL),
+which `StepStats.duration` does not contain: `busy_step_times` adds it to the step before it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from ..engine.llm_engine import LLMEngine, StepStats
+from .cost_model import StepFeatures, step_features
+
+
+def replica_path(path: str, tag: str) -> str:
+    """`path` with `-tag` before its suffix: one file per fleet replica."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}-{tag}{p.suffix}"))
+
+
+class StepLog:
+    """A step listener appending each step that ran tokens to `path`, one JSON object a line."""
+
+    def __init__(self, engine: LLMEngine, path: str):
+        self.engine = engine
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the engine's lifetime, a line at a time
+        engine.step_listeners.append(self._on_step)
+
+    def _on_step(self, stats: StepStats, _outputs) -> None:
+        if not stats.shape.rows:
+            return
+        features = step_features(stats.shape, self.engine.config.block_size)
+        self._file.write(json.dumps({"start": stats.start, "end": stats.start + stats.duration,
+                                     "busy_after": self.engine.has_unfinished_requests(),
+                                     "features": asdict(features)}) + "\n")
+
+    def close(self) -> None:
+        self.engine.step_listeners.remove(self._on_step)
+        self._file.close()
+
+
+def busy_step_times(records: list[dict]) -> list[tuple[StepFeatures, float]]:
+    """(features, seconds) per recorded step of one engine (`read_step_logs`' records), in order: a step that left work behind
+    lasts until the next step starts (the engine loop's time between them is part of its cost); the
+    last step of a busy period lasts its own duration."""
+    samples = []
+    for rec, nxt in zip(records, [*records[1:], None], strict=True):
+        end = nxt["start"] if nxt is not None and rec["busy_after"] and nxt["start"] >= rec["end"] else rec["end"]
+        samples.append((rec["features"], end - rec["start"]))
+    return samples
+
+
+def read_step_logs(paths: list[str]) -> list[tuple[StepFeatures, float]]:
+    """Every file's steps (each file one engine) as fitting samples; a line that is not a step record
+    is a ValueError naming the file and line."""
+    samples = []
+    for path in paths:
+        records = []
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            try:
+                rec = json.loads(line)
+                records.append({"start": float(rec["start"]), "end": float(rec["end"]),
+                                "busy_after": bool(rec["busy_after"]), "features": StepFeatures(**rec["features"])})
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"--from-steps: {path} line {n} is not a step record ({exc})") from None
+        samples += busy_step_times(records)
+    return samples
