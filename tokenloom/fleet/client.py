@@ -134,7 +134,10 @@ class FleetClient:
         the requests of a front that died (replica.py); None where the front is the Ray driver, which
         takes the fleet down with it."""
         self.front = front
-        self.handle = handle.options(stream=True)
+        # Streams over Serve's gRPC channel to the replica (by value), not as Ray objects: each streamed item
+        # is then one message rather than an object stored and reported through Ray's core, less CPU on
+        # both sides. Disaggregated prefill hands the prompt's K/V to `generate` as a Ray object: by reference.
+        self.handle = handle.options(stream=True, _by_reference=prefill_handle is not None)
         self.board_handle = board_handle
         self.prefill_handle = prefill_handle
         self.tokenizer = tokenizer
