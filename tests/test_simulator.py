@@ -259,6 +259,17 @@ def test_a_step_log_that_is_not_one_is_named(tmp_path):
     bad.write_text('{"start": 0, "end": 1, "busy_after": false, "features": {"bogus": 1}}\n')
     with pytest.raises(ValueError, match=r"line 1 is not a step record"):
         read_step_logs([str(bad)])
+    with pytest.raises(ValueError, match=r"--from-steps: cannot read .*missing.jsonl"):
+        read_step_logs([str(tmp_path / "missing.jsonl")])
+
+
+def test_a_step_log_that_cannot_be_written_is_named(make_engine, tmp_path):
+    from tokenloom.sim.step_log import StepLog
+
+    engine = make_engine()
+    with pytest.raises(ValueError, match=r"--record-steps: cannot write .*no-such-dir"):
+        StepLog(engine, str(tmp_path / "no-such-dir" / "steps.jsonl"))
+    assert not engine.step_listeners
 
 
 def _cli(argv: list[str]) -> int:

@@ -34,7 +34,10 @@ class StepLog:
 
     def __init__(self, engine: LLMEngine, path: str):
         self.engine = engine
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the engine's lifetime, a line at a time
+        try:
+            self._file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the engine's lifetime, a line at a time
+        except OSError as exc:
+            raise ValueError(f"--record-steps: cannot write {path}: {exc.strerror}") from None
         engine.step_listeners.append(self._on_step)
 
     def _on_step(self, stats: StepStats, _outputs) -> None:
@@ -67,7 +70,11 @@ def read_step_logs(paths: list[str]) -> list[tuple[StepFeatures, float]]:
     samples = []
     for path in paths:
         records = []
-        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ValueError(f"--from-steps: cannot read {path}: {exc.strerror}") from None
+        for n, line in enumerate(text.splitlines(), 1):
             try:
                 rec = json.loads(line)
                 records.append({"start": float(rec["start"]), "end": float(rec["end"]),
