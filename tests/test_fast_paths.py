@@ -79,14 +79,15 @@ def test_int4_c_kernel_matches_the_q4_1_weights(kernel, rows):
     n, k = 112, 96  # 7 column blocks: a full tile of 3, another, and one of 1
     blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=5), (n, k))
     layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
-    x = torch.randn(rows, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     out = layer(x)
     xr = x.bfloat16() if kernel == "c" else int16_groups(x)
     ref = xr.double() @ linear.dequantize_blocks(blocks).double().t()
     if kernel == "c-avx2":  # Q4_1's offsets m meet the groups' float32 sums, not the rounded ones
         ref += (x.double() - xr.double()).reshape(rows, -1, 32).sum(-1) @ blocks[..., 1].double().t()
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    # Sums of 96 products reach |10|; their float32 rounding reached 1.2e-5 for 1 draw in 300 (measured).
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=5e-5)
     assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
 
 
@@ -115,7 +116,7 @@ def test_int5_c_kernel_matches_the_q5_0_weights(kernel, rows):
     blocks = linear.q5_0_blocks(q5_0_bytes(n, k, seed=6), (n, k))
     layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     assert layer.bits == 5
-    x = torch.randn(rows, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     out = layer(x)
     xr = x.bfloat16() if kernel == "c" else int16_groups(x)
     ref = xr.double() @ linear.dequantize_blocks(blocks).double().t()
