@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model import linear
+from tokenloom.model import linear, vocab_select
 from tokenloom.model.loader import dequantize
 
-CAP = linear.detect()
+CAP = linear.detect() | linear.torch_quant_ops()
 needs_int4 = pytest.mark.skipif(not CAP["int4_bf16"], reason="int4 with bf16 activations does not run here")
 needs_int8 = pytest.mark.skipif(not CAP["int8_bf16"], reason="int8 with bf16 activations does not run here")
 # The int4 kernels that run here: torch's, and the project's C kernels (AVX512-BF16; AVX2 + FMA).
@@ -242,6 +242,51 @@ def test_q4_1_from_dense_round_trip():
     err = (linear.dequantize_blocks(linear.q4_1_from_dense(w)) - w).abs()
     step = (w.view(32, 2, 32).amax(-1) - w.view(32, 2, 32).amin(-1)) / 15
     assert (err.view(32, 2, 32) <= step[..., None] * 0.51 + 1e-3).all()
+
+
+@pytest.mark.parametrize("kernel", C_KERNELS)
+@pytest.mark.parametrize("codes", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_int4_top_keeps_each_rows_largest_outputs(kernel, codes, rows):
+    """int4_top: each row's `keep` largest outputs of int4_gemm, the same bits, with their columns, the
+    whole output never stored; a row that meets a NaN says so."""
+    k = int4_kernel(kernel)
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(4992, 64, generator=gen)
+    blocks = linear.q4_1_from_dense(w)
+    if codes == "q4_0":  # symmetric codes: no offsets kept, the kernels compute them
+        blocks[..., 1] = -8 * blocks[..., 0]
+    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=k)
+    assert (layer.offsets is None) == (codes == "q4_0")
+    x = torch.randn(rows, 64, generator=gen)
+    full = layer(x)
+    values, ids, unordered = k.int4_top(x, layer.codes, layer.scales, layer.offsets, 18)
+    best, order = values.topk(18, dim=1)
+    assert torch.equal(best, full.topk(18, dim=1).values)
+    assert torch.equal(full.gather(1, ids.gather(1, order)), best)
+    assert not unordered.any()
+    x[-1, 5] = float("nan")
+    assert k.int4_top(x, layer.codes, layer.scales, layer.offsets, 18)[2].tolist() == [False] * (rows - 1) + [True]
+
+
+@pytest.mark.parametrize("kernel", C_KERNELS)
+@pytest.mark.parametrize("top", [1, 2, 16])
+def test_rescored_head_argmax_is_forwards_without_its_logits(kernel, top):
+    """RescoredHead.argmax gives forward's argmax on every row: where a candidate's exact logit wins, where
+    a scan value outside the candidates does (frequent with top 1), and where the scan ties at the
+    candidates' edge (a row repeated 100 times in the vocabulary: forward's own path)."""
+    gen = torch.Generator().manual_seed(top)
+    w = torch.randn(5008, 64, generator=gen)
+    w[4000:4100] = w[17]
+    x = torch.randn(300, 64, generator=gen)
+    x[:20] = w[17] * 3 + torch.randn(20, 64, generator=gen) * 0.1  # row 17 and its copies on top
+    head = linear.RescoredHead(linear.int4_head(w, int4_kernel(kernel), rows=1024), w, top=top)
+    want = vocab_select.argmax(head(x))
+    assert torch.equal(head.argmax(x), want)
+    assert torch.equal(torch.cat([head.argmax(x[i : i + 1]) for i in range(0, 300, 37)]), want[::37])
+    if top == 1:  # the scan's noise puts a non-candidate above the candidate's exact logit somewhere
+        scan = head.approx(x)
+        assert (scan.topk(2, dim=1).indices[:, 1] == want).any()
 
 
 @pytest.mark.parametrize("kernel", C_KERNELS)
@@ -483,9 +528,9 @@ def test_fast_path_greedy_is_batch_invariant(real_models, tokenizer, path):
     prompts = [p[: 60 + 90 * i] for i, p in enumerate(paragraphs)] + ["The capital of France is", "def fibonacci(n):"]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
-    def run(batch_prompts):
+    def run(batch_prompts, params=sp):
         for i, p in enumerate(batch_prompts):
-            engine.add_request(str(i), p, sp)
+            engine.add_request(str(i), p, params)
         done = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
@@ -497,6 +542,9 @@ def test_fast_path_greedy_is_batch_invariant(real_models, tokenizer, path):
     alone = [run([p])[0] for p in prompts]
     engine.kv.reset_prefix_cache()
     assert run(prompts) == alone
+    engine.kv.reset_prefix_cache()
+    # Asking for logprobs takes the head's whole logits and the sampler (runner.argmax_only): the same tokens.
+    assert run(prompts, sp.clone(logprobs=1)) == alone
     engine.kv.reset_prefix_cache()
 
 

@@ -2,8 +2,9 @@
 
 Per step: copy swapped blocks, build the flat batch (token ids, positions, slot mapping, the slots
 each sequence attends to), run the model with the LM head only on rows that sample (and on prompt
-rows of requests asking for prompt logprobs), then sample under each row's constraint from the plan. Decode tokens of all sequences are
-handled as one group with vectorised index math; each prefill chunk is one span.
+rows of requests asking for prompt logprobs), then sample under each row's constraint from the plan.
+A plain greedy row (`argmax_only`) asks the head for its argmax alone, never its logits. Decode tokens
+of all sequences are handled as one group with vectorised index math; each prefill chunk is one span.
 """
 
 from __future__ import annotations
@@ -23,6 +24,15 @@ from .step import Runner, StepPlan, StepResult, is_decode, samples
 # it reads 4-bit weights); longer chunks go through the one built for many rows (dense bf16), whose
 # weights the step then reads as well. Where the two cost the same on a 2-core AVX-512 machine.
 SHORT_CHUNK = 16
+
+
+def argmax_only(seq, constraints) -> bool:
+    """Does the sequence's next token need its row's argmax alone (greedy, no logprobs, penalties,
+    drafts to verify nor constraints)? The LM head then finds it without the row's logits
+    (DecoderModel.greedy_tokens): on a 151k vocabulary they are 600 KB a row."""
+    p = seq.params
+    return (p.greedy and p.logprobs is None and not seq.spec_token_ids and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty and not any(constraints or ()))
 
 
 class ModelRunner(Runner):
@@ -86,11 +96,16 @@ class ModelRunner(Runner):
         self._copy_blocks(out.swap_in, self.host_cache, self.kv_cache)
         if out.is_empty:
             return []
-        input_ids, batch, sample_rows, prompt_rows = self._prepare(out)
+        input_ids, batch, sample_rows, prompt_rows, argmax_rows = self._prepare(out)
         start = time.perf_counter()
-        _, logits = self.model(input_ids, batch, self.layer_caches)
+        hidden, logits = self.model(input_ids, batch, self.layer_caches)
+        tokens = self.model.greedy_tokens(hidden[list(argmax_rows.values())]).tolist() if argmax_rows else []
         self.last_forward_time = time.perf_counter() - start
-        return self._sample(out, logits, sample_rows, prompt_rows)
+        results = self._sample(out, logits, sample_rows, prompt_rows)
+        taken = self.sampler.take_argmax(tokens, [results[k].seq.prompt_token_ids for k in argmax_rows])
+        for k, token in zip(argmax_rows, taken, strict=True):
+            results[k].token_id = token
+        return results
 
     def _prepare(self, out: StepPlan):
         bs, groups = self.block_size, range(self.layout.num_groups)
@@ -109,6 +124,7 @@ class ModelRunner(Runner):
         prefills: list[PrefillSpan] = []
         logits_rows: list[int] = []
         sample_rows: dict[int, int] = {}  # scheduled index -> first logits row (one more per draft)
+        argmax_rows: dict[int, int] = {}  # scheduled index -> its flat row, for rows that need the argmax alone
         prompt_rows: dict[int, tuple[int, int, int]] = {}  # scheduled index -> (logits row, position, count)
         row_lora: list = []  # per flat row: its LoRA adapter or None (padding rows: the row they repeat)
         # Decode rows first (with any static-batch padding right after them), then short prefill chunks,
@@ -158,7 +174,9 @@ class ModelRunner(Runner):
                 if last > first:
                     prompt_rows[k] = (len(logits_rows), first, last - first)
                     logits_rows.extend(range(q0 + first - start, q0 + last - start))
-            if samples(seq, n):  # the last known token's row, then each draft's
+            if samples(seq, n) and argmax_only(seq, out.constraints.get(k)):
+                argmax_rows[k] = q0 + n - 1
+            elif samples(seq, n):  # the last known token's row, then each draft's
                 sample_rows[k] = len(logits_rows)
                 logits_rows.extend(range(q0 + n - 1 - len(seq.spec_token_ids), q0 + n))
         if not chunks and out.num_padding and decode_idx:
@@ -182,7 +200,7 @@ class ModelRunner(Runner):
             other_groups=tuple(GroupSlots(slot_mappings[g], tables[g], context_slots[g], context_starts[g])
                                for g in groups[1:]),
         )
-        return torch.tensor(tokens, dtype=torch.long, device=dev), batch, sample_rows, prompt_rows
+        return torch.tensor(tokens, dtype=torch.long, device=dev), batch, sample_rows, prompt_rows, argmax_rows
 
     def _padded_tables(self, rows: list[np.ndarray]) -> torch.Tensor:
         """[rows, longest] block tables, zero-padded."""

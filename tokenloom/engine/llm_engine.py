@@ -34,7 +34,7 @@ from .. import faults
 from .. import step as steps
 from ..config import EngineConfig
 from ..model.config import ModelConfig
-from ..model.gguf_tensors import trim_heap
+from ..model.heap import trim_heap, use_one_arena
 from ..model.kv_layout import KVLayout
 from ..model.load import load, set_num_threads, weight_bytes
 from ..model.loader import torch_dtype
@@ -210,6 +210,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_steps = 0
         self._last_trim_s = 0.003  # how long the last heap trim took (TRIM_MAX_SHARE)
+        use_one_arena()  # before a server starts the thread that steps this engine: trims then reach its heap
         self._last_trim_at = time.monotonic()
         self.fault_stats = FaultStats()
         # What exists now (weights, tokenizer tables, compiled kernels' handles) lives as long as the engine:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import vocab_select
 from .config import ModelConfig
 from .kv_layout import KVLayout
 from .layer_ops import TORCH_OPS, TorchLayerOps
@@ -352,6 +353,12 @@ class DecoderModel(nn.Module):
                 x = layer(x, views[group], ropes[layer.self_attn.rope_theta], decode[group], k_cache, v_cache)
         x = self.norm(x)
         return x, self.compute_logits(x[batch.logits_indices])
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of `compute_logits(hidden)`, from a head that finds it without the whole
+        logits where it can (RescoredHead.argmax)."""
+        scan = getattr(self.logits_proj, "argmax", None)
+        return scan(hidden) if scan is not None else vocab_select.argmax(self.compute_logits(hidden))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits_proj is not None:

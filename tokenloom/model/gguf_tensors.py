@@ -12,7 +12,6 @@ and unmapping them again cost 2.8 ms a step where `pread` takes 0.7.
 
 from __future__ import annotations
 
-import functools
 import mmap
 import os
 from collections.abc import Iterator
@@ -131,24 +130,3 @@ def release_mapped_pages(data: np.ndarray, start: int = 0, length: int | None = 
     start -= start % mmap.PAGESIZE  # madvise takes whole pages; a neighbour's edge page just comes back
     if end > start:
         mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
-
-
-def trim_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc keeps the float32 temporaries of a load, and a
-    prefill's activations, otherwise); nothing where there is no glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim():
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return getattr(libc, "malloc_trim", None)

@@ -22,7 +22,8 @@
   through VNNI doubled that again but cost 6 points of top-1 agreement: not used.)
 - the LM head (`RescoredHead`): int4 logits over the vocabulary (int8 without the C kernels), then the
   best candidates of each row recomputed exactly in float32: the argmax is the float32 head's, the
-  rest within the scan's error.
+  rest within the scan's error. A greedy row's argmax alone comes from a scan that keeps each row's
+  best few values and never stores its logits (`RescoredHead.argmax`, the kernels' `int4_top`).
 
 Every kernel here gives each row of the output the same bits whatever the number of rows (checked
 in the tests), so greedy decoding stays batch-invariant as long as one format serves all batch sizes.
@@ -39,7 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels, vocab_select
-from .gguf_tensors import StoredRows, trim_heap
+from .gguf_tensors import StoredRows
+from .heap import trim_heap
 from .kernels import cpu_flags  # also what the benchmarks record the CPU flags from
 
 logger = logging.getLogger(__name__)
@@ -234,6 +236,9 @@ class QuantGemm:
         self._int5.argtypes = [p, i64, i64, p, p, p, p, i64, p]
         self._int8.argtypes = self._int8g.argtypes = [p, i64, i64, p, p, i64, p]
         self._int4.restype = self._int5.restype = self._int8.restype = self._int8g.restype = ctypes.c_int
+        self._int4_top = lib.int4_top
+        self._int4_top.argtypes = [p, i64, i64, p, p, p, i64, i64, i64, p, p, p]
+        self._int4_top.restype = ctypes.c_int
 
     @staticmethod
     def _run(fn, x: torch.Tensor, k: int, n: int, *weights: torch.Tensor) -> torch.Tensor:
@@ -253,6 +258,25 @@ class QuantGemm:
         if fifth is not None:
             return self._run(self._int5, x, k, n, codes, fifth, scales, offsets)
         return self._run(self._int4, x, k, n, codes, scales, offsets)
+
+    def int4_top(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                 keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's `keep` largest outputs of `int4(x, codes, scales, offsets)`, the outputs never stored
+        whole: (values [rows, slots * keep], their columns int64, a bool per row that met a NaN), each
+        thread's lists side by side (largest first, -inf / -1 where a list is not full)."""
+        rows, k, n, slots = x.shape[0], codes.shape[1] * GROUP, codes.shape[0] * 16, torch.get_num_threads()
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"int4_top: x must be float32 [rows, {k}], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        values = torch.full((slots, rows, keep), float("-inf"))
+        ids = torch.full((slots, rows, keep), -1, dtype=torch.int32)
+        unordered = torch.zeros(slots, rows, dtype=torch.uint8)
+        if self._int4_top(x.data_ptr(), rows, k, codes.data_ptr(), scales.data_ptr(),
+                          None if offsets is None else offsets.data_ptr(), n, keep, slots, values.data_ptr(),
+                          ids.data_ptr(), unordered.data_ptr()):
+            raise MemoryError("int4_top: out of memory for the activation buffer")
+        values, ids = (t.transpose(0, 1).reshape(rows, slots * keep) for t in (values, ids))
+        return values, ids.long(), unordered.any(0)
 
     def int8(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Per-column scales [N] (per_column_int8) or a scale per group of 32 inputs [N/16, K/32, 16]
@@ -280,7 +304,7 @@ def _output_buffer(rows: int, n: int) -> torch.Tensor:
 def _quant_gemm_check(code_bytes: str) -> str:
     """The child-process check of a quant_gemm library whose int4 codes `code_bytes` (Python source of
     `code_bytes(q, N, G)`, q[n][k] the codes) lays out."""
-    return code_bytes + _CHECK_INT4 + _CHECK_INT5 + _CHECK_INT8 + _CHECK_INT8G
+    return code_bytes + _CHECK_INT4 + _CHECK_INT4_TOP + _CHECK_INT5 + _CHECK_INT8 + _CHECK_INT8G
 
 
 _CODE_BYTES_C = r"""
@@ -356,6 +380,23 @@ for r in range(M):
     for n in range(N):
         ref = sum(x[r * K + k] * d[n][k // 32] * (q5[n][k] - 16) for k in range(K))
         assert abs(y[r * N + n] - ref) < 1e-4 * (1 + abs(ref)), ("int5 symmetric", r, n, y[r * N + n], ref)
+"""
+_CHECK_INT4_TOP = r"""
+top = lib.int4_top
+top.restype = ctypes.c_int
+top.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3
+assert fn(xbuf, M, K, cbuf, sbuf, obuf, N, y) == 0
+KEEP, SLOTS = 4, 2
+vals = (ctypes.c_float * (SLOTS * M * KEEP))(*([float("-inf")] * (SLOTS * M * KEEP)))
+ids = (ctypes.c_int32 * (SLOTS * M * KEEP))(*([-1] * (SLOTS * M * KEEP)))
+nan = (ctypes.c_uint8 * (SLOTS * M))()
+assert top(xbuf, M, K, cbuf, sbuf, obuf, N, KEEP, SLOTS, vals, ids, nan) == 0
+assert not any(nan)
+for r in range(M):  # each thread's list of its columns: merged, the row's KEEP largest, with their columns
+    kept = sorted(((vals[(s * M + r) * KEEP + j], ids[(s * M + r) * KEEP + j]) for s in range(SLOTS) for j in range(KEEP)),
+                  reverse=True)[:KEEP]
+    assert [v for v, _ in kept] == sorted(y[r * N:(r + 1) * N], reverse=True)[:KEEP], ("int4_top", r, kept)
+    assert all(y[r * N + i] == v for v, i in kept), ("int4_top ids", r, kept)
 """
 _CHECK_INT8 = r"""
 fn8 = lib.int8_gemm
@@ -580,15 +621,47 @@ class RescoredHead(nn.Module):
         scan = self.approx
         logits = scan(x if getattr(scan, "kernel", None) is not None else x.to(torch.bfloat16)).float()
         idx = vocab_select.topk_indices(logits, min(self.top, logits.shape[-1]))  # [rows, top]
-        # Elementwise product and sum: each row's result is the same whatever the number of rows.
-        exact = (self.weight[idx].float() * x.float().unsqueeze(1)).sum(-1)
-        return logits.scatter_(1, idx, exact)
+        return logits.scatter_(1, idx, self._exact(x, idx))
+
+    def _exact(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The float32 logits of rows `x` at vocabulary ids `idx` [rows, n]. An elementwise product and a
+        sum: each row's result is the same whatever the number of rows (and whatever the ids' order)."""
+        return (self.weight[idx].float() * x.float().unsqueeze(1)).sum(-1)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax of `forward(x)` (the first on a tie), without its [rows, vocab] logits (18.5 MB
+        on 32 rows of a 151k vocabulary): the C kernels' `int4_top` scans the vocabulary keeping each
+        row's top + 2 largest values. Those decide alone when the top-th and the next two differ: the
+        candidates are then the one top set `forward` rescores, and the best other id is one too, so the
+        argmax is the better of the best rescored candidate and that id's scan value. A row where they
+        tie (or that met a NaN) takes `forward`'s own path."""
+        scan, keep, k = self.approx, self.top + 2, self.top
+        if getattr(scan, "kernel", None) is None or scan.bits != 4 or scan.out_features < keep or not x.shape[0]:
+            return vocab_select.argmax(self.forward(x))
+        x = x.float().contiguous()
+        values, ids, unordered = scan.kernel.int4_top(x, scan.codes, scan.scales, scan.offsets, keep)
+        best, order = values.topk(keep, dim=1)  # each thread's lists merged: [rows, top + 2], largest first
+        best_ids = ids.gather(1, order)
+        candidates, other, other_id = best_ids[:, :k], best[:, k], best_ids[:, k]
+        exact = self._exact(x, candidates)
+        top = exact.amax(1)
+        first_top = torch.where(exact == top[:, None], candidates, scan.out_features).amin(1)  # argmax's tie rule
+        token = torch.where(other > top, other_id,
+                            torch.where(other == top, torch.minimum(first_top, other_id), first_top))
+        unsure = (unordered | (best[:, k - 1] == other) | (other == best[:, k + 1]) | exact.isnan().any(1)).nonzero()
+        if len(unsure):
+            rows = unsure.flatten()
+            token[rows] = vocab_select.argmax(self.forward(x[rows]))
+        return token
 
 
 def int4_head(weight: torch.Tensor | StoredRows, kernel: QuantGemm, rows: int = 2048) -> Int4Linear | None:
     """The head's scan as Int4Linear on the C kernels, quantized `rows` rows at a time (no float32 copy
     of a whole vocabulary), the chunks' packed buffers stacked (the kernels' layout is in blocks of 16
-    rows); None where a chunk's rows do not fill the kernels' blocks."""
+    rows); None where a chunk's rows do not fill the kernels' blocks. In Q4_1's codes: symmetric ones
+    (Q4_0's, 8 MB less for a 151k vocabulary) still ranked Qwen2.5-0.5B's float32 argmax within the
+    top 5, but the scan's values are the logits outside the rescored few, and Gemma 3's KL against
+    float32 rose past 0.02 (0.025 over 2,500 positions)."""
     chunks = weight.chunks(rows) if isinstance(weight, StoredRows) else weight.split(rows)
     parts = []
     for chunk in chunks:
@@ -612,8 +685,9 @@ def int4_head(weight: torch.Tensor | StoredRows, kernel: QuantGemm, rows: int = 
 
 @functools.cache
 def detect() -> dict:
-    """What runs here, found by running tiny ops (never assumed from the CPU model): int4 with bf16
-    activations, int8 with bf16 activations, bf16 dense; plus torch's own ISA choice and CPU flags."""
+    """What runs here, found by running tiny ops (never assumed from the CPU model): the C kernels, and
+    only where they do not pass, torch's own quantized ops (`torch_quant_ops`: their first calls left
+    12 MB in a server that never calls them again); plus torch's ISA choice and CPU flags."""
     flags = set(cpu_flags())
     found: dict = {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -621,27 +695,13 @@ def detect() -> dict:
         "avx512_vnni": "avx512_vnni" in flags,
         "amx_bf16": "amx_bf16" in flags,
     }
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 64, generator=gen)
-    w = torch.randn(64, 64, generator=gen) * 0.1
-    ref = x @ w.t()
-
-    def ok(name, fn, expected=ref):
-        try:
-            out = fn().float()
-            found[name] = bool(torch.allclose(out, expected, rtol=0.05, atol=0.05))
-        except Exception as exc:  # noqa: BLE001 - op missing in this build, unsupported dtype, ...
-            found[name] = False
-            found[name + "_error"] = f"{type(exc).__name__}: {exc}"[:200]
-
-    blocks = q4_1_from_dense(w)
-    ok("int4_bf16", lambda: Int4Linear(blocks, torch.bfloat16)(x.bfloat16()), x @ dequantize_blocks(blocks).t())
-    ok("int8_bf16", lambda: Int8Linear(w, torch.bfloat16)(x.bfloat16()))
-    ok("bf16_dense", lambda: F.linear(x.bfloat16(), w.bfloat16()))
     kernel = quant_gemm()
     found["int4_kernel"] = kernel.name if kernel is not None else "torch"
     if kernel is not None:
-        ok("int4_c", lambda: Int4Linear(blocks, torch.bfloat16, kernel=kernel)(x), x @ dequantize_blocks(blocks).t())
+        x, _, blocks = _probe_case()
+        _probe(found, "int4_c", lambda: Int4Linear(blocks, torch.bfloat16, kernel=kernel)(x),
+               x @ dequantize_blocks(blocks).t())
+        found["int8_c"] = found["int4_c"]  # one library: its check ran the int8 kernels too
     # The C kernels read a quarter of float32's bytes and passed their check: int4 whatever a timing says
     # (a timing taken while the machine is busy measured them 30x slower than they are). Torch's own int4
     # op takes bf16 activations; where bf16 is emulated it can lose to float32, so without the C kernels
@@ -649,9 +709,39 @@ def detect() -> dict:
     if found.get("int4_c"):
         found["fast_int4"] = True
     else:
+        found |= torch_quant_ops()
         found["int4_speedup_b1"] = _int4_speedup(None) if found["int4_bf16"] else 0.0
         found["fast_int4"] = found["int4_speedup_b1"] > 1.2
     return found
+
+
+@functools.cache
+def torch_quant_ops() -> dict:
+    """Which of torch's own ops run here and give the right answer: int4 and int8 with bfloat16
+    activations, bfloat16 dense."""
+    found: dict = {}
+    x, w, blocks = _probe_case()
+    _probe(found, "int4_bf16", lambda: Int4Linear(blocks, torch.bfloat16)(x.bfloat16()), x @ dequantize_blocks(blocks).t())
+    _probe(found, "int8_bf16", lambda: Int8Linear(w, torch.bfloat16)(x.bfloat16()), x @ w.t())
+    _probe(found, "bf16_dense", lambda: F.linear(x.bfloat16(), w.bfloat16()), x @ w.t())
+    return found
+
+
+def _probe_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, w, w's Q4_1 blocks) of the detection's tiny matmuls, the same every call."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=gen)
+    w = torch.randn(64, 64, generator=gen) * 0.1
+    return x, w, q4_1_from_dense(w)
+
+
+def _probe(found: dict, name: str, fn, expected: torch.Tensor) -> None:
+    """found[name]: does `fn()` run and come within 5% of `expected` (its error as name_error if it raises)."""
+    try:
+        found[name] = bool(torch.allclose(fn().float(), expected, rtol=0.05, atol=0.05))
+    except Exception as exc:  # noqa: BLE001 - op missing in this build, unsupported dtype, ...
+        found[name] = False
+        found[name + "_error"] = f"{type(exc).__name__}: {exc}"[:200]
 
 
 def _int4_speedup(kernel: QuantGemm | None, layers: int = 24) -> float:
@@ -684,7 +774,7 @@ def choose(quantization: str | None, dtype: str) -> tuple[str, str]:
     everything in bfloat16 (fewest ops, lower quality)."""
     cap = detect()
     if quantization == "auto":
-        runs = cap["int4_bf16"] or cap.get("int4_c", False)
+        runs = cap.get("int4_c") or cap["int4_bf16"]
         return ("int4", dtype) if runs and cap["fast_int4"] else ("none", dtype)
     method = resolve_quantization(quantization)
     if method == "none":

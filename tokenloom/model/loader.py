@@ -24,7 +24,8 @@ from ..config import DTYPES
 from . import architectures
 from .config import ModelConfig
 from .decoder import DecoderModel
-from .gguf_tensors import StoredEmbedding, StoredRows, dequantize, release_mapped_pages, trim_heap
+from .gguf_tensors import StoredEmbedding, StoredRows, dequantize, release_mapped_pages
+from .heap import trim_heap
 from .kv_layout import KVLayout
 from .plan import resolve_plan
 

@@ -149,6 +149,20 @@ class Sampler:
                     logprobs.append([])
             return chosen, logprobs
 
+    def take_argmax(self, tokens: list[int], prompt_ids: list[Seq[int]]) -> list[int | Exception]:
+        """The tokens of greedy rows whose argmax the LM head found without logits (runner.argmax_only),
+        each sequence's own fault (the fault-injection hook) in place of its token."""
+        if not faults.ACTIVE:
+            return tokens
+        taken: list[int | Exception] = []
+        for token, ids in zip(tokens, prompt_ids, strict=True):
+            try:
+                faults.maybe_raise_for_prompt("sampler", ids)
+                taken.append(token)
+            except Exception as exc:  # noqa: BLE001 - handed to the engine in place of the token
+                taken.append(exc)
+        return taken
+
     def _sample(self, logits, spans, params, prompt_ids, output_ids, generators, constraints, drafts):
         if faults.ACTIVE:
             for ids in prompt_ids:

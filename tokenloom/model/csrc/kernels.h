@@ -21,6 +21,13 @@ typedef int int8_gemm_fn(const float *x, int64_t rows, int64_t k, const int8_t *
 int4_gemm_fn int4_gemm;   /* Q4-style groups of 32: scale and offset per group and column (float16); offsets
                            * NULL: symmetric codes, the offset -8 scale (int4) or -16 scale (int5) */
 int5_gemm_fn int5_gemm;   /* the same with a plane of fifth bits (Q5_0; each layout's own, see its source) */
+typedef int int4_top_fn(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const uint16_t *scales,
+                        const uint16_t *offsets, int64_t n, int64_t keep, int64_t slots, float *top_values,
+                        int32_t *top_ids, uint8_t *unordered);
+int4_top_fn int4_top;     /* int4_gemm's outputs never stored: per row its `keep` largest (the LM head's greedy
+                           * scan). Each of `slots` threads keeps its own lists of the columns it ran, largest
+                           * first: top_values / top_ids [slots][rows][keep], which the caller fills with -inf
+                           * and -1 (to merge them); unordered [slots][rows] set where a row met a NaN */
 int8_gemm_fn int8_gemm;   /* int8, a float32 scale per column */
 int8_gemm_fn int8g_gemm;  /* int8, a float32 scale per group of 32 inputs and column */
 
@@ -31,6 +38,18 @@ int8_gemm_fn int8g_gemm;  /* int8, a float32 scale per group of 32 inputs and co
 static inline int gemm_tile_rows(int64_t left, int most) {
     const int64_t tiles = (left + most - 1) / most;
     return (int)((left + tiles - 1) / tiles);
+}
+
+/* One output value of row list (vals, ids), largest first, `keep` long: taken in when larger than the last
+ * (a tie with it is not: the list's values are the row's largest either way). */
+static inline void top_insert(float *vals, int32_t *ids, int64_t keep, float v, int32_t id) {
+    int64_t j = keep - 1;
+    for (; j > 0 && vals[j - 1] < v; j--) {
+        vals[j] = vals[j - 1];
+        ids[j] = ids[j - 1];
+    }
+    vals[j] = v;
+    ids[j] = id;
 }
 
 /* layer_ops.c */

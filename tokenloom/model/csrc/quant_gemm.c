@@ -32,6 +32,7 @@
  * Built at run time by model/kernels.py with -mavx512f -mavx512bw -mavx512vl -mavx512bf16.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -179,6 +180,57 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
 int int5_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *hi,
               const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
     return low_bit_gemm(x, M, K, codes, hi, scale, offset, N, y);
+}
+
+/* int4_gemm's tiles into a per-thread buffer, each row's `keep` largest outputs kept as they come (kernels.h):
+ * the LM head's greedy scan, 48 columns of output at a time where the whole is 600 KB a row. */
+int int4_top(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
+             const uint16_t *offset, int64_t N, int64_t keep, int64_t slots, float *top_values, int32_t *top_ids,
+             uint8_t *unordered) {
+    const int64_t G = K / GROUP, blocks = N / COLS, width = TILE_COLS * COLS;
+    uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * M * K + 63) / 64 * 64);
+    float *sums = malloc(sizeof(float) * M * G);
+    float *tiles_out = aligned_alloc(64, sizeof(float) * slots * M * width);
+    if (!xb || !sums || !tiles_out) {
+        free(xb);
+        free(sums);
+        free(tiles_out);
+        return 1;
+    }
+    to_bf16(x, M, G, xb, sums);
+    const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
+#pragma omp parallel num_threads(slots)
+    {
+        const int64_t slot = omp_get_thread_num();
+        float *y = tiles_out + slot * M * width;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t nb0 = t * TILE_COLS, at = nb0 * G * COLS;
+            const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
+            column_tile(xb, sums, M, K, G, codes + at * (GROUP / 2), NULL, scale + at, offset ? offset + at : NULL,
+                        0, nb, y, width);
+            for (int64_t r = 0; r < M; r++) {
+                float *vals = top_values + (slot * M + r) * keep;
+                int32_t *ids = top_ids + (slot * M + r) * keep;
+                for (int b = 0; b < nb; b++) {
+                    const float *v = y + r * width + b * COLS;
+                    /* not <= the list's last: larger, or NaN (which no comparison takes in) */
+                    __mmask16 in = _mm512_cmp_ps_mask(_mm512_loadu_ps(v), _mm512_set1_ps(vals[keep - 1]), _CMP_NLE_UQ);
+                    for (; in; in &= in - 1) {
+                        const int c = __builtin_ctz(in);
+                        if (v[c] != v[c])
+                            unordered[slot * M + r] = 1;
+                        else if (v[c] > vals[keep - 1])  /* the last may have risen since the mask */
+                            top_insert(vals, ids, keep, v[c], (int32_t)((nb0 + b) * COLS + c));
+                    }
+                }
+            }
+        }
+    }
+    free(xb);
+    free(sums);
+    free(tiles_out);
+    return 0;
 }
 
 /* --- int8 ---------------------------------------------------------------------------------------- */

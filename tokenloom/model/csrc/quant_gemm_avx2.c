@@ -21,6 +21,7 @@
 #include <float.h>
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -173,6 +174,62 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
 int int5_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *hi,
               const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
     return low_bit_gemm(x, M, K, codes, (const uint16_t *)hi, scale, offset, N, y);
+}
+
+/* int4_gemm's column blocks into a per-thread buffer, each row's `keep` largest outputs kept as they come
+ * (kernels.h): the LM head's greedy scan, 16 columns of output at a time where the whole is 600 KB a row. */
+int int4_top(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *scale,
+             const uint16_t *offset, int64_t N, int64_t keep, int64_t slots, float *top_values, int32_t *top_ids,
+             uint8_t *unordered) {
+    const int64_t G = K / GROUP, blocks = N / COLS;
+    const Int16Rows rows = quantize_rows(x, M, K);
+    float *blocks_out = malloc(sizeof(float) * slots * M * COLS);
+    if (!rows.xq || !blocks_out) {
+        free(rows.xq);
+        free(blocks_out);
+        return 1;
+    }
+#pragma omp parallel num_threads(slots)
+    {
+        const int64_t slot = omp_get_thread_num();
+        float *y = blocks_out + slot * M * COLS;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t nb = 0; nb < blocks; nb++) {
+            const int64_t at = nb * G * COLS;
+            for (int64_t m = 0, mr; m < M; m += mr) {
+                mr = gemm_tile_rows(M - m, TILE_ROWS);
+                const int16_t *xm = rows.xq + m * K;
+                const float *sm = rows.sum + m * G, *cm = rows.scale + m * G;
+                const uint8_t *c = codes + at * (GROUP / 2);
+                const uint16_t *o = offset ? offset + at : NULL;
+                switch (mr) {
+                    case 4: tile(xm, cm, sm, K, G, 4, c, NULL, scale + at, o, 0, y + m * COLS, COLS); break;
+                    case 3: tile(xm, cm, sm, K, G, 3, c, NULL, scale + at, o, 0, y + m * COLS, COLS); break;
+                    case 2: tile(xm, cm, sm, K, G, 2, c, NULL, scale + at, o, 0, y + m * COLS, COLS); break;
+                    default: tile(xm, cm, sm, K, G, 1, c, NULL, scale + at, o, 0, y + m * COLS, COLS); break;
+                }
+            }
+            for (int64_t r = 0; r < M; r++) {
+                float *vals = top_values + (slot * M + r) * keep;
+                int32_t *ids = top_ids + (slot * M + r) * keep;
+                const float *v = y + r * COLS;
+                const __m256 last = _mm256_set1_ps(vals[keep - 1]);
+                /* not <= the list's last: larger, or NaN (which no comparison takes in) */
+                unsigned in = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v), last, _CMP_NLE_UQ))
+                              | (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + 8), last, _CMP_NLE_UQ)) << 8;
+                for (; in; in &= in - 1) {
+                    const int col = __builtin_ctz(in);
+                    if (v[col] != v[col])
+                        unordered[slot * M + r] = 1;
+                    else if (v[col] > vals[keep - 1])  /* the last may have risen since the mask */
+                        top_insert(vals, ids, keep, v[col], (int32_t)(nb * COLS + col));
+                }
+            }
+        }
+    }
+    free(rows.xq);
+    free(blocks_out);
+    return 0;
 }
 
 /* --- int8: codes [N/16][K/2][16][2] (each column's pair of inputs side by side), scales float32 [N] ----
