@@ -687,7 +687,7 @@ def int4_head(weight: torch.Tensor | StoredRows, kernel: QuantGemm, rows: int = 
 def detect() -> dict:
     """What runs here, found by running tiny ops (never assumed from the CPU model): the C kernels, and
     only where they do not pass, torch's own quantized ops (`torch_quant_ops`: their first calls left
-    12 MB in a server that never calls them again); plus torch's ISA choice and CPU flags."""
+    5 MB in a loaded Qwen2.5-0.5B that never calls them again); plus torch's ISA choice and CPU flags."""
     flags = set(cpu_flags())
     found: dict = {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
