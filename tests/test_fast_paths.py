@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenloom.model import linear, vocab_select
+from tokenloom.model.gguf_tensors import StoredRows
 from tokenloom.model.loader import dequantize
 
 CAP = linear.detect() | linear.torch_quant_ops()
@@ -287,6 +288,14 @@ def test_rescored_head_argmax_is_forwards_without_its_logits(kernel, top):
     if top == 1:  # the scan's noise puts a non-candidate above the candidate's exact logit somewhere
         scan = head.approx(x)
         assert (scan.topk(2, dim=1).indices[:, 1] == want).any()
+    # A NaN row (its scan all NaN, no id kept) takes forward's path, the other rows theirs; bfloat16 rows
+    # (forward rounds their scan) take forward's path too.
+    x[5, 7] = float("nan")
+    assert torch.equal(head.argmax(x), vocab_select.argmax(head(x)))
+    stored = linear.RescoredHead(head.approx, StoredRows(w.numpy(), "F32", tuple(w.shape)), top=top)
+    assert torch.equal(stored.argmax(x), vocab_select.argmax(stored(x)))  # a file-backed head: ids never -1
+    xb = x[6:40].bfloat16()
+    assert torch.equal(head.argmax(xb), vocab_select.argmax(head(xb)))
 
 
 @pytest.mark.parametrize("kernel", C_KERNELS)

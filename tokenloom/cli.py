@@ -9,7 +9,7 @@ import json
 import sys
 
 from .config import add_engine_args, engine_config_from_args
-from .model import catalog
+from .model import catalog, heap
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -113,6 +113,7 @@ def _optional_commands():
 
 
 def main(argv: list[str] | None = None) -> int:
+    heap.use_one_arena()  # before any thread: every one then allocates from the heap the engine trims
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

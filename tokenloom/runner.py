@@ -28,7 +28,7 @@ SHORT_CHUNK = 16
 
 def argmax_only(seq, constraints) -> bool:
     """Does the sequence's next token need its row's argmax alone (greedy, no logprobs, penalties,
-    drafts to verify nor constraints)? The LM head then finds it without the row's logits
+    drafts to verify nor constraints)? A head that can then finds it without the row's logits
     (DecoderModel.greedy_tokens): on a 151k vocabulary they are 600 KB a row."""
     p = seq.params
     return (p.greedy and p.logprobs is None and not seq.spec_token_ids and p.repetition_penalty == 1.0
@@ -44,6 +44,9 @@ class ModelRunner(Runner):
         param = next(model.parameters())
         self.device, self.dtype = param.device, kv_dtype or model.kv_cache_dtype or param.dtype
         self.block_size = block_size
+        # Plain greedy rows skip the logits only where the head finds their argmax without them; elsewhere
+        # a step with other sampling rows would run the head twice.
+        self._head_scans = model.head_scans_argmax and param.dtype == torch.float32
 
         self.layout = KVLayout.of(cfg)
 
@@ -174,7 +177,7 @@ class ModelRunner(Runner):
                 if last > first:
                     prompt_rows[k] = (len(logits_rows), first, last - first)
                     logits_rows.extend(range(q0 + first - start, q0 + last - start))
-            if samples(seq, n) and argmax_only(seq, out.constraints.get(k)):
+            if samples(seq, n) and self._head_scans and argmax_only(seq, out.constraints.get(k)):
                 argmax_rows[k] = q0 + n - 1
             elif samples(seq, n):  # the last known token's row, then each draft's
                 sample_rows[k] = len(logits_rows)

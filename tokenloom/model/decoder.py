@@ -354,11 +354,16 @@ class DecoderModel(nn.Module):
         x = self.norm(x)
         return x, self.compute_logits(x[batch.logits_indices])
 
+    @property
+    def head_scans_argmax(self) -> bool:
+        """Does the LM head find a float32 row's argmax without its logits (RescoredHead.scans)?"""
+        return bool(getattr(self.logits_proj, "scans", False))
+
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Each row's argmax of `compute_logits(hidden)`, from a head that finds it without the whole
-        logits where it can (RescoredHead.argmax)."""
-        scan = getattr(self.logits_proj, "argmax", None)
-        return scan(hidden) if scan is not None else vocab_select.argmax(self.compute_logits(hidden))
+        """Each row's argmax of `compute_logits(hidden)`, without the whole logits where the head can."""
+        if self.head_scans_argmax:
+            return self.logits_proj.argmax(hidden)
+        return vocab_select.argmax(self.compute_logits(hidden))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits_proj is not None:

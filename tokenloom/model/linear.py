@@ -628,22 +628,31 @@ class RescoredHead(nn.Module):
         sum: each row's result is the same whatever the number of rows (and whatever the ids' order)."""
         return (self.weight[idx].float() * x.float().unsqueeze(1)).sum(-1)
 
+    @property
+    def scans(self) -> bool:
+        """Does `argmax` find float32 rows' argmax without their logits (the C kernels' int4 scan)?"""
+        approx = self.approx
+        return (isinstance(approx, Int4Linear) and approx.kernel is not None and approx.bits == 4
+                and approx.out_features >= self.top + 2)
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's argmax of `forward(x)` (the first on a tie), without its [rows, vocab] logits (18.5 MB
         on 32 rows of a 151k vocabulary): the C kernels' `int4_top` scans the vocabulary keeping each
         row's top + 2 largest values. Those decide alone when the top-th and the next two differ: the
         candidates are then the one top set `forward` rescores, and the best other id is one too, so the
         argmax is the better of the best rescored candidate and that id's scan value. A row where they
-        tie (or that met a NaN) takes `forward`'s own path."""
+        tie (or that met a NaN) takes `forward`'s own path, and so do rows in another dtype than float32
+        (`forward` rounds their scan to it)."""
         scan, keep, k = self.approx, self.top + 2, self.top
-        if getattr(scan, "kernel", None) is None or scan.bits != 4 or scan.out_features < keep or not x.shape[0]:
+        if not self.scans or x.dtype != torch.float32 or not x.shape[0]:
             return vocab_select.argmax(self.forward(x))
-        x = x.float().contiguous()
+        x = x.contiguous()
         values, ids, unordered = scan.kernel.int4_top(x, scan.codes, scan.scales, scan.offsets, keep)
         best, order = values.topk(keep, dim=1)  # each thread's lists merged: [rows, top + 2], largest first
         best_ids = ids.gather(1, order)
         candidates, other, other_id = best_ids[:, :k], best[:, k], best_ids[:, k]
-        exact = self._exact(x, candidates)
+        # A list left short (-1: a NaN row) reads row 0; such a row ties at -inf or met a NaN: unsure below.
+        exact = self._exact(x, candidates.clamp_min(0))
         top = exact.amax(1)
         first_top = torch.where(exact == top[:, None], candidates, scan.out_features).amin(1)  # argmax's tie rule
         token = torch.where(other > top, other_id,
