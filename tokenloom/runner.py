@@ -31,8 +31,7 @@ def argmax_only(seq, constraints) -> bool:
     drafts to verify nor constraints)? A head that can then finds it without the row's logits
     (DecoderModel.greedy_tokens): on a 151k vocabulary they are 600 KB a row."""
     p = seq.params
-    return (p.greedy and p.logprobs is None and not seq.spec_token_ids and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and not any(constraints or ()))
+    return p.greedy and p.logprobs is None and not p.penalised and not seq.spec_token_ids and not any(constraints or ())
 
 
 class ModelRunner(Runner):

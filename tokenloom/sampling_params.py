@@ -179,6 +179,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def penalised(self) -> bool:
+        """Does a repetition, presence or frequency penalty change the logits?"""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
     def clone(self, **changes) -> SamplingParams:
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
         values.update(changes)

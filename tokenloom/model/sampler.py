@@ -172,8 +172,7 @@ class Sampler:
         row_params = [params[s] for s in seq_of]
         row_constraints = [constraints[s][i] for s, i in zip(seq_of, pos_of, strict=True)]
         raw = logits
-        penalised = [r for r, p in enumerate(row_params)
-                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty]
+        penalised = [r for r, p in enumerate(row_params) if p.penalised]
         if penalised or any(row_constraints):  # edited in place below; `raw` keeps the model's for logprobs
             logits = logits.clone()
             for r in penalised:
