@@ -227,3 +227,53 @@ def test_the_quantized_load_keeps_no_float32_copy_of_the_weights(tmp_path):
     assert "from the file's Q4_1 rows" in quantized.plan.line()
     got, want = prefill_logits(quantized, TOKENS), prefill_logits(dense, TOKENS)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_gguf_file_reads_what_ggufs_own_reader_reads(tmp_path):
+    """model/gguf_file.py against gguf.GGUFReader on every metadata value type, arrays of each, a custom
+    alignment and plain and block tensor types; then cut files and bad headers refused, saying why."""
+    from tokenloom.model.gguf_file import GGUFFile
+
+    path = tmp_path / "all.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    T = gguf.GGUFValueType
+    for name, value, kind in [("u8", 7, T.UINT8), ("i8", -7, T.INT8), ("u16", 700, T.UINT16), ("i16", -700, T.INT16),
+                              ("u32", 70000, T.UINT32), ("i32", -70000, T.INT32), ("u64", 2**40, T.UINT64),
+                              ("i64", -(2**40), T.INT64), ("f32", 0.5, T.FLOAT32), ("f64", 1e-300, T.FLOAT64),
+                              ("bool", True, T.BOOL), ("str", "héllo ✓", T.STRING)]:
+        w.add_key_value(f"t.{name}", value, kind)
+    w.add_array("t.strings", ["a", "", "Ġthe", "<|im_end|>", "✓" * 40])
+    w.add_array("t.ints", list(range(-5, 1000)))
+    w.add_array("t.floats", [0.25, -1.5, 3e30])
+    w.add_array("t.bools", [True, False, True])
+    rng = np.random.default_rng(0)
+    w.add_tensor("plain", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("half", rng.standard_normal((2, 5, 32)).astype(np.float16))
+    q = gguf.quants.quantize(rng.standard_normal((4, 256)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blocks", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    ours, theirs = GGUFFile(str(path)), gguf.GGUFReader(str(path))
+    assert {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")} == {
+        k: f.contents() for k, f in ours.fields.items()}
+    assert [t.name for t in ours.tensors] == ["plain", "half", "blocks"]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.shape, a.n_bytes, a.data_offset) == (
+            b.name, b.tensor_type, tuple(int(d) for d in b.shape), b.n_bytes, b.data_offset)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+
+    data = path.read_bytes()
+    for cut in (3, 30, len(data) // 3, len(data) - 1):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ValueError, match="truncated"):
+            GGUFFile(str(tmp_path / "cut.gguf"))
+    (tmp_path / "v9.gguf").write_bytes(data[:4] + (9).to_bytes(4, "little") + data[8:])
+    with pytest.raises(ValueError, match="GGUF version 9"):
+        GGUFFile(str(tmp_path / "v9.gguf"))
+    (tmp_path / "magic.gguf").write_bytes(b"GGML" + data[4:])
+    with pytest.raises(ValueError, match="no GGUF magic"):
+        GGUFFile(str(tmp_path / "magic.gguf"))

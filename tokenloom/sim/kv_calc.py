@@ -98,15 +98,13 @@ def _gguf_value(reader: Any, key: str) -> Any:
     field = reader.fields.get(key)
     if field is None:
         return None
-    if hasattr(field, "contents"):
-        return field.contents()
-    return field.parts[field.data[0]].tolist()[0]
+    return field.contents()
 
 
 def shape_from_gguf(path: str, dtype_bytes: int = 2) -> ModelShape:
-    import gguf
+    from ..model.gguf_file import GGUFFile
 
-    reader = gguf.GGUFReader(path)
+    reader = GGUFFile(path)
     arch = _gguf_value(reader, "general.architecture") or "llama"
 
     def get(key: str) -> Any:
