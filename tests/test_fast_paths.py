@@ -382,12 +382,37 @@ def test_long_chunks_pass_through_the_mlp_in_slices_with_the_same_bits(method):
     x = torch.randn(2 * decoder.MLP_ROWS_PER_PASS + 37, 64, generator=torch.Generator().manual_seed(5))
     batch = mock.Mock(lora=None, decode_like_rows=x.shape[0])
     calls = []
-    with mock.patch.object(mlp, "_rows", side_effect=lambda rows, *a: calls.append(len(rows)) or type(mlp)._rows(mlp, rows, *a)):
+    with mock.patch.object(mlp, "_rows", side_effect=lambda rows, *a, **kw: calls.append(len(rows))
+                           or type(mlp)._rows(mlp, rows, *a, **kw)):
         sliced = mlp(x, batch)
     assert calls == ([decoder.MLP_ROWS_PER_PASS] * 2 + [37] if method != "none" else [x.shape[0]])
     with mock.patch.object(decoder, "MLP_ROWS_PER_PASS", x.shape[0]):
         whole = mlp(x, batch)
     assert torch.equal(sliced, whole)
+
+
+@pytest.mark.skipif(not CAP.get("int4_c"), reason="no C int4 kernel here")
+def test_every_layers_mlp_writes_its_activations_into_the_models_one_pair_of_pass_buffers():
+    """The C kernels write each MLP pass's [rows, 2 x intermediate] and [rows, intermediate] activations
+    into buffers the model's layers share (no new output buffer for them), with the bits of new ones."""
+    from tokenloom.model import decoder
+    from tokenloom.model.config import ModelConfig
+    from tokenloom.model.loader import random_model
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2)
+    model = linear.quantize_model(random_model(cfg), "int4")
+    first, second = (layer.mlp for layer in model.layers)
+    assert first.pass_buffers is second.pass_buffers
+    x = torch.randn(decoder.MLP_ROWS_PER_PASS + 50, 64, generator=torch.Generator().manual_seed(9))
+    batch = mock.Mock(lora=None, decode_like_rows=x.shape[0])
+    made = []
+    with mock.patch.object(linear, "_output_buffer", side_effect=lambda rows, n: made.append(n) or torch.empty(rows, n)):
+        outs = [mlp(x, batch) for mlp in (first, second)]
+    assert made == []  # the gate_up and down projections alike: down writes into the output rows
+    gate_up, act = first.pass_buffers.take(decoder.MLP_ROWS_PER_PASS)
+    assert gate_up.shape == (decoder.MLP_ROWS_PER_PASS, 320) and act.shape == (decoder.MLP_ROWS_PER_PASS, 160)
+    with mock.patch.object(decoder.PassBuffers, "take", return_value=(None, None)):
+        assert all(torch.equal(out, mlp(x, batch)) for out, mlp in zip(outs, (first, second)))
 
 
 @pytest.mark.parametrize("kernel", C_KERNELS)

@@ -37,15 +37,15 @@ class TorchLayerOps:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2 * inter] (gate, then up) -> silu(gate) * up, [T, inter]."""
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, 2 * inter] (gate, then up) -> silu(gate) * up, [T, inter], into `out` when given."""
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
-        return F.silu(gate) * up
+        return torch.mul(F.silu(gate), up, out=out)
 
-    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2 * inter] (gate, then up) -> gelu_tanh(gate) * up (GeGLU), [T, inter]."""
+    def gelu_tanh_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, 2 * inter] (gate, then up) -> gelu_tanh(gate) * up (GeGLU), [T, inter], into `out` when given."""
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return torch.mul(F.gelu(gate, approximate="tanh"), up, out=out)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
@@ -99,12 +99,13 @@ class CLayerOps(TorchLayerOps):
         self._rope(x.data_ptr(), rows, x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
         return x
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if gate_up.dtype != torch.float32 or gate_up.dim() != 2 or gate_up.shape[1] % 2:
-            return super().silu_mul(gate_up)
+            return super().silu_mul(gate_up, out)
         gate_up = gate_up.contiguous()
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(rows, inter, dtype=torch.float32)
+        if out is None or out.dtype != torch.float32 or out.shape != (rows, inter) or not out.is_contiguous():
+            out = torch.empty(rows, inter, dtype=torch.float32)
         self._silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr())
         return out
 

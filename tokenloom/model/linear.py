@@ -241,23 +241,25 @@ class QuantGemm:
         self._int4_top.restype = ctypes.c_int
 
     @staticmethod
-    def _run(fn, x: torch.Tensor, k: int, n: int, *weights: torch.Tensor) -> torch.Tensor:
+    def _run(fn, x: torch.Tensor, k: int, n: int, *weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: a float32 [rows, n] buffer to write into (a view of one that is not contiguous: a new one)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"quantized gemm: x must be float32 [rows, {k}], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
-        out = _output_buffer(x.shape[0], n)
+        if out is None or out.dtype != torch.float32 or out.shape != (x.shape[0], n) or not out.is_contiguous():
+            out = _output_buffer(x.shape[0], n)
         pointers = (None if w is None else w.data_ptr() for w in weights)  # None: NULL (offsets of symmetric codes)
         if x.shape[0] and fn(x.data_ptr(), x.shape[0], x.shape[1], *pointers, n, out.data_ptr()):
             raise MemoryError("quantized gemm: out of memory for the activation buffer")
         return out
 
     def int4(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
-             fifth: torch.Tensor | None = None) -> torch.Tensor:
+             fifth: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """4-bit codes, or 5-bit ones with their `fifth` bits (int5_gemm); `offsets` None for symmetric codes."""
         k, n = codes.shape[1] * GROUP, codes.shape[0] * 16
         if fifth is not None:
-            return self._run(self._int5, x, k, n, codes, fifth, scales, offsets)
-        return self._run(self._int4, x, k, n, codes, scales, offsets)
+            return self._run(self._int5, x, k, n, codes, fifth, scales, offsets, out=out)
+        return self._run(self._int4, x, k, n, codes, scales, offsets, out=out)
 
     def int4_top(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                  keep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -278,11 +280,12 @@ class QuantGemm:
         values, ids = (t.transpose(0, 1).reshape(rows, slots * keep) for t in (values, ids))
         return values, ids.long(), unordered.any(0)
 
-    def int8(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    def int8(self, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+             out: torch.Tensor | None = None) -> torch.Tensor:
         """Per-column scales [N] (per_column_int8) or a scale per group of 32 inputs [N/16, K/32, 16]
         (grouped_int8)."""
         fn = self._int8 if scales.dim() == 1 else self._int8g
-        return self._run(fn, x, codes.shape[1] * 2, codes.shape[0] * 16, codes, scales)
+        return self._run(fn, x, codes.shape[1] * 2, codes.shape[0] * 16, codes, scales, out=out)
 
 
 # Outputs of at least this many bytes are allocated for a whole multiple of OUTPUT_ROWS_STEP rows.
@@ -472,8 +475,9 @@ class SplitRowsLinear(nn.Module, metaclass=abc.ABCMeta):
     bias: torch.Tensor | None = None  # float32 (set by quantize_model)
 
     @abc.abstractmethod
-    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
-        """The quantized kernel's output for rows `x` (each weight format its own)."""
+    def _quantized(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The quantized kernel's output for rows `x` (each weight format its own), in `out` where the C
+        kernels run."""
 
     def _long(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dense.dtype)
@@ -487,11 +491,14 @@ class SplitRowsLinear(nn.Module, metaclass=abc.ABCMeta):
         kernels; not oneDNN's dense bfloat16 path nor torch's int4 op)."""
         return self.dense is None and getattr(self, "kernel", None) is not None
 
-    def forward(self, x: torch.Tensor, decode_like_rows: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode_like_rows: int | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: a float32 [rows, out_features] buffer the C kernels write into; the result is returned
+        either way (a new tensor where another path runs)."""
         rows = x.shape[0]
         d = rows if self.dense is None or decode_like_rows is None else decode_like_rows
         if d >= rows:
-            out = self._quantized(x)
+            out = self._quantized(x, out)
         elif d == 0:
             out = self._long(x)
         else:
@@ -524,10 +531,10 @@ class Int4Linear(SplitRowsLinear):
             self.compute_dtype = dtype
         self.dense = onednn_packed(dequantize_blocks(blocks).to(dtype)) if dense_prefill else None
 
-    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+    def _quantized(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         x = x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
         if self.kernel is not None:
-            return self.kernel.int4(x, self.codes, self.scales, self.offsets, self.fifth)
+            return self.kernel.int4(x, self.codes, self.scales, self.offsets, self.fifth, out=out)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
     @property
@@ -591,9 +598,9 @@ class Int8Linear(SplitRowsLinear):
             self.register_buffer("scales", scale.to(dtype))
         self.dense = onednn_packed(weight.to(dtype)) if dense_prefill else None
 
-    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+    def _quantized(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.kernel is not None:
-            return self.kernel.int8(x.float(), self.codes, self.scales)
+            return self.kernel.int8(x.float(), self.codes, self.scales, out=out)
         dt = self.scales.dtype
         return torch._weight_int8pack_mm(x if x.dtype == dt else x.to(dt), self.qweight, self.scales)
 
