@@ -315,10 +315,12 @@ class DecoderLayer(nn.Module):
         self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
 
     def forward(self, x, batch, rope, decode, k_cache, v_cache):
+        """`x`, the step's residual stream (the model's own tensor), is added to in place and returned, as
+        decoder_loop.c does: two [rows, hidden] buffers a layer fewer for a prefill step's heap."""
         h = self.self_attn(self.input_layernorm(x), batch, rope, decode, k_cache, v_cache)
-        x = x + (h if self.attn_output_norm is None else self.attn_output_norm(h))
+        x.add_(h if self.attn_output_norm is None else self.attn_output_norm(h))
         h = self.mlp(self.post_attention_layernorm(x), batch)
-        return x + (h if self.mlp_output_norm is None else self.mlp_output_norm(h))
+        return x.add_(h if self.mlp_output_norm is None else self.mlp_output_norm(h))
 
 
 class DecoderModel(nn.Module):
