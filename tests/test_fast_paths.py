@@ -409,8 +409,11 @@ def test_every_layers_mlp_writes_its_activations_into_the_models_one_pair_of_pas
     with mock.patch.object(linear, "_output_buffer", side_effect=lambda rows, n: made.append(n) or torch.empty(rows, n)):
         outs = [mlp(x, batch) for mlp in (first, second)]
     assert made == []  # the gate_up and down projections alike: down writes into the output rows
-    gate_up, act = first.pass_buffers.take(decoder.MLP_ROWS_PER_PASS)
+    gate_up, act = first.pass_buffers.take(x[: decoder.MLP_ROWS_PER_PASS])
     assert gate_up.shape == (decoder.MLP_ROWS_PER_PASS, 320) and act.shape == (decoder.MLP_ROWS_PER_PASS, 160)
+    assert not gate_up.is_inference()  # written in and out of inference mode alike
+    for other in (x.bfloat16()[:4], x):  # other dtypes and more rows than a pass: the projections' own
+        assert first.pass_buffers.take(other) == (None, None)
     with mock.patch.object(decoder.PassBuffers, "take", return_value=(None, None)):
         assert all(torch.equal(out, mlp(x, batch)) for out, mlp in zip(outs, (first, second)))
 

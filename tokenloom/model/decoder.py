@@ -243,13 +243,16 @@ class PassBuffers:
         self.intermediate = intermediate
         self._gate_up = self._act = None
 
-    def take(self, rows: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Views of the first `rows` rows of each (None, None past MLP_ROWS_PER_PASS)."""
-        if self._gate_up is None:  # at first use: models are built on the meta device
-            self._gate_up = torch.empty(MLP_ROWS_PER_PASS, 2 * self.intermediate)
-            self._act = torch.empty(MLP_ROWS_PER_PASS, self.intermediate)
-        if rows > self._gate_up.shape[0]:
+    def take(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Views of the first `len(x)` rows of each, for float32 rows `x` on the CPU (else, or past
+        MLP_ROWS_PER_PASS rows, (None, None): the projections make their own)."""
+        rows = x.shape[0]
+        if x.dtype != torch.float32 or x.device.type != "cpu" or rows > MLP_ROWS_PER_PASS:
             return None, None
+        if self._gate_up is None:  # at first use (models are built on the meta device), usable in and out
+            with torch.inference_mode(False):  # of inference mode alike
+                self._gate_up = torch.empty(MLP_ROWS_PER_PASS, 2 * self.intermediate, dtype=torch.float32)
+                self._act = torch.empty(MLP_ROWS_PER_PASS, self.intermediate, dtype=torch.float32)
         return self._gate_up[:rows], self._act[:rows]
 
 
@@ -281,9 +284,9 @@ class MLP(nn.Module):
 
     def _rows(self, x: torch.Tensor, decode_like_rows: int, lora: LoRABatch | None,
               into: torch.Tensor | None = None) -> torch.Tensor:
-        """The MLP of up to MLP_ROWS_PER_PASS rows (more under an adapter), its output in `into` when the
-        C kernels run (returned either way)."""
-        gate_up_buffer, act_buffer = self.pass_buffers.take(x.shape[0]) if x.dtype == torch.float32 else (None, None)
+        """The MLP of up to MLP_ROWS_PER_PASS rows (more under an adapter), its output written into `into`
+        when given (and returned)."""
+        gate_up_buffer, act_buffer = self.pass_buffers.take(x)
         gate_up = self.gate_up_proj(x, decode_like_rows, out=gate_up_buffer)
         if lora is not None:
             lora.add(self.ops, self.layer, "gate_up", x, gate_up)

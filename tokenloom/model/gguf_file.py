@@ -9,6 +9,7 @@ views of one read-only memmap laid out as `GGUFReader` lays them out, so the loa
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,8 @@ _PLAIN = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.flo
 
 @dataclass(frozen=True)
 class Field:
-    """One metadata value: a Python scalar or string, or a list (of strings, numbers or lists)."""
+    """One metadata value: a Python scalar or string, or a list (of strings, numbers or lists: an array of
+    arrays stays nested, where GGUFReader's contents() flattens it)."""
 
     value: Any
 
@@ -52,8 +54,9 @@ class Tensor:
 
 
 class GGUFFile:
-    """`fields` (key -> Field), `tensors` (in file order) and `data`, the whole file mapped read-only.
-    A file that is not a complete little-endian GGUF (v2 or v3) raises ValueError saying what is wrong."""
+    """`fields` (key -> Field), `tensors` (in file order) and `data`, the whole file mapped read-only (each
+    tensor's `data` a view of it). A file that is not a complete little-endian GGUF (v2 or v3) raises
+    ValueError saying what is wrong."""
 
     def __init__(self, path: str):
         self.path = path
@@ -69,9 +72,13 @@ class GGUFFile:
         self.fields: dict[str, Field] = {}
         for _ in range(n_fields):
             key = self._string()
+            if key in self.fields:
+                raise ValueError(f"metadata key {key!r} appears twice")
             self.fields[key] = Field(self._value(GGUFValueType(self._unpack("<I")[0])))
         infos = [self._tensor_info() for _ in range(n_tensors)]
-        alignment = int(self.fields["general.alignment"].value) if "general.alignment" in self.fields else 32
+        alignment = self.fields["general.alignment"].value if "general.alignment" in self.fields else 32
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment {alignment!r} is not a power of two")
         start = -(-self._at // alignment) * alignment
         self.tensors = [self._tensor(start, *info) for info in infos]
         names = [t.name for t in self.tensors]
@@ -124,15 +131,18 @@ class GGUFFile:
     def _tensor(self, start: int, name: str, shape: tuple[int, ...], kind: GGMLQuantizationType,
                 offset: int) -> Tensor:
         block, block_bytes = GGML_QUANT_SIZES[kind]
-        if not shape or shape[0] % block:
+        if not shape:
+            raise ValueError(f"tensor {name!r} has no dimensions")
+        if shape[0] % block:
             raise ValueError(f"tensor {name!r}: shape {shape} is not whole {kind.name} blocks of {block}")
-        n_bytes = int(np.prod(shape, dtype=np.int64)) // block * block_bytes
+        n_bytes = math.prod(shape) // block * block_bytes
         at = start + offset
         if at + n_bytes > len(self.data):
             raise ValueError(f"truncated: tensor {name!r} ends at byte {at + n_bytes}, the file has {len(self.data)}")
         rows = tuple(reversed(shape[1:]))
+        stored = self.data[at : at + n_bytes]  # a view of the map (release_mapped_pages reads its _mmap)
         if kind in _PLAIN:
-            data = np.frombuffer(self.data, _PLAIN[kind], n_bytes // block_bytes, at).reshape(*rows, shape[0])
+            data = stored.view(_PLAIN[kind]).reshape(*rows, shape[0])
         else:
-            data = np.frombuffer(self.data, np.uint8, n_bytes, at).reshape(*rows, shape[0] // block * block_bytes)
+            data = stored.reshape(*rows, shape[0] // block * block_bytes)
         return Tensor(name, kind, tuple(int(d) for d in shape), n_bytes, at, data)

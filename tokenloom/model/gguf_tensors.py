@@ -54,7 +54,7 @@ class StoredRows:
 
     def __init__(self, data: np.ndarray, qtype: str, shape: tuple[int, int], release=None,
                  file: tuple[str, int] | None = None):
-        """`data`: the tensor's bytes (or values) as gguf's reader maps them, one entry per row.
+        """`data`: the tensor's bytes (or values) as mapped from the file (model/gguf_file.py), one entry per row.
         `release`: unmaps the pages `chunks` brought in, once it has read them all.
         `file`: (path, offset of the tensor's first byte): lookups read their rows from the file with
         `pread` (None: from `data`)."""

@@ -242,7 +242,7 @@ class QuantGemm:
 
     @staticmethod
     def _run(fn, x: torch.Tensor, k: int, n: int, *weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`out`: a float32 [rows, n] buffer to write into (a view of one that is not contiguous: a new one)."""
+        """`out`: a float32 [rows, n] buffer to write into, used when contiguous (else a new one is made)."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
             raise ValueError(f"quantized gemm: x must be float32 [rows, {k}], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
