@@ -247,12 +247,14 @@ class PassBuffers:
         """Views of the first `len(x)` rows of each, for float32 rows `x` on the CPU (else, or past
         MLP_ROWS_PER_PASS rows, (None, None): the projections make their own)."""
         rows = x.shape[0]
-        if x.dtype != torch.float32 or x.device.type != "cpu" or rows > MLP_ROWS_PER_PASS:
+        if x.dtype != torch.float32 or x.device.type != "cpu":
             return None, None
         if self._gate_up is None:  # at first use (models are built on the meta device), usable in and out
             with torch.inference_mode(False):  # of inference mode alike
                 self._gate_up = torch.empty(MLP_ROWS_PER_PASS, 2 * self.intermediate, dtype=torch.float32)
                 self._act = torch.empty(MLP_ROWS_PER_PASS, self.intermediate, dtype=torch.float32)
+        if rows > self._gate_up.shape[0]:
+            return None, None
         return self._gate_up[:rows], self._act[:rows]
 
 

@@ -19,6 +19,12 @@ import torch.nn.functional as F
 from . import kernels
 
 
+def _fitting(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """`out` if it has `like`'s shape and dtype, else None: torch would resize it, and it may be a view of a
+    buffer shared by the model's layers (decoder.PassBuffers)."""
+    return out if out is not None and out.shape == like.shape and out.dtype == like.dtype else None
+
+
 class TorchLayerOps:
     name = "torch"
     lora_dtype: torch.dtype | None = None  # LoRA stacks' dtype lora_add takes (None: the adapters' own)
@@ -40,12 +46,12 @@ class TorchLayerOps:
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, 2 * inter] (gate, then up) -> silu(gate) * up, [T, inter], into `out` when given."""
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
-        return torch.mul(F.silu(gate), up, out=out)
+        return torch.mul(F.silu(gate), up, out=_fitting(out, up))
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, 2 * inter] (gate, then up) -> gelu_tanh(gate) * up (GeGLU), [T, inter], into `out` when given."""
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
-        return torch.mul(F.gelu(gate, approximate="tanh"), up, out=out)
+        return torch.mul(F.gelu(gate, approximate="tanh"), up, out=_fitting(out, up))
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
