@@ -176,11 +176,12 @@ class ModelRunner(Runner):
                 if last > first:
                     prompt_rows[k] = (len(logits_rows), first, last - first)
                     logits_rows.extend(range(q0 + first - start, q0 + last - start))
-            if samples(seq, n) and self._head_scans and argmax_only(seq, out.constraints.get(k)):
-                argmax_rows[k] = q0 + n - 1
-            elif samples(seq, n):  # the last known token's row, then each draft's
-                sample_rows[k] = len(logits_rows)
-                logits_rows.extend(range(q0 + n - 1 - len(seq.spec_token_ids), q0 + n))
+            if samples(seq, n):
+                if self._head_scans and argmax_only(seq, out.constraints.get(k)):
+                    argmax_rows[k] = q0 + n - 1
+                else:  # the last known token's row, then each draft's
+                    sample_rows[k] = len(logits_rows)
+                    logits_rows.extend(range(q0 + n - 1 - len(seq.spec_token_ids), q0 + n))
         if not chunks and out.num_padding and decode_idx:
             self._pad(out.num_padding, tokens, positions, slots, decode_idx, decode_tables, decode_ctx)
             row_lora.extend([row_lora[0]] * out.num_padding)

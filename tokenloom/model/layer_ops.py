@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from . import kernels
 
 
-def _fitting(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    """`out` if it has `like`'s shape and dtype, else None: torch would resize it, and it may be a view of a
-    buffer shared by the model's layers (decoder.PassBuffers)."""
-    return out if out is not None and out.shape == like.shape and out.dtype == like.dtype else None
+def fitting(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """`out` if it is a contiguous `shape` tensor of `dtype`, else None (then the op makes its own). Never
+    resized to fit: it may be a view of a buffer the model's layers share (decoder.PassBuffers)."""
+    fits = out is not None and out.shape == shape and out.dtype == dtype and out.is_contiguous()
+    return out if fits else None
 
 
 class TorchLayerOps:
@@ -46,12 +47,12 @@ class TorchLayerOps:
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, 2 * inter] (gate, then up) -> silu(gate) * up, [T, inter], into `out` when given."""
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
-        return torch.mul(F.silu(gate), up, out=_fitting(out, up))
+        return torch.mul(F.silu(gate), up, out=fitting(out, up.shape, up.dtype))
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, 2 * inter] (gate, then up) -> gelu_tanh(gate) * up (GeGLU), [T, inter], into `out` when given."""
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
-        return torch.mul(F.gelu(gate, approximate="tanh"), up, out=_fitting(out, up))
+        return torch.mul(F.gelu(gate, approximate="tanh"), up, out=fitting(out, up.shape, up.dtype))
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
@@ -110,7 +111,8 @@ class CLayerOps(TorchLayerOps):
             return super().silu_mul(gate_up, out)
         gate_up = gate_up.contiguous()
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        if out is None or out.dtype != torch.float32 or out.shape != (rows, inter) or not out.is_contiguous():
+        out = fitting(out, (rows, inter), torch.float32)
+        if out is None:
             out = torch.empty(rows, inter, dtype=torch.float32)
         self._silu_mul(gate_up.data_ptr(), rows, inter, out.data_ptr())
         return out

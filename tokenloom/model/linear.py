@@ -43,6 +43,7 @@ from . import kernels, vocab_select
 from .gguf_tensors import StoredRows
 from .heap import trim_heap
 from .kernels import cpu_flags  # also what the benchmarks record the CPU flags from
+from .layer_ops import fitting
 
 logger = logging.getLogger(__name__)
 
@@ -241,12 +242,18 @@ class QuantGemm:
         self._int4_top.restype = ctypes.c_int
 
     @staticmethod
-    def _run(fn, x: torch.Tensor, k: int, n: int, *weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`out`: a float32 [rows, n] buffer to write into, used when contiguous (else a new one is made)."""
+    def _activations(x: torch.Tensor, k: int, op: str) -> torch.Tensor:
+        """`x` as the kernels take it (float32 [rows, k], contiguous), else a ValueError naming `op`."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"quantized gemm: x must be float32 [rows, {k}], got {x.dtype} {tuple(x.shape)}")
-        x = x.contiguous()
-        if out is None or out.dtype != torch.float32 or out.shape != (x.shape[0], n) or not out.is_contiguous():
+            raise ValueError(f"{op}: x must be float32 [rows, {k}], got {x.dtype} {tuple(x.shape)}")
+        return x.contiguous()
+
+    @staticmethod
+    def _run(fn, x: torch.Tensor, k: int, n: int, *weights: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: a float32 [rows, n] buffer to write into where it fits (layer_ops.fitting), else a new one."""
+        x = QuantGemm._activations(x, k, "quantized gemm")
+        out = fitting(out, (x.shape[0], n), torch.float32)
+        if out is None:
             out = _output_buffer(x.shape[0], n)
         pointers = (None if w is None else w.data_ptr() for w in weights)  # None: NULL (offsets of symmetric codes)
         if x.shape[0] and fn(x.data_ptr(), x.shape[0], x.shape[1], *pointers, n, out.data_ptr()):
@@ -267,9 +274,7 @@ class QuantGemm:
         whole: (values [rows, slots * keep], their columns int64, a bool per row that met a NaN), each
         thread's lists side by side (largest first, -inf / -1 where a list is not full)."""
         rows, k, n, slots = x.shape[0], codes.shape[1] * GROUP, codes.shape[0] * 16, torch.get_num_threads()
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
-            raise ValueError(f"int4_top: x must be float32 [rows, {k}], got {x.dtype} {tuple(x.shape)}")
-        x = x.contiguous()
+        x = self._activations(x, k, "int4_top")
         values = torch.full((slots, rows, keep), float("-inf"))
         ids = torch.full((slots, rows, keep), -1, dtype=torch.int32)
         unordered = torch.zeros(slots, rows, dtype=torch.uint8)
