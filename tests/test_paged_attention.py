@@ -84,9 +84,9 @@ def test_kernel_rows_do_not_depend_on_the_batch(which):
 @pytest.mark.parametrize("which", KERNELS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
 def test_a_prompts_rows_share_a_task_and_keep_their_bits(which, kv_dtype):
-    """A prompt's tokens in one step are rows with one block table and their own contexts; the AVX2
-    kernel runs up to 8 of them in one task over float32 tiles of the context. Each row still gets the
-    bits it gets alone, next to decode rows, a second prompt whose table shares the first one's leading
+    """A prompt's tokens in one step are rows with one block table and their own contexts; both kernels
+    run up to 8 of them in one task, reading each K/V row of the context once for all of them (a run
+    longer than 8 split evenly: 20 rows are tasks of 6, 7 and 7). Each row still gets the bits it gets alone, next to decode rows, a second prompt whose table shares the first one's leading
     blocks (a prefix-cache hit), rows out of order, and contexts past the stack buffer."""
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, head_dim, bs = 9, 3, 64, 16
@@ -94,7 +94,7 @@ def test_a_prompts_rows_share_a_task_and_keep_their_bits(which, kv_dtype):
     v = torch.randn(160 * bs, kv_heads, head_dim, generator=gen).to(kv_dtype)
     perm = torch.randperm(160, generator=gen)
     prompt, other, shared = perm[:40], perm[40:60], torch.cat([perm[:3], perm[60:70]])
-    rows = [(prompt, c) for c in range(570, 590)]  # 20 tokens of a long prompt: runs of 8, 8, 4
+    rows = [(prompt, c) for c in range(570, 590)]  # 20 tokens of a long prompt: tasks of 6, 7, 7
     rows += [(shared, c) for c in (5, 48, 33, 150, 151)]  # within (joining that run), then past, its shared blocks
     rows += [(other, 37), (other, 301)]  # decodes
     rows += [(prompt, c) for c in (3, 1, 2)]  # a short prompt's tokens, out of order

@@ -205,18 +205,6 @@ static void tile_values2(const float *pa, const float *pb, const float *tile, in
     tile_values(pb, tile, origin, rest, to_b, head_dim, ob);
 }
 
-/* The end of the task that starts at row r0: the rows after it that read the same context (the same
- * block table over the blocks each reads: a prompt's tokens in one step), at most MAX_TILE_QUERIES. */
-static int64_t task_end(const int64_t *tables, int64_t max_blocks, const int64_t *context_lens, int64_t rows,
-                        int64_t block_size, int64_t r0) {
-    int64_t r = r0 + 1;
-    for (; r < rows && r - r0 < MAX_TILE_QUERIES; r++) {
-        const int64_t blocks = context_lens[r] > 0 ? (context_lens[r] + block_size - 1) / block_size : 0;
-        if (memcmp(tables + r * max_blocks, tables + r0 * max_blocks, sizeof(int64_t) * (size_t)blocks)) break;
-    }
-    return r;
-}
-
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* Where query head a of a task (row r0 + a / group, head kvh * group + a % group) sits in q and out. */
@@ -246,10 +234,8 @@ int paged_decode_attention_##SUFFIX(const float *q, const void *k_cache, const v
     const int64_t slot_stride = num_kv_heads * head_dim;                                                    \
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));                                     \
     if (!starts) return -1;                                                                                 \
-    int64_t num_runs = 0;                                                                                   \
-    for (int64_t r = 0; r < num_seqs; r = task_end(tables, max_blocks, context_lens, num_seqs, block_size, r)) \
-        starts[num_runs++] = r;                                                                             \
-    starts[num_runs] = num_seqs;                                                                            \
+    const int64_t num_runs = context_runs(tables, max_blocks, context_lens, num_seqs, block_size,             \
+                                          MAX_TILE_QUERIES, starts);                                        \
     int failed = 0;                                                                                         \
     _Pragma("omp parallel for schedule(dynamic) reduction(| : failed)")                                     \
     for (int64_t task = 0; task < num_runs * num_kv_heads; task++) {                                        \

@@ -5,6 +5,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* A task's offsets and score rows go on the stack while they fit in STACK_WORDS (10 KB: 256 positions
  * for 4 query heads, ~75 for a run of 8 tokens of 4): short contexts never malloc (a malloc for every
@@ -35,6 +36,34 @@ static inline void context_offsets(const int64_t *table, int64_t ctx, int64_t bl
 #define PREFETCH_AHEAD 32
 static inline void prefetch_row(const void *row, size_t bytes) {
     for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b);
+}
+
+/* The end of the longest run from row r0 on whose rows read the same context: the same block table over
+ * the blocks each reads (a prompt's tokens in one step, or a decode row and its speculative drafts). */
+static inline int64_t same_context_end(const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
+                                       int64_t rows, int64_t block_size, int64_t r0) {
+    int64_t r = r0 + 1;
+    for (; r < rows; r++) {
+        const int64_t blocks = context_lens[r] > 0 ? (context_lens[r] + block_size - 1) / block_size : 0;
+        if (memcmp(tables + r * max_blocks, tables + r0 * max_blocks, sizeof(int64_t) * (size_t)blocks)) break;
+    }
+    return r;
+}
+
+/* Splits rows [0, rows) into tasks of at most max_run rows that read one context, as even as a run
+ * allows (9 rows: 5 + 4, not 8 + 1, so two threads get equal shares): starts[0..count] the task
+ * boundaries (starts has room for rows + 1). Returns the number of tasks. */
+static inline int64_t context_runs(const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
+                                   int64_t rows, int64_t block_size, int64_t max_run, int64_t *starts) {
+    int64_t count = 0;
+    for (int64_t r = 0; r < rows;) {
+        const int64_t end = same_context_end(tables, max_blocks, context_lens, rows, block_size, r);
+        const int64_t pieces = (end - r + max_run - 1) / max_run;
+        for (int64_t i = 0; i < pieces; i++) starts[count++] = r + (end - r) * i / pieces;
+        r = end;
+    }
+    starts[count] = rows;
+    return count;
 }
 
 #endif
