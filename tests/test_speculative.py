@@ -199,12 +199,14 @@ def test_verification_matches_exact_enumeration_on_a_toy_distribution():
 
 
 def test_greedy_verification_accepts_while_the_draft_is_the_argmax():
+    """From the rows' logits (the sampler) and from their argmaxes alone (the head's scan, runner.argmax_only)."""
     logits = torch.tensor([[0.0, 5.0, 0.0], [0.0, 0.0, 5.0], [5.0, 0.0, 0.0]])
     greedy = SamplingParams(temperature=0)
-    for drafts, expected in [([1, 2], [1, 2, 0]), ([1, 0], [1, 2]), ([0, 2], [1]), ([], None)]:
+    for drafts, expected in [([1, 2], [1, 2, 0]), ([1, 0], [1, 2]), ([0, 2], [1]), ([], [1])]:
         rows = logits[: len(drafts) + 1]
         emitted, _ = Sampler()(rows, [greedy], [[0]], [[]], [None], [[None] * (len(drafts) + 1)], [drafts])
-        assert emitted[0] == (expected or [1])
+        assert emitted[0] == expected
+        assert Sampler().take_argmax([rows.argmax(1).tolist()], [drafts], [[0]]) == [expected]
 
 
 # -- the engine on the tiny model ----------------------------------------------------------------
@@ -420,6 +422,19 @@ GROUNDED = ("Repeat the following list exactly, one item per line:\n"
                         zip(range(1, 13), itertools.cycle(["red", "green", "blue", "yellow"]))))
 
 
+def drafts_verified_on_argmaxes(llm) -> list[int]:
+    """A list that gets every draft token the runner verifies on the rows' argmaxes alone (the head's
+    scan, no logits: runner.argmax_only), from now on."""
+    seen, take = [], llm.engine.runner.sampler.take_argmax
+
+    def counting(argmaxes, drafts, prompt_ids):
+        seen.extend(t for d in drafts for t in d)
+        return take(argmaxes, drafts, prompt_ids)
+
+    llm.engine.runner.sampler.take_argmax = counting
+    return seen
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["none", "auto"])
 def test_real_model_greedy_identical_with_speculation(quantization):
@@ -434,6 +449,7 @@ def test_real_model_greedy_identical_with_speculation(quantization):
     results = []
     for spec in (None, NGRAM, ALWAYS):
         llm = LLM(quantization=quantization, speculative_config=spec, max_num_batched_tokens=512)
+        on_argmaxes = drafts_verified_on_argmaxes(llm)
         alone = llm.chat(chat, params)[0].outputs[0].token_ids
         prompt = llm.engine.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
         batched = llm.generate([prompt, *others], params, use_tqdm=False)
@@ -441,6 +457,8 @@ def test_real_model_greedy_identical_with_speculation(quantization):
         if spec is not None:
             st = llm.engine.speculation.stats
             assert st.num_accepted_tokens > 20, st  # drafts were proposed, verified and accepted
+            # The serving path's int4 head finds greedy rows' argmax without logits, drafts' rows too.
+            assert (len(on_argmaxes) > 20) == (quantization == "auto"), len(on_argmaxes)
         del llm
     assert results[1] == results[0] and results[2] == results[0]
     assert results[0][1][0] == results[0][0]

@@ -3,13 +3,15 @@
 Per step: copy swapped blocks, build the flat batch (token ids, positions, slot mapping, the slots
 each sequence attends to), run the model with the LM head only on rows that sample (and on prompt
 rows of requests asking for prompt logprobs), then sample under each row's constraint from the plan.
-A plain greedy row (`argmax_only`) asks the head for its argmax alone, never its logits. Decode tokens
+A plain greedy row (`argmax_only`) asks the head for its argmax alone, never its logits (and so do its
+speculative drafts' rows, verified on those argmaxes). Decode tokens
 of all sequences are handled as one group with vectorised index math; each prefill chunk is one span.
 """
 
 from __future__ import annotations
 
 import time
+from itertools import pairwise
 
 import numpy as np
 import torch
@@ -27,11 +29,12 @@ SHORT_CHUNK = 16
 
 
 def argmax_only(seq, constraints) -> bool:
-    """Does the sequence's next token need its row's argmax alone (greedy, no logprobs, penalties,
-    drafts to verify nor constraints)? A head that can then finds it without the row's logits
-    (DecoderModel.greedy_tokens): on a 151k vocabulary they are 600 KB a row."""
+    """Does the sequence's next token need its rows' argmax alone (greedy, no logprobs, penalties nor
+    constraints; drafts are verified against the argmax of each of their rows)? A head that can then
+    finds it without the rows' logits (DecoderModel.greedy_tokens): on a 151k vocabulary they are 600 KB
+    a row."""
     p = seq.params
-    return p.greedy and p.logprobs is None and not p.penalised and not seq.spec_token_ids and not any(constraints or ())
+    return p.greedy and p.logprobs is None and not p.penalised and not any(constraints or ())
 
 
 class ModelRunner(Runner):
@@ -101,12 +104,21 @@ class ModelRunner(Runner):
         input_ids, batch, sample_rows, prompt_rows, argmax_rows = self._prepare(out)
         start = time.perf_counter()
         hidden, logits = self.model(input_ids, batch, self.layer_caches)
-        tokens = self.model.greedy_tokens(hidden[list(argmax_rows.values())]).tolist() if argmax_rows else []
+        drafts = [out.scheduled[k][0].spec_token_ids for k in argmax_rows]
+        flat = [r for first, d in zip(argmax_rows.values(), drafts, strict=True) for r in range(first, first + 1 + len(d))]
+        tokens = self.model.greedy_tokens(hidden[flat]).tolist() if flat else []
         self.last_forward_time = time.perf_counter() - start
         results = self._sample(out, logits, sample_rows, prompt_rows)
-        taken = self.sampler.take_argmax(tokens, [results[k].seq.prompt_token_ids for k in argmax_rows])
-        for k, token in zip(argmax_rows, taken, strict=True):
-            results[k].token_id = token
+        ends = np.cumsum([0] + [1 + len(d) for d in drafts])
+        taken = self.sampler.take_argmax([tokens[a:b] for a, b in pairwise(ends)], drafts,
+                                         [results[k].seq.prompt_token_ids for k in argmax_rows])
+        for k, emitted in zip(argmax_rows, taken, strict=True):
+            res = results[k]
+            if isinstance(emitted, BaseException):  # the sampler's fault hook failed this sequence alone
+                res.token_id = emitted
+                continue
+            res.accepted, res.token_id = emitted[:-1], emitted[-1]
+            res.accepted_logprobs = [None] * len(res.accepted)
         return results
 
     def _prepare(self, out: StepPlan):
@@ -126,7 +138,7 @@ class ModelRunner(Runner):
         prefills: list[PrefillSpan] = []
         logits_rows: list[int] = []
         sample_rows: dict[int, int] = {}  # scheduled index -> first logits row (one more per draft)
-        argmax_rows: dict[int, int] = {}  # scheduled index -> its flat row, for rows that need the argmax alone
+        argmax_rows: dict[int, int] = {}  # scheduled index -> its first flat row (one more per draft), argmax alone
         prompt_rows: dict[int, tuple[int, int, int]] = {}  # scheduled index -> (logits row, position, count)
         row_lora: list = []  # per flat row: its LoRA adapter or None (padding rows: the row they repeat)
         # Decode rows first (with any static-batch padding right after them), then short prefill chunks,
@@ -177,11 +189,12 @@ class ModelRunner(Runner):
                     prompt_rows[k] = (len(logits_rows), first, last - first)
                     logits_rows.extend(range(q0 + first - start, q0 + last - start))
             if samples(seq, n):
+                first = q0 + n - 1 - len(seq.spec_token_ids)  # the last known token's row, then each draft's
                 if self._head_scans and argmax_only(seq, out.constraints.get(k)):
-                    argmax_rows[k] = q0 + n - 1
-                else:  # the last known token's row, then each draft's
+                    argmax_rows[k] = first
+                else:
                     sample_rows[k] = len(logits_rows)
-                    logits_rows.extend(range(q0 + n - 1 - len(seq.spec_token_ids), q0 + n))
+                    logits_rows.extend(range(first, q0 + n))
         if not chunks and out.num_padding and decode_idx:
             self._pad(out.num_padding, tokens, positions, slots, decode_idx, decode_tables, decode_ctx)
             row_lora.extend([row_lora[0]] * out.num_padding)

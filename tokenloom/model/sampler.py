@@ -13,6 +13,7 @@ exception in place of its tokens (and no logprobs), so the engine fails that req
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 import numpy as np
@@ -25,6 +26,18 @@ from ..step import RowConstraint
 from ..structured_outputs import bitmask_words, unpack_bitmask
 from ..token_sets import allowed_mask, bias_tensors
 from . import vocab_select
+
+
+def verify(drafts: Seq[int], tokens: Iterable[int]) -> list[int]:
+    """What a sequence emits from its rows' tokens, taken in order (lazily: a draw happens only for a row
+    that is reached): each row's token, for as long as it equals the draft that row's successor
+    assumed; the first token that differs, or the one after the last draft, ends the walk."""
+    emitted: list[int] = []
+    for i, token in enumerate(tokens):
+        emitted.append(token)
+        if i == len(drafts) or token != drafts[i]:
+            break
+    return emitted
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Seq[int], output_ids: Seq[int]) -> None:
@@ -149,17 +162,18 @@ class Sampler:
                     logprobs.append([])
             return chosen, logprobs
 
-    def take_argmax(self, tokens: list[int], prompt_ids: list[Seq[int]]) -> list[int | Exception]:
-        """The tokens of greedy rows whose argmax the LM head found without logits (runner.argmax_only),
-        each sequence's own fault (the fault-injection hook) in place of its token."""
-        if not faults.ACTIVE:
-            return tokens
-        taken: list[int | Exception] = []
-        for token, ids in zip(tokens, prompt_ids, strict=True):
+    def take_argmax(self, argmaxes: list[list[int]], drafts: list[list[int]],
+                    prompt_ids: list[Seq[int]]) -> list[list[int] | Exception]:
+        """Per greedy sequence whose rows' argmax the LM head found without logits (runner.argmax_only):
+        the tokens it emits, its drafts verified against those argmaxes as `__call__` verifies them, or
+        its own fault (the fault-injection hook) in place of its tokens."""
+        taken: list[list[int] | Exception] = []
+        for tokens, draft, ids in zip(argmaxes, drafts, prompt_ids, strict=True):
             try:
-                faults.maybe_raise_for_prompt("sampler", ids)
-                taken.append(token)
-            except Exception as exc:  # noqa: BLE001 - handed to the engine in place of the token
+                if faults.ACTIVE:
+                    faults.maybe_raise_for_prompt("sampler", ids)
+                taken.append(verify(draft, tokens))
+            except Exception as exc:  # noqa: BLE001 - handed to the engine in place of the tokens
                 taken.append(exc)
         return taken
 
@@ -196,16 +210,9 @@ class Sampler:
                 )
             probs_of = dict(zip(random_rows, sub.softmax(dim=-1), strict=True))
 
-        chosen: list[list[int]] = []
-        for s, p in enumerate(params):
-            emitted: list[int] = []
-            for r in range(spans[s], spans[s + 1]):
-                token = greedy_tokens[r] if p.greedy else self._draw(probs_of[r], generators[s])
-                emitted.append(token)
-                i = r - spans[s]
-                if i == len(drafts[s]) or token != drafts[s][i]:
-                    break
-            chosen.append(emitted)
+        chosen = [verify(drafts[s], (greedy_tokens[r] if p.greedy else self._draw(probs_of[r], generators[s])
+                                     for r in range(spans[s], spans[s + 1])))
+                  for s, p in enumerate(params)]
 
         logprobs: list[list[TokenLogprobs | None]] = [[None] * len(e) for e in chosen]
         wanted = [(s, i) for s, p in enumerate(params) if p.logprobs is not None for i in range(len(chosen[s]))]
