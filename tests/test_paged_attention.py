@@ -86,7 +86,8 @@ def test_kernel_rows_do_not_depend_on_the_batch(which):
 def test_a_prompts_rows_share_a_task_and_keep_their_bits(which, kv_dtype):
     """A prompt's tokens in one step are rows with one block table and their own contexts; both kernels
     run up to 8 of them in one task, reading each K/V row of the context once for all of them (a run
-    longer than 8 split evenly: 20 rows are tasks of 6, 7 and 7). Each row still gets the bits it gets alone, next to decode rows, a second prompt whose table shares the first one's leading
+    longer than 8 split evenly: the 23 rows below are tasks of 7, 8 and 8). Each row still gets the
+    bits it gets alone, next to decode rows, a second prompt whose table shares the first one's leading
     blocks (a prefix-cache hit), rows out of order, and contexts past the stack buffer."""
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, head_dim, bs = 9, 3, 64, 16
@@ -94,7 +95,7 @@ def test_a_prompts_rows_share_a_task_and_keep_their_bits(which, kv_dtype):
     v = torch.randn(160 * bs, kv_heads, head_dim, generator=gen).to(kv_dtype)
     perm = torch.randperm(160, generator=gen)
     prompt, other, shared = perm[:40], perm[40:60], torch.cat([perm[:3], perm[60:70]])
-    rows = [(prompt, c) for c in range(570, 590)]  # 20 tokens of a long prompt: tasks of 6, 7, 7
+    rows = [(prompt, c) for c in range(570, 590)]  # 20 tokens of a long prompt
     rows += [(shared, c) for c in (5, 48, 33, 150, 151)]  # within (joining that run), then past, its shared blocks
     rows += [(other, 37), (other, 301)]  # decodes
     rows += [(prompt, c) for c in (3, 1, 2)]  # a short prompt's tokens, out of order
@@ -110,6 +111,29 @@ def test_a_prompts_rows_share_a_task_and_keep_their_bits(which, kv_dtype):
     for r in range(len(rows)):
         one = kernel(kernel.prepare(tables[r : r + 1], lens[r : r + 1], bs), q[r : r + 1], k, v, 0.125)
         assert torch.equal(one, full[r : r + 1]), r
+
+
+@needs_kernel
+@pytest.mark.parametrize("which", KERNELS)
+def test_a_task_reads_through_its_longest_rows_table(which):
+    """A run of rows whose tables agree over each row's own blocks (a prompt, rows sharing its first
+    blocks, the prompt again further on) split into tasks: the second task starts on a sharing row but
+    holds the prompt's longest row, whose context only the prompt's table maps."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    k = torch.randn(80 * bs, kv_heads, head_dim, generator=gen)
+    v = torch.randn(80 * bs, kv_heads, head_dim, generator=gen)
+    perm = torch.randperm(80, generator=gen)
+    prompt, shared = perm[:40], torch.cat([perm[:3], perm[40:50]])
+    rows = [(prompt, 40)] + [(shared, 33)] * 8 + [(prompt, 570)]  # one run of 10: tasks of 5 and 5
+    tables = torch.zeros(len(rows), 40, dtype=torch.long)
+    for r, (table, _) in enumerate(rows):
+        tables[r, : len(table)] = table
+    lens = torch.tensor([c for _, c in rows])
+    q = torch.randn(len(rows), heads, head_dim, generator=gen)
+    kernel, ref_impl = kernel_for(which), pa.TorchDecodeAttention()
+    out = kernel(kernel.prepare(tables, lens, bs), q, k, v, 0.125)
+    torch.testing.assert_close(out, ref_impl(ref_impl.prepare(tables, lens, bs), q, k, v, 0.125), rtol=1e-5, atol=1e-5)
 
 
 def test_the_torch_path_is_used_where_the_kernel_does_not_apply():

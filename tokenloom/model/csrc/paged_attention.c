@@ -241,8 +241,7 @@ int paged_decode_attention_##SUFFIX(const float *q, const void *k_cache, const v
     for (int64_t task = 0; task < num_runs * num_kv_heads; task++) {                                        \
         const int64_t r0 = starts[task / num_kv_heads], rows = starts[task / num_kv_heads + 1] - r0;        \
         const int64_t kvh = task % num_kv_heads;                                                            \
-        int64_t ctx = 0;                                                                                    \
-        for (int64_t j = 0; j < rows; j++) ctx = context_lens[r0 + j] > ctx ? context_lens[r0 + j] : ctx;   \
+        const int64_t longest = longest_row(context_lens, r0, rows), ctx = context_lens[longest];           \
         const int64_t n = ctx > 0 ? ctx : 1;                                                                \
         /* one buffer: the context's row offsets (in elements), then a score row per (row, query head) */   \
         int64_t stack_buf[STACK_WORDS];                                                                     \
@@ -251,7 +250,7 @@ int paged_decode_attention_##SUFFIX(const float *q, const void *k_cache, const v
         if (!offsets) { failed = 1; continue; }                                                             \
         float *scores = (float *)(offsets + n);                                                             \
         float tile[KV_TILE * MAX_HEAD_DIM];                                                                 \
-        context_offsets(tables + r0 * max_blocks, ctx, block_size, slot_stride, kvh * head_dim, offsets);   \
+        context_offsets(tables + longest * max_blocks, ctx, block_size, slot_stride, kvh * head_dim, offsets); \
         for (int64_t from = 0; from < ctx; from += KV_TILE) {                                               \
             const int64_t to = from + KV_TILE < ctx ? from + KV_TILE : ctx;                                 \
             gather_tile_##SUFFIX(k, offsets, from, to, ctx, head_dim, tile);                                \

@@ -192,21 +192,20 @@ int paged_decode_attention_avx512_##SUFFIX(const float *q, const void *k_cache, 
         const int64_t kvh = task % num_kv_heads;                                                            \
         Queries qs;                                                                                         \
         float *outs[MAX_RUN * MAX_GROUP];                                                                   \
-        int64_t ctx = 0;                                                                                    \
+        const int64_t longest = longest_row(context_lens, r0, rows), ctx = context_lens[longest];           \
         qs.heads = rows * group; /* head a: row r0 + a / group, query head kvh * group + a % group */       \
         for (int64_t a = 0; a < qs.heads; a++) {                                                            \
             const int64_t at = ((r0 + a / group) * num_heads + kvh * group + a % group) * HD;               \
             qs.q[a] = q + at;                                                                               \
             outs[a] = out + at;                                                                             \
             qs.ctx[a] = context_lens[r0 + a / group];                                                       \
-            ctx = qs.ctx[a] > ctx ? qs.ctx[a] : ctx;                                                        \
         }                                                                                                   \
         qs.n = ctx > 0 ? ctx : 1;                                                                           \
         int64_t stack_buf[STACK_WORDS];                                                                     \
         int64_t *offsets = task_buffer(qs.n, qs.heads, stack_buf); /* then a score row per head */         \
         if (!offsets) { failed = 1; continue; }                                                             \
         float *scores = (float *)(offsets + qs.n);                                                          \
-        context_offsets(tables + r0 * max_blocks, ctx, block_size, slot_stride, kvh * HD, offsets);         \
+        context_offsets(tables + longest * max_blocks, ctx, block_size, slot_stride, kvh * HD, offsets);    \
         scores_##SUFFIX(&qs, ctx, k_cache, offsets, scale, scores);                                         \
         for (int64_t a = 0; a < qs.heads; a++) softmax_rows(scores + a * qs.n, 1, qs.n, qs.ctx[a]);         \
         values_##SUFFIX(&qs, v_cache, offsets, scores, outs);                                               \

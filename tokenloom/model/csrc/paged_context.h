@@ -38,8 +38,10 @@ static inline void prefetch_row(const void *row, size_t bytes) {
     for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch((const char *)row + b);
 }
 
-/* The end of the longest run from row r0 on whose rows read the same context: the same block table over
- * the blocks each reads (a prompt's tokens in one step, or a decode row and its speculative drafts). */
+/* The end of the longest run from row r0 on whose rows read the same context: each row's table equals
+ * row r0's over the blocks that row reads (a prompt's tokens in one step, a decode row and its
+ * speculative drafts, a prompt sharing cached prefix blocks). A row's table may differ past its own
+ * blocks, so a task reads its context through its longest row's table (longest_row). */
 static inline int64_t same_context_end(const int64_t *tables, int64_t max_blocks, const int64_t *context_lens,
                                        int64_t rows, int64_t block_size, int64_t r0) {
     int64_t r = r0 + 1;
@@ -64,6 +66,14 @@ static inline int64_t context_runs(const int64_t *tables, int64_t max_blocks, co
     }
     starts[count] = rows;
     return count;
+}
+
+/* The row of [r0, r0 + rows) with the longest context (the first of equals): its table is every row's
+ * over the blocks that row reads, and it reads them all. */
+static inline int64_t longest_row(const int64_t *context_lens, int64_t r0, int64_t rows) {
+    int64_t longest = r0;
+    for (int64_t r = r0 + 1; r < r0 + rows; r++) longest = context_lens[r] > context_lens[longest] ? r : longest;
+    return longest;
 }
 
 #endif
