@@ -3,9 +3,9 @@
 Per step: copy swapped blocks, build the flat batch (token ids, positions, slot mapping, the slots
 each sequence attends to), run the model with the LM head only on rows that sample (and on prompt
 rows of requests asking for prompt logprobs), then sample under each row's constraint from the plan.
-A plain greedy row (`argmax_only`) asks the head for its argmax alone, never its logits (and so do its
-speculative drafts' rows, verified on those argmaxes). Decode tokens
-of all sequences are handled as one group with vectorised index math; each prefill chunk is one span.
+A plain greedy row (`argmax_only`) asks the head for its argmax alone, never its logits, and so do its
+speculative drafts' rows, verified on those argmaxes. Decode tokens of all sequences are handled as one
+group with vectorised index math; each prefill chunk is one span.
 """
 
 from __future__ import annotations
@@ -189,12 +189,12 @@ class ModelRunner(Runner):
                     prompt_rows[k] = (len(logits_rows), first, last - first)
                     logits_rows.extend(range(q0 + first - start, q0 + last - start))
             if samples(seq, n):
-                first = q0 + n - 1 - len(seq.spec_token_ids)  # the last known token's row, then each draft's
+                first_row = q0 + n - 1 - len(seq.spec_token_ids)  # the last known token's row, then each draft's
                 if self._head_scans and argmax_only(seq, out.constraints.get(k)):
-                    argmax_rows[k] = first
+                    argmax_rows[k] = first_row
                 else:
                     sample_rows[k] = len(logits_rows)
-                    logits_rows.extend(range(first, q0 + n))
+                    logits_rows.extend(range(first_row, q0 + n))
         if not chunks and out.num_padding and decode_idx:
             self._pad(out.num_padding, tokens, positions, slots, decode_idx, decode_tables, decode_ctx)
             row_lora.extend([row_lora[0]] * out.num_padding)
