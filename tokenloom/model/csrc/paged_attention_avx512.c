@@ -61,32 +61,29 @@ static inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* scores[g][t] -> softmax over t in place (max, exp, sum, scale, 16 positions at a time). */
-static void softmax_rows(float *scores, int64_t group, int64_t n, int64_t ctx) {
-    for (int64_t g = 0; g < group; g++) {
-        float *sc = scores + g * n;
-        __m512 mv = _mm512_set1_ps(-INFINITY);
-        int64_t t = 0;
-        for (; t + 16 <= ctx; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sc + t));
-        float m = _mm512_reduce_max_ps(mv);
-        for (; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
-        __m512 sv = _mm512_setzero_ps();
-        const __m512 mb = _mm512_set1_ps(m);
-        for (t = 0; t + 16 <= ctx; t += 16) {
-            const __m512 e = exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mb));
-            _mm512_storeu_ps(sc + t, e);
-            sv = _mm512_add_ps(sv, e);
-        }
-        if (t < ctx) {  /* the tail through a mask: the same arithmetic as a full vector */
-            const __mmask16 k = (__mmask16)((1u << (ctx - t)) - 1);
-            const __m512 e = exp16_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), mb));
-            _mm512_mask_storeu_ps(sc + t, k, e);
-            sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
-        }
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sv));
-        for (t = 0; t + 16 <= ctx; t += 16) _mm512_storeu_ps(sc + t, _mm512_mul_ps(_mm512_loadu_ps(sc + t), inv));
-        for (; t < ctx; t++) sc[t] *= _mm512_cvtss_f32(inv);
+/* sc[0, ctx) -> softmax in place (max, exp, sum, scale, 16 positions at a time). */
+static void softmax_row(float *sc, int64_t ctx) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= ctx; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sc + t));
+    float m = _mm512_reduce_max_ps(mv);
+    for (; t < ctx; t++) m = sc[t] > m ? sc[t] : m;
+    __m512 sv = _mm512_setzero_ps();
+    const __m512 mb = _mm512_set1_ps(m);
+    for (t = 0; t + 16 <= ctx; t += 16) {
+        const __m512 e = exp16_nonpos(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mb));
+        _mm512_storeu_ps(sc + t, e);
+        sv = _mm512_add_ps(sv, e);
     }
+    if (t < ctx) {  /* the tail through a mask: the same arithmetic as a full vector */
+        const __mmask16 k = (__mmask16)((1u << (ctx - t)) - 1);
+        const __m512 e = exp16_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + t), mb));
+        _mm512_mask_storeu_ps(sc + t, k, e);
+        sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sv));
+    for (t = 0; t + 16 <= ctx; t += 16) _mm512_storeu_ps(sc + t, _mm512_mul_ps(_mm512_loadu_ps(sc + t), inv));
+    for (; t < ctx; t++) sc[t] *= _mm512_cvtss_f32(inv);
 }
 
 /* One task's query heads: where each one's query sits, and how many positions it sees. */
@@ -207,7 +204,7 @@ int paged_decode_attention_avx512_##SUFFIX(const float *q, const void *k_cache, 
         float *scores = (float *)(offsets + qs.n);                                                          \
         context_offsets(tables + longest * max_blocks, ctx, block_size, slot_stride, kvh * HD, offsets);    \
         scores_##SUFFIX(&qs, ctx, k_cache, offsets, scale, scores);                                         \
-        for (int64_t a = 0; a < qs.heads; a++) softmax_rows(scores + a * qs.n, 1, qs.n, qs.ctx[a]);         \
+        for (int64_t a = 0; a < qs.heads; a++) softmax_row(scores + a * qs.n, qs.ctx[a]);             \
         values_##SUFFIX(&qs, v_cache, offsets, scores, outs);                                               \
         if (offsets != stack_buf) free(offsets);                                                            \
     }                                                                                                       \
