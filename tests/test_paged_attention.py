@@ -80,6 +80,14 @@ def test_kernel_rows_do_not_depend_on_the_batch(which):
         assert torch.equal(one, full[s : s + 1])
 
 
+def rows_case(rows: list[tuple[torch.Tensor, int]], heads: int, head_dim: int, gen: torch.Generator):
+    """(block tables [rows, 40] zero-padded, context lengths, random queries) for rows of (table, context)."""
+    tables = torch.zeros(len(rows), 40, dtype=torch.long)
+    for r, (table, _) in enumerate(rows):
+        tables[r, : len(table)] = table
+    return tables, torch.tensor([c for _, c in rows]), torch.randn(len(rows), heads, head_dim, generator=gen)
+
+
 @needs_kernel
 @pytest.mark.parametrize("which", KERNELS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
@@ -99,11 +107,7 @@ def test_a_prompts_rows_share_a_task_and_keep_their_bits(which, kv_dtype):
     rows += [(shared, c) for c in (5, 48, 33, 150, 151)]  # within (joining that run), then past, its shared blocks
     rows += [(other, 37), (other, 301)]  # decodes
     rows += [(prompt, c) for c in (3, 1, 2)]  # a short prompt's tokens, out of order
-    tables = torch.zeros(len(rows), 40, dtype=torch.long)
-    for r, (table, _) in enumerate(rows):
-        tables[r, : len(table)] = table
-    lens = torch.tensor([c for _, c in rows])
-    q = torch.randn(len(rows), heads, head_dim, generator=gen)
+    tables, lens, q = rows_case(rows, heads, head_dim, gen)
     kernel, ref_impl = kernel_for(which), pa.TorchDecodeAttention()
     full = kernel(kernel.prepare(tables, lens, bs), q, k, v, 0.125)
     ref = ref_impl(ref_impl.prepare(tables, lens, bs), q, k, v, 0.125)
@@ -126,11 +130,7 @@ def test_a_task_reads_through_its_longest_rows_table(which):
     perm = torch.randperm(80, generator=gen)
     prompt, shared = perm[:40], torch.cat([perm[:3], perm[40:50]])
     rows = [(prompt, 40)] + [(shared, 33)] * 8 + [(prompt, 570)]  # one run of 10: tasks of 5 and 5
-    tables = torch.zeros(len(rows), 40, dtype=torch.long)
-    for r, (table, _) in enumerate(rows):
-        tables[r, : len(table)] = table
-    lens = torch.tensor([c for _, c in rows])
-    q = torch.randn(len(rows), heads, head_dim, generator=gen)
+    tables, lens, q = rows_case(rows, heads, head_dim, gen)
     kernel, ref_impl = kernel_for(which), pa.TorchDecodeAttention()
     out = kernel(kernel.prepare(tables, lens, bs), q, k, v, 0.125)
     torch.testing.assert_close(out, ref_impl(ref_impl.prepare(tables, lens, bs), q, k, v, 0.125), rtol=1e-5, atol=1e-5)
