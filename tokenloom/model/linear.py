@@ -205,12 +205,18 @@ def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | No
 def pack_avx2_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Blocks [N, K/32, 34] -> csrc/quant_gemm_avx2.c's layout: codes [N/16, K/32, 8, 16] int16 of four
     nibbles, nibble t of lane 2c + p in slot jj the code of column 8(t % 2) + c, input 4jj + 2(t // 2) + p
-    of the group (shifts and masks give vpmaddwd's operands); the fifth bits [N/16, K/32, 8, 4] (None
-    for 4-bit codes); scales and offsets as pack_c_layout's."""
+    of the group (shifts and masks give vpmaddwd's operands); the fifth bits (None for 4-bit codes)
+    [N/16, K/32, 4, 16] uint8, a byte per lane and pair of slots, bit 4(jj % 2) + t the fifth bit of
+    nibble t of slot jj (widened to the lane's 16 bits, a shift and a mask put each at bit 4); scales and
+    offsets as pack_c_layout's."""
     n, kb, _ = blocks.shape
     q = blocks[..., 2:].to(torch.int32).reshape(n // 16, 2, 8, kb, GROUP // 4, 2, 2)  # nb, t%2, c, g, jj, t//2, p
     q = q.permute(0, 3, 4, 2, 6, 5, 1).reshape(n // 16, kb, GROUP // 4, 16, 4)  # nb, g, jj, lane, t
-    fifth = _fifth_bits(q)
+    bits = (q >> 4) & 1
+    fifth = None
+    if bits.any():
+        bits = bits.reshape(n // 16, kb, GROUP // 8, 2, 16, 4).permute(0, 1, 2, 4, 3, 5)  # nb, g, jj // 2, lane, jj % 2, t
+        fifth = (bits.reshape(*bits.shape[:4], 8) << torch.arange(8)).sum(-1).to(torch.uint8).contiguous()
     return _nibble_words(q & 0xF), fifth, *_scales_and_offsets(blocks, fifth is not None)
 
 
@@ -330,11 +336,10 @@ def code_bytes(q, N, G):  # pack_avx2_layout (the low nibbles)
     words = (sum((q[nb * 16 + 8 * (t % 2) + c][g * 32 + 4 * jj + 2 * (t // 2) + p] & 15) << 4 * t for t in range(4))
              for nb in range(N // 16) for g in range(G) for jj in range(8) for c in range(8) for p in range(2))
     return bytearray(b"".join(w.to_bytes(2, "little") for w in words))
-def fifth_bytes(q, N, G):  # its fifth bits: uint16 per (block, group, jj, t), bit 2c + p
-    words = (sum((q[nb * 16 + 8 * (t % 2) + c][g * 32 + 4 * jj + 2 * (t // 2) + p] >> 4) << (2 * c + p)
-                 for c in range(8) for p in range(2))
-             for nb in range(N // 16) for g in range(G) for jj in range(8) for t in range(4))
-    return bytearray(b"".join(w.to_bytes(2, "little") for w in words))
+def fifth_bytes(q, N, G):  # its fifth bits: a byte per (block, group, pair of slots, lane 2c + p), bit 4 (jj % 2) + t
+    return bytearray(sum((q[nb * 16 + 8 * (t % 2) + c][g * 32 + 4 * (2 * jp + o) + 2 * (t // 2) + p] >> 4) << (4 * o + t)
+                         for o in range(2) for t in range(4))
+                     for nb in range(N // 16) for g in range(G) for jp in range(4) for c in range(8) for p in range(2))
 """
 
 

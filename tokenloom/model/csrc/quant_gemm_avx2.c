@@ -2,8 +2,8 @@
  *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T over the GGUF's Q4_1 blocks (the decoder's projections),
  *     in its own code layout (model/linear.py pack_avx2_layout; scales and offsets as quant_gemm.c's,
  *     offsets NULL for symmetric codes);
- *   int5_gemm: the same with 5-bit codes (Q5_0's): the nibbles plus a plane of fifth bits, uint16
- *     [N/16][K/32][8 jj][4 t], bit 2c + p the one of nibble t of lane 2c + p;
+ *   int5_gemm: the same with 5-bit codes (Q5_0's): the nibbles plus a plane of fifth bits, uint8
+ *     [N/16][K/32][4 jj/2][16 lanes], bit 4 (jj % 2) + t the one of nibble t of the lane in slot jj;
  *   int8_gemm: the same over per-column int8 weights (the LM head's approximate logits), quant_gemm.c's
  *     layout, the same int16 activations;
  *   int8g_gemm: int8 weights with a scale per group of 32 inputs and column (quant_gemm.c's int8g).
@@ -78,12 +78,10 @@ INLINE void quantize_group(const float *x, int16_t *q, float *scale, float *sum)
  * Codes: per (column block, group, jj in 0..7) 16 int16 lanes of four nibbles; nibble t of lane 2c + p
  * is the code of column 8 (t % 2) + c, input 32g + 4jj + 2 (t / 2) + p. */
 INLINE void tile(const int16_t *xq, const float *xscale, const float *sums, int64_t K, int64_t G, const int MR,
-                 const uint8_t *codes, const uint16_t *hi, const uint16_t *scale, const uint16_t *offset, int64_t nb,
+                 const uint8_t *codes, const uint8_t *hi, const uint16_t *scale, const uint16_t *offset, int64_t nb,
                  float *y, int64_t N) {
-    __m256i acc[TILE_ROWS][2];
+    __m256i acc[TILE_ROWS][2], fifth = _mm256_setzero_si256();
     const __m256i low = _mm256_set1_epi16(0x0F), sixteen = _mm256_set1_epi16(16);
-    const __m256i lane_bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
-                                               (short)0x8000);
     for (int r = 0; r < MR; r++) {
         _mm256_storeu_ps(y + r * N + nb * COLS, _mm256_setzero_ps());
         _mm256_storeu_ps(y + r * N + nb * COLS + 8, _mm256_setzero_ps());
@@ -91,18 +89,20 @@ INLINE void tile(const int16_t *xq, const float *xscale, const float *sums, int6
     for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
         const uint8_t *cg = codes + (nb * G + g) * (GROUP / 2) * COLS;
-        for (int line = 0; line < GROUP / 2 * COLS; line += 64)  /* PREFETCH_GROUPS on (past the end: harmless) */
+        for (int line = 0; line < GROUP / 2 * COLS; line += 64)  /* PREFETCH_GROUPS on (past the block: the share's next) */
             __builtin_prefetch(cg + PREFETCH_GROUPS * GROUP / 2 * COLS + line);
         for (int jj = 0; jj < GROUP / 4; jj++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(cg + jj * 32));
             __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
             __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low), w3 = _mm256_srli_epi16(v, 12);
-            if (hi) {  /* + 16 where the code's fifth bit is set: lane l takes bit l of its nibble's mask */
-                const uint16_t *h = hi + ((nb * G + g) * (GROUP / 4) + jj) * 4;
-#define FIFTH(W, T) W = _mm256_or_si256(W, _mm256_and_si256(sixteen, _mm256_cmpeq_epi16( \
-                        _mm256_and_si256(_mm256_set1_epi16((short)h[T]), lane_bit), lane_bit)))
-                FIFTH(w0, 0); FIFTH(w1, 1); FIFTH(w2, 2); FIFTH(w3, 3);
-#undef FIFTH
+            if (hi) {  /* + 16 where the code's fifth bit is set: nibble t's comes from bit 4 + t of `bits` */
+                if (jj % 2 == 0)  /* a byte per lane for this slot and the next, widened to the lane */
+                    fifth = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(hi + ((nb * G + g) * 4 + jj / 2) * 16)));
+                const __m256i bits = jj % 2 ? fifth : _mm256_slli_epi16(fifth, 4);
+                w0 = _mm256_or_si256(w0, _mm256_and_si256(bits, sixteen));
+                w1 = _mm256_or_si256(w1, _mm256_and_si256(_mm256_srli_epi16(bits, 1), sixteen));
+                w2 = _mm256_or_si256(w2, _mm256_and_si256(_mm256_srli_epi16(bits, 2), sixteen));
+                w3 = _mm256_or_si256(w3, _mm256_and_si256(_mm256_srli_epi16(bits, 3), sixteen));
             }
             for (int r = 0; r < MR; r++) {
                 int32_t pair[2];  /* activations k, k + 1 and k + 2, k + 3 */
@@ -142,12 +142,13 @@ static Int16Rows quantize_rows(const float *x, int64_t M, int64_t K) {
 
 /* int4 (hi NULL) or int5, in the layouts above. Returns 0, or 1 when the activations' int16 buffer
  * cannot be allocated. */
-static int low_bit_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *hi,
+static int low_bit_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *hi,
                         const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
     const Int16Rows rows = quantize_rows(x, M, K);
     if (!rows.xq) return 1;
-#pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
+    const int64_t share = gemm_share_blocks(G, blocks);
+#pragma omp parallel for schedule(dynamic, share)
     for (int64_t nb = 0; nb < blocks; nb++) {
         for (int64_t m = 0, mr; m < M; m += mr) {
             mr = gemm_tile_rows(M - m, TILE_ROWS);
@@ -173,7 +174,7 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
 
 int int5_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *hi,
               const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
-    return low_bit_gemm(x, M, K, codes, (const uint16_t *)hi, scale, offset, N, y);
+    return low_bit_gemm(x, M, K, codes, (const uint8_t *)hi, scale, offset, N, y);
 }
 
 /* int4_gemm's column blocks into a per-thread buffer, each row's `keep` largest outputs kept as they come
@@ -193,7 +194,7 @@ int int4_top(const float *x, int64_t M, int64_t K, const uint8_t *codes, const u
     {
         const int64_t slot = omp_get_thread_num();
         float *y = blocks_out + slot * M * COLS;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, gemm_share_blocks(G, blocks))
         for (int64_t nb = 0; nb < blocks; nb++) {
             const int64_t at = nb * G * COLS;
             for (int64_t m = 0, mr; m < M; m += mr) {
@@ -285,7 +286,8 @@ static int int8_any(const float *x, int64_t M, int64_t K, const int8_t *codes, c
     const int64_t G = K / GROUP, blocks = N / COLS;
     const Int16Rows rows = quantize_rows(x, M, K);
     if (!rows.xq) return 1;
-#pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
+    const int64_t share = gemm_share_blocks(G, blocks);
+#pragma omp parallel for schedule(dynamic, share)
     for (int64_t nb = 0; nb < blocks; nb++) {
         for (int64_t m = 0, mr; m < M; m += mr) {
             mr = gemm_tile_rows(M - m, TILE_ROWS);
