@@ -67,6 +67,14 @@ start() {
     echo "$1 did not start" >&2; return 1
 }
 
+tree_pids() {  # each pid given and every descendant of it
+    local pid
+    for pid in "$@"; do
+        echo "$pid"
+        tree_pids $(pgrep -P "$pid" || true)
+    done
+}
+
 bench() {  # server cell args...
     local name=$1 cell=$2; shift 2
     .venv/bin/tokenloom bench serve --base-url "http://127.0.0.1:$PORT" --no-progress --no-align-prompts \
@@ -79,9 +87,9 @@ for server in $PEERS; do
     bench "$server" warmup --dataset random --num-prompts 2 --output-len 8 >/dev/null
     bench "$server" c1 --dataset random --num-prompts 8 --max-concurrency 1 --output-len 128
     bench "$server" mixed --dataset mixed --num-prompts 64 --max-concurrency 32
-    # Peak RSS of the server's process tree (vLLM's engine runs in a child).
+    # Peak RSS of the server's whole process tree (vLLM's engine core runs below its API server's children).
     rss=0
-    for pid in $PID $(pgrep -P "$PID" || true); do
+    for pid in $(tree_pids "$PID"); do
         kb=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status" 2>/dev/null || echo 0)
         rss=$((rss + ${kb:-0}))
     done
