@@ -6,9 +6,9 @@
   - the C kernel csrc/quant_gemm.c (AVX512-BF16): float32 in and out, the activations rounded to
     bfloat16 for `vdpbf16ps` against the codes as the exact bfloat16 numbers 128 + q, Q4_1's own
     float16 d and m;
-  - the C kernel csrc/quant_gemm_avx2.c (AVX2 + FMA): the activations rounded to int16 per group of
-    32 (15 bits of the group's largest), integer dot products against the exact codes by vpmaddwd,
-    y += d * scale * sum(q_x q) + m * sum(x) per group;
+  - the C kernel csrc/quant_gemm_avx2.c (AVX2 + FMA): the activations rounded to int8 per group of
+    32 (llama.cpp's Q8_0; an input over 6x its group's mean magnitude kept in float32 instead), integer
+    dot products against the exact codes by vpmaddubsw, y = W times the rounded x per group;
   - torch's `aten._weight_int4pack_mm_for_cpu` with bfloat16 activations (vectorised on x86 only for
     bfloat16): scale = d, zero = m + 8*d (the op computes (q - 8) * scale + zero); bit-exact against
     the dequantized weights with float32 scales (tests/test_fast_paths.py).
@@ -19,7 +19,8 @@
   chunks through oneDNN. With today's kernels it made a 512-token prompt only 5-6% faster, for a
   bfloat16 copy of every weight (1.5x a Q4 file's size). A row's kernel depends on its own
   sequence's chunk length (runner.SHORT_CHUNK), never on the rest of the batch. (Int8 activations
-  through VNNI doubled that again but cost 6 points of top-1 agreement: not used.)
+  through VNNI doubled that again but cost 6 points of top-1 agreement: not used. The AVX2 kernel's
+  int8 groups of 32 keep outliers in float32 and cost under 1 point: tests/test_fast_paths.py.)
 - the LM head (`RescoredHead`): int4 logits over the vocabulary (int8 without the C kernels), then the
   best candidates of each row recomputed exactly in float32: the argmax is the float32 head's, the
   rest within the scan's error. A greedy row's argmax alone comes from a scan that keeps each row's
@@ -179,15 +180,13 @@ def _nibble_words(q: torch.Tensor) -> torch.Tensor:
 
 
 def _fifth_bits(q: torch.Tensor) -> torch.Tensor | None:
-    """[..., lanes, 4] codes -> [..., 4, lanes] bit masks (bit l: lane l's code has its fifth bit), int32
-    for 32 lanes, int16 for 16 (the same bits, signed); None when every code fits 4 bits."""
+    """[..., 32 lanes, 4] codes -> [..., 4, 32] int32 bit masks (bit l: lane l's code has its fifth bit);
+    None when every code fits 4 bits."""
     bits = (q >> 4) & 1
     if not bits.any():
         return None
-    lanes = q.shape[-2]
-    word = (bits.transpose(-1, -2).long() << torch.arange(lanes)).sum(-1)
-    word = word - ((word >> (lanes - 1)) << lanes)  # two's complement of the lanes-bit word
-    return word.to(torch.int32 if lanes == 32 else torch.int16).contiguous()
+    word = (bits.transpose(-1, -2).long() << torch.arange(32)).sum(-1)
+    return (word - ((word >> 31) << 32)).to(torch.int32).contiguous()  # two's complement of the 32-bit word
 
 
 def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -203,21 +202,22 @@ def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | No
 
 
 def pack_avx2_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Blocks [N, K/32, 34] -> csrc/quant_gemm_avx2.c's layout: codes [N/16, K/32, 8, 16] int16 of four
-    nibbles, nibble t of lane 2c + p in slot jj the code of column 8(t % 2) + c, input 4jj + 2(t // 2) + p
-    of the group (shifts and masks give vpmaddwd's operands); the fifth bits (None for 4-bit codes)
-    [N/16, K/32, 4, 16] uint8, a byte per lane and pair of slots, bit 4(jj % 2) + t the fifth bit of
-    nibble t of slot jj (widened to the lane's 16 bits, a shift and a mask put each at bit 4); scales and
+    """Blocks [N, K/32, 34] -> csrc/quant_gemm_avx2.c's layout: codes [N/16, K/32, 8, 32] uint8, byte 4c + p
+    of slot jj holding the code of column c, input 4jj + p of the group in its low nibble and column
+    8 + c's in its high (a mask, or a shift and a mask, gives vpmaddubsw's operand for 8 columns); the
+    fifth bits (None for 4-bit codes) [N/16, K/32, 2, 32] uint8, bit b of byte i of plane h the fifth bit
+    of byte i of code vector 8h + b (vector 2jj the low nibbles of slot jj, 2jj + 1 the high); scales and
     offsets as pack_c_layout's."""
     n, kb, _ = blocks.shape
-    q = blocks[..., 2:].to(torch.int32).reshape(n // 16, 2, 8, kb, GROUP // 4, 2, 2)  # nb, t%2, c, g, jj, t//2, p
-    q = q.permute(0, 3, 4, 2, 6, 5, 1).reshape(n // 16, kb, GROUP // 4, 16, 4)  # nb, g, jj, lane, t
+    q = blocks[..., 2:].to(torch.int32).reshape(n // 16, 2, 8, kb, GROUP // 4, 4)  # nb, half, c, g, jj, p
+    q = q.permute(0, 3, 4, 2, 5, 1)  # nb, g, jj, c, p, half
+    codes = ((q[..., 0] & 0xF) | ((q[..., 1] & 0xF) << 4)).reshape(n // 16, kb, GROUP // 4, 32).to(torch.uint8)
     bits = (q >> 4) & 1
     fifth = None
     if bits.any():
-        bits = bits.reshape(n // 16, kb, GROUP // 8, 2, 16, 4).permute(0, 1, 2, 4, 3, 5)  # nb, g, jj // 2, lane, jj % 2, t
-        fifth = (bits.reshape(*bits.shape[:4], 8) << torch.arange(8)).sum(-1).to(torch.uint8).contiguous()
-    return _nibble_words(q & 0xF), fifth, *_scales_and_offsets(blocks, fifth is not None)
+        bits = bits.reshape(n // 16, kb, 2, 4, 8, 4, 2).permute(0, 1, 2, 4, 5, 3, 6)  # nb, g, h, c, p, jj % 4, half
+        fifth = (bits.reshape(n // 16, kb, 2, 32, 8) << torch.arange(8)).sum(-1).to(torch.uint8).contiguous()
+    return codes.contiguous(), fifth, *_scales_and_offsets(blocks, fifth is not None)
 
 
 def pack_int8_c_layout(q: torch.Tensor) -> torch.Tensor:
@@ -332,14 +332,12 @@ def fifth_bytes(q, N, G):  # its fifth bits: uint32 per (block, group, jq, t), b
     return bytearray(b"".join(w.to_bytes(4, "little") for w in words))
 """
 _CODE_BYTES_AVX2 = r"""
-def code_bytes(q, N, G):  # pack_avx2_layout (the low nibbles)
-    words = (sum((q[nb * 16 + 8 * (t % 2) + c][g * 32 + 4 * jj + 2 * (t // 2) + p] & 15) << 4 * t for t in range(4))
-             for nb in range(N // 16) for g in range(G) for jj in range(8) for c in range(8) for p in range(2))
-    return bytearray(b"".join(w.to_bytes(2, "little") for w in words))
-def fifth_bytes(q, N, G):  # its fifth bits: a byte per (block, group, pair of slots, lane 2c + p), bit 4 (jj % 2) + t
-    return bytearray(sum((q[nb * 16 + 8 * (t % 2) + c][g * 32 + 4 * (2 * jp + o) + 2 * (t // 2) + p] >> 4) << (4 * o + t)
-                         for o in range(2) for t in range(4))
-                     for nb in range(N // 16) for g in range(G) for jp in range(4) for c in range(8) for p in range(2))
+def code_bytes(q, N, G):  # pack_avx2_layout: byte 4c + p of slot jj, columns c (low nibble) and 8 + c
+    return bytearray((q[nb * 16 + c][g * 32 + 4 * jj + p] & 15) | (q[nb * 16 + 8 + c][g * 32 + 4 * jj + p] & 15) << 4
+                     for nb in range(N // 16) for g in range(G) for jj in range(8) for c in range(8) for p in range(4))
+def fifth_bytes(q, N, G):  # its fifth bits: plane h, byte 4c + p, bit b that of code vector 8h + b (slot b // 2, half b % 2)
+    return bytearray(sum((q[nb * 16 + 8 * (b % 2) + c][g * 32 + 4 * (4 * h + b // 2) + p] >> 4) << b for b in range(8))
+                     for nb in range(N // 16) for g in range(G) for h in range(2) for c in range(8) for p in range(4))
 """
 
 
@@ -354,7 +352,11 @@ M, K, N = 5, 64, 48
 G = K // 32
 bf16 = lambda v: struct.unpack("<f", struct.pack("<I", (struct.unpack("<I", struct.pack("<f", v))[0] + 0x8000) & 0xFFFF0000))[0]
 half = lambda v: struct.unpack("<e", struct.pack("<e", v))[0]
-x = [rng.choice([0.5, -1.25, 2.0, 0.75, -0.125]) for _ in range(M * K)]  # exact in bfloat16 and in int16 groups
+x = [rng.randrange(-127, 128) / 64 for _ in range(M * K)]
+for i in range(0, M * K, 32):  # each group's largest 127/64: the values exact in bfloat16 and in int16 or int8 groups
+    x[i] = rng.choice([-127, 127]) / 64
+for r in range(M):  # an outlier in group 1 (over 6x its mean magnitude), which the int8 groups leave out
+    x[r * K + 39] = rng.choice([-64.0, 64.0])
 q = [[rng.randrange(16) for _ in range(K)] for _ in range(N)]
 d = [[half(rng.uniform(0.01, 0.1)) for _ in range(G)] for _ in range(N)]
 m = [[half(rng.uniform(-0.5, 0)) for _ in range(G)] for _ in range(N)]
@@ -454,8 +456,8 @@ def quant_gemm_avx512() -> QuantGemm | None:
 
 @functools.cache
 def quant_gemm_avx2() -> QuantGemm | None:
-    """The AVX2 + FMA int4 and int8 kernels (csrc/quant_gemm_avx2.c: activations rounded to int16 per group
-    of 32) where they build and pass their check."""
+    """The AVX2 + FMA int4 and int8 kernels (csrc/quant_gemm_avx2.c: activations rounded to int8 per group
+    of 32 for int4 / int5 codes, to int16 for int8) where they build and pass their check."""
     lib = kernels.load(SPEC_AVX2)
     return QuantGemm(lib, "c-avx2", pack_avx2_layout) if lib is not None else None
 
