@@ -227,6 +227,9 @@ INLINE void tile(const QuantRows *rows, int64_t row0, int64_t K, int64_t G, cons
         for (int line = 0; line < GROUP / 2 * COLS; line += 64)  /* PREFETCH_GROUPS on (past the block: the share's next) */
             __builtin_prefetch(cg + PREFETCH_GROUPS * GROUP / 2 * COLS + line);
         for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        /* unrolled, the fifth bits' shifts are constants: Qwen2.5-0.5B's gate/up int5 2.63 -> 2.15 ms at 32
+         * rows, 230 -> 177 us at 1 (GCC 12 left the loop rolled; the int8 tiles' loop unrolled is slower) */
+#pragma GCC unroll 8
         for (int jj = 0; jj < GROUP / 4; jj++) {
             __m256i w0, w1;
             slot_codes(cg, planes, jj, &w0, &w1);
