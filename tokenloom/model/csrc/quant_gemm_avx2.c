@@ -36,6 +36,13 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* The largest of the 8 lanes. */
+INLINE float hmax8(__m256 v) {
+    __m128 b = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
+}
+
 /* An input of a group whose magnitude is more than OUTLIER_RATIO times the group's mean magnitude is an
  * outlier: it is taken out of the group's int8 rounding and meets its weights in float32. int8 steps of
  * the group's largest / 127 would otherwise leave the other inputs a few bits: RMS-normed inputs have a
@@ -88,10 +95,7 @@ INLINE void quantize_group8(const float *x, int8_t *q, float *scale, float *sum,
         v[i] = _mm256_andnot_ps(out, v[i]);
         a[i] = _mm256_andnot_ps(out, a[i]);
     }
-    const __m256 big = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
-    __m128 b = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
-    b = _mm_max_ps(b, _mm_movehl_ps(b, b));
-    const float largest = _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
+    const float largest = hmax8(_mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3])));
     if (largest < 1e-30f) {  /* (nearly) all zeros: nothing to multiply */
         *scale = 0.0f;
         *sum = outlier_sum;
@@ -119,15 +123,9 @@ INLINE void quantize_group16(const float *x, int16_t *q, float *scale) {
     const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
     const __m256 x2 = _mm256_loadu_ps(x + 16), x3 = _mm256_loadu_ps(x + 24);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 big = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x0, magnitude), _mm256_and_ps(x1, magnitude)),
-                               _mm256_max_ps(_mm256_and_ps(x2, magnitude), _mm256_and_ps(x3, magnitude)));
-    __m256 total = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
-    __m128 b = _mm_max_ps(_mm256_castps256_ps128(big), _mm256_extractf128_ps(big, 1));
-    b = _mm_max_ps(b, _mm_movehl_ps(b, b));
-    const float largest = _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    const float any = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    const float largest = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(x0, magnitude), _mm256_and_ps(x1, magnitude)),
+                                              _mm256_max_ps(_mm256_and_ps(x2, magnitude), _mm256_and_ps(x3, magnitude))));
+    const float any = hsum8(_mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3)));  /* keeps NaNs, infinities */
     float inverse = 0.0f;
     if (!(fabsf(any) <= FLT_MAX && largest <= FLT_MAX)) {
         *scale = NAN;
