@@ -179,16 +179,20 @@ def int16_groups(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0"])
 def test_avx2_int8_groups_keep_their_outliers_in_float32(qtype):
     """An input far above its group's others meets its weights in float32; rounded with them to int8 it
-    would leave them a few bits (the error here ~30x larger)."""
+    would leave them a few bits (the error here ~30x larger). The rows of a tile walk their outlier lists
+    together: shared, own and no outliers, across a tile's end (4 rows), each row as it comes alone."""
     n, k = 48, 64
     data = random_q4_1_bytes(n, k, seed=4) if qtype == "Q4_1" else q5_0_bytes(n, k, seed=4)
     blocks = linear.LOW_BIT_BLOCKS[qtype](data, (n, k))
     layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=linear.quant_gemm_avx2())
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
-    x[:, 9] = torch.tensor([80.0, -55.0, 120.0])
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(0))
+    x[:5, 9] = torch.tensor([80.0, -55.0, 120.0, 60.0, -70.0])
+    x[1, 40], x[2, 3], x[4, 63] = 90.0, -75.0, 65.0
     w = linear.dequantize_blocks(blocks).double()
     out = layer(x).double()
     torch.testing.assert_close(out, int8_groups(x) @ w.t(), rtol=1e-5, atol=1e-4)
+    for r in range(len(x)):
+        assert torch.equal(out[r], layer(x[r:r + 1])[0].double()), r
     all_rounded = int8_groups(x, outlier_ratio=float("inf"))
     exact = x.double() @ w.t()
     assert (all_rounded @ w.t() - exact).abs().mean() > 10 * (out - exact).abs().mean()

@@ -186,20 +186,38 @@ INLINE void input_codes(const uint8_t *cg, const uint8_t *planes, int k, __m256 
     *c1 = _mm256_cvtepi32_ps(hi);
 }
 
-/* A row's outliers times their weights in column block nb, d * x * code, into its 16 outputs y (their
- * offsets are in their groups' sums). After the tile: inlined in it they cost its loop registers. */
-static void add_outliers(const QuantRows *rows, int64_t row, int64_t G, const uint8_t *codes, const uint8_t *hi,
-                         const uint16_t *scale, int64_t nb, float *y) {
-    const int32_t *at = rows->outlier_at + row * G * MAX_OUTLIERS;
-    const float *value = rows->outlier_x + row * G * MAX_OUTLIERS;
-    for (int32_t j = 0; j < rows->outliers[row]; j++) {
-        const int64_t g = at[j] / GROUP, group = nb * G + g;
-        __m256 c[2];
-        input_codes(codes + group * (GROUP / 2) * COLS, hi ? hi + group * 64 : NULL, at[j] % GROUP, &c[0], &c[1]);
-        const __m256 xv = _mm256_set1_ps(value[j]);
-        for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + group * COLS + 8 * h)));
-            _mm256_storeu_ps(y + 8 * h, _mm256_fmadd_ps(c[h], _mm256_mul_ps(d, xv), _mm256_loadu_ps(y + 8 * h)));
+/* The tile's rows' outliers times their weights in column block nb, d * x * code, into their 16 outputs
+ * each (their offsets are in their groups' sums). RMS-normed rows share their outlier channels, so the
+ * rows' lists (each ascending) are walked together: an input's codes are unpacked once for every row
+ * that has it (SmolLM2's 880-token prefill: 9.5% of its time in here when each row unpacked its own).
+ * Each row still adds its outliers in its own order, the same operations as alone. After the tile:
+ * inlined in it they cost its loop registers. */
+static void add_outliers(const QuantRows *rows, int64_t row0, int MR, int64_t G, const uint8_t *codes,
+                         const uint8_t *hi, const uint16_t *scale, int64_t nb, float *y, int64_t N) {
+    const int32_t *at[TILE_ROWS], *end[TILE_ROWS];
+    const float *value[TILE_ROWS];
+    for (int r = 0; r < MR; r++) {
+        at[r] = rows->outlier_at + (row0 + r) * G * MAX_OUTLIERS;
+        end[r] = at[r] + rows->outliers[row0 + r];
+        value[r] = rows->outlier_x + (row0 + r) * G * MAX_OUTLIERS;
+    }
+    for (;;) {
+        int32_t k = INT32_MAX;  /* the next input any row has as an outlier */
+        for (int r = 0; r < MR; r++)
+            if (at[r] < end[r] && *at[r] < k) k = *at[r];
+        if (k == INT32_MAX) return;
+        const int64_t group = nb * G + k / GROUP;
+        __m256 c[2], d[2];
+        input_codes(codes + group * (GROUP / 2) * COLS, hi ? hi + group * 64 : NULL, k % GROUP, &c[0], &c[1]);
+        for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + group * COLS + 8 * h)));
+        for (int r = 0; r < MR; r++) {
+            if (at[r] == end[r] || *at[r] != k) continue;
+            const __m256 xv = _mm256_set1_ps(*value[r]);
+            float *o = y + r * N;
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(c[h], _mm256_mul_ps(d[h], xv), _mm256_loadu_ps(o + 8 * h)));
+            at[r]++;
+            value[r]++;
         }
     }
 }
@@ -260,7 +278,7 @@ INLINE void tile(const QuantRows *rows, int64_t row0, int64_t K, int64_t G, cons
             }
         }
     }
-    for (int r = 0; r < MR; r++) add_outliers(rows, row0 + r, G, codes, hi, scale, nb, y + r * N + nb * COLS);
+    add_outliers(rows, row0, MR, G, codes, hi, scale, nb, y + nb * COLS, N);
 }
 
 /* The activations [M, K] as int8 groups with their outliers (quantize_group8), the rows split between
