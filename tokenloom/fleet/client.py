@@ -5,7 +5,8 @@ stream of cumulative outputs, `abort`, `health_problem`, `config`, `tokenizer`, 
 is that object for a fleet: `add` makes a streaming call to the engine deployment (Ray Serve's router,
 ray_router.py, picks the replica), waits for the replica's word that it took the request (so a refusal
 is an HTTP error before any byte is sent, as in one process), and returns a `RemoteStream` that rebuilds
-cumulative outputs from the replica's deltas (wire.py).
+cumulative outputs from the replica's deltas (wire.py). The outputs of all its requests at a replica
+come on one call, the front's mailbox there (outbox.py): one Ray item per engine step, not per request.
 
 A replica that dies before the request's first token is tried once more on another replica; after
 a token was sent, the request ends with an `EngineDeadError` (a 503 body, or an SSE error event):
@@ -29,11 +30,16 @@ from ..engine.async_llm import EngineDeadError, EngineStoppingError, QueueFullEr
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from . import board
-from .wire import ACCEPTED, OutputDelta, Refusal, apply_delta
+from .wire import ENDED, GONE, Accepted, OutputDelta, Refusal, apply_delta
 
 logger = logging.getLogger("tokenloom.fleet")
 
-REPLICA_LOST = (RayActorError, ActorUnavailableError)
+
+class ReplicaGone(Exception):
+    """A replica's mailbox call reached another replica (wire.GONE): the one it named is gone."""
+
+
+REPLICA_LOST = (RayActorError, ActorUnavailableError, ReplicaGone)
 MAX_SENDS = 2  # a request lost with its replica before any token goes to one more
 
 
@@ -48,12 +54,18 @@ class ModelFacts:
 
 
 class RemoteStream:
-    """One request's outputs from its replica, cumulative, like AsyncLLM's RequestStream."""
+    """One request's outputs from its replica, cumulative, like AsyncLLM's RequestStream. They come on
+    the front's mailbox call to that replica (FleetClient._read_mailbox); the request's own call says only
+    that the replica took it, and raises if the request fails there or the replica is lost."""
 
     def __init__(self, client: FleetClient, request_id: str, payload: dict):
         self.client, self.request_id, self.payload = client, request_id, payload
         self.finished = False
+        self.replica: str | None = None
+        self.received = False  # an output came: the request is never sent again
+        self._items: asyncio.Queue = asyncio.Queue()  # outputs, ENDED, or a _Lost
         self._call = None
+        self._watcher: asyncio.Task | None = None
         self._sends = 0
 
     def _send(self):
@@ -92,23 +104,49 @@ class RemoteStream:
         if isinstance(first, Refusal):
             self.finished = True
             raise first.exception()
-        if first != ACCEPTED:
-            raise RuntimeError(f"a replica answered {first!r} instead of accepting or refusing")
+        if not isinstance(first, Accepted):
+            raise TypeError(f"a replica answered {first!r} instead of accepting or refusing")
+        self.replica = first.replica
+        self.client.open_mailbox(first.replica)
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(self._call, self._sends))
+
+    async def _watch(self, call, send: int) -> None:
+        """The rest of the request's own call: nothing, unless it fails."""
+        try:
+            async for item in call:
+                raise TypeError(f"a replica sent {type(item).__name__} on a request's own call")
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the replica lost, or the request's error there
+            self.lost(exc, send)
+
+    def receive(self, item) -> None:
+        self.received = True
+        self._items.put_nowait(item)
+
+    def lost(self, error: BaseException, send: int | None = None) -> None:
+        """Its call failed, or the mailbox call its outputs came on (`send`: the attempt it concerns)."""
+        self._items.put_nowait(_Lost(error, self._sends if send is None else send))
 
     async def __aiter__(self):
         out: RequestOutput | None = None
         while not self.finished:
-            try:
-                item = await self._call.__anext__()
-            except StopAsyncIteration:  # finished, or aborted by the replica (it is shutting down)
-                self.finished = True
-                return
-            except REPLICA_LOST as exc:
-                if out is not None:
+            item = await self._items.get()
+            if isinstance(item, _Lost):
+                if item.send != self._sends:  # news of an earlier attempt's replica
+                    continue
+                if not isinstance(item.error, REPLICA_LOST):
+                    self.finished = True
+                    raise item.error
+                if self.received:
                     self._sends = MAX_SENDS  # tokens were sent: never again
-                self._resend_or_raise(exc)
+                self._resend_or_raise(item.error)
+                self.replica = None  # what its mailbox says from now on is not about this request
                 await self.open()
                 continue
+            if item == ENDED:  # aborted by the replica (it is shutting down)
+                self.finished = True
+                return
             if isinstance(item, OutputDelta):
                 out = apply_delta(out, item)
             elif isinstance(item, RequestOutput):
@@ -123,6 +161,16 @@ class RemoteStream:
         if self._call is not None and not self.finished:
             self.finished = True
             self._call.cancel()  # Ray cancels the replica's generator, which aborts the request
+        if self._watcher is not None:
+            self._watcher.cancel()
+
+
+@dataclass
+class _Lost:
+    """A request's call, or the mailbox call of its replica, failed (on its attempt `send`)."""
+
+    error: BaseException
+    send: int
 
 
 class FleetClient:
@@ -146,6 +194,7 @@ class FleetClient:
         self.engine = _IngressModel(tokenizer, facts.vocab_size)
         self._board_reader: asyncio.Task | None = None
         self._streams: dict[str, RemoteStream] = {}
+        self._mailboxes: dict[str, asyncio.Task] = {}  # replica id -> the reader of its mailbox call
         self._stopping = False
 
     # The app's lifespan calls these; the replicas' own lifecycles are Ray Serve's.
@@ -168,6 +217,8 @@ class FleetClient:
             await asyncio.sleep(0.05)
         for stream in list(self._streams.values()):
             stream.cancel()
+        for mailbox in list(self._mailboxes.values()):
+            mailbox.cancel()
 
     def health_problem(self) -> str | None:
         """None while at least one replica reports itself healthy (or none has reported yet)."""
@@ -200,6 +251,35 @@ class FleetClient:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.cancel()
+
+    def open_mailbox(self, replica: str) -> None:
+        """The call on which `replica` sends this front's outputs (outbox.py), once per replica."""
+        if replica not in self._mailboxes:
+            self._mailboxes[replica] = asyncio.get_running_loop().create_task(self._read_mailbox(replica))
+
+    async def _read_mailbox(self, replica: str) -> None:
+        call = self.handle.mailbox.remote(self.front, replica)
+        error: BaseException | None = None
+        try:
+            async for batch in call:
+                if batch == GONE:
+                    raise ReplicaGone(f"replica {replica} is gone")
+                for request_id, item in batch:
+                    if (stream := self._streams.get(request_id)) is not None:  # else gone already: dropped
+                        stream.receive(item)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the replica lost, or the call reached another
+            error = exc
+        finally:
+            del self._mailboxes[replica]
+        waiting = [s for s in self._streams.values() if s.replica == replica and not s.finished]
+        if error is not None:
+            for stream in waiting:
+                stream.lost(error)
+        elif waiting:  # it ended idle, as a request there was being accepted: call again
+            self.open_mailbox(replica)
 
 
 class _Tracked:

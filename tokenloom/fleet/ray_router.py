@@ -51,6 +51,10 @@ class FleetRequestRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         self._merge_cache_reports(candidate_replicas)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if pending_request is not None and pending_request.metadata.call_method == "mailbox":
+            # A front's mailbox call goes to the replica it names (its second argument). If that one is
+            # gone, any other: it refuses the call (replica.py), which is how the front learns it.
+            return [[by_id.get(pending_request.args[1], candidate_replicas[0])]]
         ranking = self.policy.rank(_prompt_ids(pending_request), [replica_load(r) for r in candidate_replicas])
         return [[by_id[rid]] for rid in ranking]
 

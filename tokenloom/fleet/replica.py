@@ -1,14 +1,17 @@
 """One engine replica of a fleet: the engine `tokenloom serve` runs, as a Ray Serve deployment replica.
 
 The class is plain Python; app.py makes it a deployment. The front calls:
-- `generate` (streaming): `ACCEPTED` or a `Refusal` first, then the request's first output whole and
-  `OutputDelta`s after it (wire.py), at most one per `--stream-batching-interval-ms` but the last: Ray
-  costs CPU per streamed item, so what the engine makes within the interval goes as one delta
-  (stream_batching.py). If the caller goes away, Ray cancels the generator and the request
-  is aborted at once (its KV blocks freed). If the caller's process dies, Ray does not: every second the
-  replica aborts the requests of a front (an ingress replica) that no longer exists. With disaggregated
-  prefill it first imports the prompt's K/V that a prefill replica's `prefill` computed (into the prefix
-  cache: the request starts from a cache hit).
+- `generate` (streaming): `Accepted` (naming this replica) or a `Refusal`, and nothing more: the call
+  stays open while the request runs and raises its error. Its outputs, the first whole and
+  `OutputDelta`s after it (wire.py), at most one per `--stream-batching-interval-ms` but the last (Ray
+  costs CPU per streamed item: what the engine makes within the interval goes as one delta,
+  stream_batching.py), go into its front's outbox. If the caller goes away, Ray cancels the generator
+  and the request is aborted at once (its KV blocks freed). If the caller's process dies, Ray does not:
+  every second the replica aborts the requests of a front (an ingress replica) that no longer exists.
+  With disaggregated prefill it first imports the prompt's K/V that a prefill replica's `prefill`
+  computed (into the prefix cache: the request starts from a cache hit).
+- `mailbox` (streaming), once per front: the outbox's batches, what all of that front's requests here
+  made in one turn of the loop as one item (outbox.py), rather than an item per request.
 - `prefill` (on a prefill replica): the prompt's K/V, whole blocks.
 Ray Serve calls `check_health`, which raises while the engine is dead or stalled, so Ray takes the
 replica out of rotation and starts a new one (a fatal engine error exits the process, AsyncLLM's
@@ -31,13 +34,15 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..sim.step_log import replica_path
 from .board import REPORT_PERIOD_S
+from .outbox import Outbox
 from .prefix_summary import PrefixSummary
 from .stream_batching import batched_items
-from .wire import ACCEPTED, REFUSALS, Refusal
+from .wire import ENDED, GONE, REFUSALS, Accepted, Refusal
 
 logger = logging.getLogger("tokenloom.fleet")
 REFUSED = tuple(REFUSALS.values())
 STATS_TIMEOUT_S = 5.0
+MAILBOX_IDLE_S = 2.0  # a stopping replica waits for its calls to end: a front's idle mailbox ends after this
 
 
 class EngineReplica:
@@ -58,6 +63,8 @@ class EngineReplica:
         self.board = board
         self.stream_interval_s = args.stream_batching_interval_ms / 1000.0
         self._by_front: dict[str, set[str]] = {}  # a front's actor name -> its requests running here
+        self._outboxes: dict[str | None, Outbox] = {}  # per front (None: the driver), its requests' outputs
+        self.replica_id = _replica_id()
         self.prefixes = PrefixSummary(config.block_size) if report_cached_prefixes else None
         self._reporter: asyncio.Task | None = None
 
@@ -69,12 +76,9 @@ class EngineReplica:
             self._reporter = asyncio.get_running_loop().create_task(self._report_forever())
 
     async def _report_forever(self) -> None:
-        from ray import serve
-
-        replica_id = serve.get_replica_context().replica_id.unique_id
         while True:
             try:
-                await self.board.post.remote(replica_id, await self.report())
+                await self.board.post.remote(self.replica_id, await self.report())
             except Exception as exc:  # noqa: BLE001 - the board restarting must not stop the replica
                 logger.warning("could not post to the fleet board: %r", exc)
             await self._abort_orphans()
@@ -96,6 +100,7 @@ class EngineReplica:
                 logger.warning("front %s is gone: aborting its %d request(s)", front, len(request_ids))
                 for rid in list(request_ids):
                     self.async_llm.abort(rid)
+                self._outboxes.pop(front, None)
 
     async def describe(self) -> dict:
         """What the ingress needs to know about the model it fronts."""
@@ -137,24 +142,56 @@ class EngineReplica:
         except REFUSED as exc:  # travels back as data, raised again as itself at the ingress
             yield Refusal.of(exc)
             return
-        yield ACCEPTED
         front = request.get("front")
         if front is not None:
             self._by_front.setdefault(front, set()).add(rid)
+        outbox = self._outbox(front)
+        outbox.requests += 1  # its mailbox call stays open from now on
         try:
-            # aclosing: a cancelled or closed generate closes the batching generator with it, at once.
-            async with aclosing(batched_items(stream, self.stream_interval_s)) as items:
-                async for item in items:
-                    if isinstance(item, RequestOutput):  # the first output: the prompt's K/V is computed
-                        self._computed(request["prompt_token_ids"], request["params"].cache_salt)
-                    yield item
+            yield Accepted(self.replica_id)
+            async for item in self._items(request, stream):
+                outbox.put(rid, item)
         finally:
+            outbox.requests -= 1
             if not stream.finished:  # the ingress went away (client gone) or was cancelled
                 self.async_llm.abort(rid)
             if front is not None:
                 self._by_front[front].discard(rid)
                 if not self._by_front[front]:
                     del self._by_front[front]
+
+    async def mailbox(self, front: str | None, replica_id: str):
+        """The front's one call here for its requests' outputs (outbox.py), batches of (request id, item),
+        for as long as the front lives. Routed to `replica_id` by ray_router.py; a call that reaches
+        another replica (that one is gone) gets `GONE` alone. A newer mailbox call of the front takes over;
+        it ends once the front has had nothing here for MAILBOX_IDLE_S (the front calls again when it
+        has)."""
+        if replica_id != self.replica_id:
+            yield GONE
+            return
+        outbox = self._outbox(front)
+        async for batch in outbox.batches(MAILBOX_IDLE_S):
+            yield batch
+        if outbox.idle and self._outboxes.get(front) is outbox:
+            del self._outboxes[front]
+
+    def _outbox(self, front: str | None) -> Outbox:
+        if front not in self._outboxes:
+            self._outboxes[front] = Outbox()
+        return self._outboxes[front]
+
+    async def _items(self, request: dict, stream):
+        """The request's wire items (stream_batching.py), `ENDED` after them if it ended unfinished
+        (aborted here: the replica is stopping)."""
+        finished = False
+        async with aclosing(batched_items(stream, self.stream_interval_s)) as items:
+            async for item in items:
+                if isinstance(item, RequestOutput):  # the first output: the prompt's K/V is computed
+                    self._computed(request["prompt_token_ids"], request["params"].cache_salt)
+                finished = item.finished
+                yield item
+        if not finished:
+            yield ENDED
 
     def _computed(self, prompt_ids: list[int], salt: str | None) -> None:
         if self.prefixes is not None:
@@ -191,6 +228,12 @@ class EngineReplica:
     async def __del__(self):
         # Serve calls an async __del__ when it stops the replica: finish the engine thread cleanly.
         await self.async_llm.shutdown(0.0)
+
+
+def _replica_id() -> str:
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.unique_id
 
 
 def _live_actor_names() -> set[str]:

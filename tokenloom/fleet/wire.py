@@ -6,6 +6,8 @@ is new (`OutputDelta`; one may carry several engine steps' tokens: a replica bat
 stream_batching.py); the ingress rebuilds the cumulative output with `apply_delta`, so the HTTP
 layer above cannot tell a replica from a local engine. Text and token lists only ever grow (a stop
 string's prefix is held back, never sent and retracted), which is what makes the suffixes enough.
+A request's own call carries only `Accepted` (or a `Refusal`) and how it ended; its outputs travel with
+those of its front's other requests at that replica, on the front's one call there (outbox.py).
 
 A request the replica refuses comes back as a `Refusal` naming the exception class, raised again on
 the ingress side as the same class, so the server maps it to the same HTTP status as in one process.
@@ -19,7 +21,16 @@ from dataclasses import dataclass
 from ..engine.async_llm import EngineDeadError, EngineStoppingError, QueueFullError
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 
-ACCEPTED = "accepted"  # the first item of every accepted request's stream
+ENDED = "ended"  # a request's last item when it ended unfinished (aborted at the replica)
+GONE = "gone"  # a mailbox call's answer from a replica it was not for: that one is gone
+
+
+@dataclass
+class Accepted:
+    """The first item of every accepted request's call: which replica took it (its outputs come on the
+    front's mailbox call to that replica)."""
+
+    replica: str
 
 
 @dataclass
