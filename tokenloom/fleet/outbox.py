@@ -49,10 +49,10 @@ class Outbox:
         return not self.requests and not self._items
 
     async def batches(self, idle_s: float) -> AsyncIterator[list[Item]]:
-        """Everything put, in order, a batch per turn of the loop that put some. Ends once the outbox
-        has been idle (no request, nothing put) for `idle_s` seconds, so that a replica being stopped
-        is not kept waiting for this call to end. One consumer: a newer one (the front's mailbox call
-        made again) ends the older."""
+        """Everything put, in order, a batch per turn of the loop that put some. Ends when nothing was
+        put for `idle_s` seconds and no request is running, so that a replica being stopped is not kept
+        waiting for this call to end. One consumer: a newer one (the front's mailbox call made again)
+        ends the older at its next wake-up."""
         self._consumer = me = object()
         while True:
             try:
