@@ -1,24 +1,26 @@
 """Schema-driven fuzzing of a live `tokenloom serve`: schemathesis generates requests for every
 route in /openapi.json, schema-conforming and schema-violating alike, and no answer may be a 5xx.
-Generation is capped (max_tokens, n) so the whole run takes minutes on a shared CPU.
+Generation is capped (max_tokens, n) so the whole run takes minutes on a shared CPU. The server
+runs the default fast path (`--quantization auto`), as users run it.
 
-The number of requests per operation is FUZZ_EXAMPLES (default sums to >= 10,000 across the
+The number of requests per operation is PER_BODY_OPERATION (default sums to >= 10,000 across the
 routes); set TOKENLOOM_FUZZ_EXAMPLES to scale it.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 import pytest
 import requests
 import schemathesis
 from conftest_server import ServerProcess, metric, scrape, wait_for
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, given, seed, settings
 from schemathesis import GenerationMode
 
 pytestmark = pytest.mark.slow
@@ -26,12 +28,13 @@ pytestmark = pytest.mark.slow
 BODY_ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 PER_BODY_OPERATION = int(os.environ.get("TOKENLOOM_FUZZ_EXAMPLES", "1300"))  # x2 modes x4 routes = 10,400
 PER_OTHER_OPERATION = 50
-CONCURRENCY = 16
+CONCURRENCY = 16  # requests in flight, over all generators
+GENERATORS = 2  # processes drawing cases: on 2 cores, one draws while the other waits for answers
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess(["--max-model-len", "512", "--max-num-seqs", "16"])
+    srv = ServerProcess(["--max-model-len", "512", "--max-num-seqs", "16", "--quantization", "auto"])
     yield srv
     srv.stop()
 
@@ -64,21 +67,42 @@ def test_openapi_documents_every_route_body(server):
 
 
 def test_fuzz_every_route_no_5xx(server):
-    """Hypothesis generates the cases one by one; they are sent from a pool of CONCURRENCY threads so
-    the engine batches them (a few minutes for 10,000 requests instead of an hour)."""
-    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    """Hypothesis draws the cases; GENERATORS processes share every route's examples (drawing is the
+    slow part, in one Python thread per process), each sending from a pool of threads so the engine
+    batches them."""
+    spec = requests.get(server.url + "/openapi.json", timeout=30).json()
+    with ProcessPoolExecutor(GENERATORS, mp_context=multiprocessing.get_context("spawn")) as pool:
+        shares = list(pool.map(fuzz_share, [server.url] * GENERATORS, [spec] * GENERATORS, range(GENERATORS)))
+    tried, statuses = sum((t for t, _, _ in shares), Counter()), sum((s for _, s, _ in shares), Counter())
+    failures = [f for _, _, fs in shares for f in fs]
+    total = sum(tried.values())
+    print(f"\nfuzz: {total} requests {dict(tried)} statuses {dict(statuses)}")
+    with open(os.environ.get("TOKENLOOM_FUZZ_REPORT", os.devnull), "w") as f:
+        f.write(f"{total} {dict(tried)} {dict(statuses)}\n")
+    assert not failures, "\n".join(failures[:10])
+    assert total >= min(10_000, 8 * PER_BODY_OPERATION)
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    r = requests.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
+    assert wait_for(lambda: metric(scrape(server.url), "tokenloom:num_requests_running") == 0, timeout=5)
+
+
+def fuzz_share(url: str, spec: dict, share: int) -> tuple[Counter, Counter, list[str]]:
+    """This process's share of every operation's examples (its own hypothesis seed), sent to `url`:
+    requests per route, statuses, and what failed."""
+    schema = schemathesis.openapi.from_dict(spec)
     tried: Counter = Counter()
     statuses: Counter = Counter()
     failures: list[str] = []
     local = threading.local()
-    slots = threading.Semaphore(CONCURRENCY)
+    slots = threading.Semaphore(CONCURRENCY // GENERATORS)
     lock = threading.Lock()
 
     def send(path: str, case) -> None:
         try:
             session = getattr(local, "session", None) or requests.Session()
             local.session = session
-            response = case.call(base_url=server.url, session=session, timeout=300)
+            response = case.call(base_url=url, session=session, timeout=300)
             bad = None
             if response.status_code >= 500 and not (response.status_code == 503 and path == "/health"):
                 bad = f"{case.method} {path} -> {response.status_code}: {response.text[:300]} body={str(case.body)[:300]!r}"
@@ -95,14 +119,16 @@ def test_fuzz_every_route_no_5xx(server):
         finally:
             slots.release()
 
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
+    with ThreadPoolExecutor(CONCURRENCY // GENERATORS) as pool:
         for result in schema.get_all_operations():
             op = result.ok()
             examples = PER_BODY_OPERATION if op.path in BODY_ROUTES else PER_OTHER_OPERATION
+            examples = examples // GENERATORS + (share < examples % GENERATORS)
             modes = (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if op.path in BODY_ROUTES else (GenerationMode.POSITIVE,)
             for mode in modes:
 
-                @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                @seed(share)
+                @settings(max_examples=examples, deadline=None, database=None,
                           phases=[Phase.generate], suppress_health_check=list(HealthCheck))
                 @given(case=op.as_strategy(generation_mode=mode))
                 def run(case):  # runs right below, inside this iteration: `op` is current
@@ -111,16 +137,7 @@ def test_fuzz_every_route_no_5xx(server):
                     pool.submit(send, op.path, case)  # noqa: B023
 
                 run()
-    total = sum(tried.values())
-    print(f"\nfuzz: {total} requests {dict(tried)} statuses {dict(statuses)}")
-    with open(os.environ.get("TOKENLOOM_FUZZ_REPORT", os.devnull), "w") as f:
-        f.write(f"{total} {dict(tried)} {dict(statuses)}\n")
-    assert not failures, "\n".join(failures[:10])
-    assert total >= min(10_000, 8 * PER_BODY_OPERATION)
-    assert requests.get(server.url + "/health", timeout=10).status_code == 200
-    r = requests.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
-    assert r.status_code == 200 and r.json()["choices"][0]["text"]
-    assert wait_for(lambda: metric(scrape(server.url), "tokenloom:num_requests_running") == 0, timeout=5)
+    return tried, statuses, failures
 
 
 # -- grammar-shaped fields: a hypothesis strategy that grows schemas, regexes and grammars deep and wide --
