@@ -1,7 +1,7 @@
 """A real fleet of 2 replicas on a local Ray cluster with the bundled model, deployed as `serve run
 tokenloom.fleet.serve_run:build` deploys it (Ray Serve's HTTP proxy in front of the FleetIngress
 deployment, which holds the router): driven by the openai SDK and httpx as one server would be
-(tests/test_server_api.py's checks, through the router), then prefix-aware routing against round-robin
+(tests/test_server_api.py's checks, through the router; clients that vanish), then prefix-aware routing against round-robin
 (a `tokenloom serve -dp 2` fleet), then the router's replica killed under load, then an engine replica
 killed under load, then one hung."""
 
@@ -113,6 +113,34 @@ def test_bad_requests_are_refused_not_bounced(fleet):
         assert bad.status_code == 400
         assert http.post("/v1/completions", json={"prompt": "x", "model": "nope"}).status_code == 404
         assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
+
+
+def test_clients_that_vanish_are_aborted_at_their_replicas(fleet):
+    """Streaming clients that drop mid-stream, and one that stops waiting for its answer: each request
+    stops on its replica as an abort (it would otherwise run its 1,000 tokens to the end)."""
+    aborted_before = _finished(fleet.url, "abort")
+
+    def drop_after_two_events(i: int) -> None:
+        body = {"prompt": f"Story number {i}:", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{fleet.url}/v1/completions", json=body, timeout=60) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 2:
+                    break  # leaving the block closes the connection mid-stream
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(drop_after_two_events, range(4)))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{fleet.url}/v1/completions", timeout=1.5,
+                   json={"prompt": "A long essay:", "max_tokens": 1000, "ignore_eos": True})
+
+    def all_aborted() -> bool:
+        running = replica_totals(fleet.url, "tokenloom:num_requests_running")[1]
+        return running == 0 and _finished(fleet.url, "abort") - aborted_before == 5
+
+    assert wait_for(all_aborted, timeout=30), (replica_totals(fleet.url, "tokenloom:num_requests_running"),
+                                               _finished(fleet.url, "abort") - aborted_before)
 
 
 SYSTEM_PROMPTS = [f"You are assistant number {s}. " + " ".join(f"rule {s}.{k}: be precise and brief." for k in range(12))

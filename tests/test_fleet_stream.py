@@ -404,6 +404,25 @@ def test_a_front_gets_every_requests_outputs_on_one_mailbox_call_and_a_cancel_to
     asyncio.run(asyncio.wait_for(main(), 10))
 
 
+def test_a_stream_whose_reader_goes_away_is_cancelled_at_its_replica():
+    """As the server's route does when its client vanishes: the output iterator closes first, then the
+    route aborts the request by id. The request's call must be cancelled either way."""
+    async def main():
+        replica = _replica(0.0)
+        client = _fleet_client(replica)
+        stream = await client.add("a", [7, 8, 9], SamplingParams())
+        outputs = aiter(stream)
+        replica.async_llm.streams["a"].queue.put_nowait(_outputs(4)[0])
+        await anext(outputs)
+        await outputs.aclose()  # the client went away mid-stream
+        client.abort("a")
+        call = client.handle.calls[0]
+        assert call[0] == "generate" and call[1].cancelled  # Ray then aborts it at the replica
+        assert not client._streams
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+
+
 def test_a_replica_lost_before_the_first_output_sends_the_request_to_another_after_it_an_error():
     async def main():
         lost, other = _replica(0.0), _replica(0.0)

@@ -16,6 +16,7 @@ never silently.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import time
@@ -255,7 +256,11 @@ class FleetClient:
     def open_mailbox(self, replica: str) -> None:
         """The call on which `replica` sends this front's outputs (outbox.py), once per replica."""
         if replica not in self._mailboxes:
-            self._mailboxes[replica] = asyncio.get_running_loop().create_task(self._read_mailbox(replica))
+            # In a context of its own: inside a Ray Serve ingress, the request being served would be its
+            # parent, and Ray cancels a request's child calls with it (the client that opened it vanishing
+            # would end every other stream's outputs there).
+            self._mailboxes[replica] = asyncio.get_running_loop().create_task(
+                self._read_mailbox(replica), context=contextvars.Context())
 
     async def _read_mailbox(self, replica: str) -> None:
         call = self.handle.mailbox.remote(self.front, replica)
@@ -301,7 +306,9 @@ class _Tracked:
             async for out in self._stream:
                 yield out
         finally:
-            self._done()
+            if not self._stream.finished:  # its reader went away (the client did): abort it at the replica
+                self._stream.cancel()
+            self._done()  # out of the table, so the route's abort by id that follows finds nothing
 
 
 class _IngressModel:
