@@ -29,7 +29,7 @@ BODY_ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detoken
 PER_BODY_OPERATION = int(os.environ.get("TOKENLOOM_FUZZ_EXAMPLES", "1300"))  # x2 modes x4 routes = 10,400
 PER_OTHER_OPERATION = 50
 CONCURRENCY = 16  # requests in flight, over all generators
-GENERATORS = 2  # processes drawing cases: on 2 cores, one draws while the other waits for answers
+GENERATORS = 2  # processes drawing cases: drawing is single-threaded Python, the slow part of the test
 
 
 @pytest.fixture(scope="module")
