@@ -153,3 +153,9 @@ def test_bad_history_arguments_are_a_400(sdk):
     with pytest.raises(openai.BadRequestError) as err:
         create(sdk, tools=[WEATHER], messages=bad)
     assert "messages[1].tool_calls[0].function.arguments" in str(err.value)
+
+
+def test_a_tool_without_its_function_is_a_400_naming_it(sdk):
+    with pytest.raises(openai.BadRequestError) as err:
+        create(sdk, tools=[{"type": "function"}], messages=ASK)
+    assert "tools[0].function" in str(err.value)

@@ -123,8 +123,10 @@ def tool_choice(req: ChatCompletionRequest, chat_template: str | None) -> ToolCh
         return None
     tools = {}
     for i, tool in enumerate(req.tools):
-        if tool.type != "function" or tool.function is None:
-            raise APIError(400, f"tools[{i}]: only function tools are supported", param="tools")
+        if tool.type != "function":
+            raise APIError(400, f"tools[{i}].type: only function tools are supported, got {tool.type!r}", param="tools")
+        if tool.function is None:
+            raise APIError(400, f"tools[{i}].function: a function tool needs its name and parameters", param="tools")
         params = tool.function.parameters or {"type": "object", "properties": {}}
         # Measured without recursion before anything walks it (`_hoist`, json.dumps): nested deeper than
         # the grammar limit it would otherwise be a RecursionError, a 500.
