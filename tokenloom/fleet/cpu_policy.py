@@ -11,10 +11,9 @@ the signal checks of the replica's own main thread, the board and the controller
 SCHED_BATCH (sched(7)) keeps a thread's fair share of the CPU, so nothing of Ray's is starved, but its
 wake-ups no longer preempt a running thread: they wait for the scheduler's next tick, where they run
 together. So the Ray processes a fleet starts run at SCHED_BATCH; new Ray workers inherit it, and an
-engine replica puts its process back at SCHED_OTHER. (Its main thread, whose signal checks are a
-third of those preemptions, stays there too: it also hands each call to the replica, and at SCHED_BATCH
-that waited for a tick, measured as a longer time to first token at one stream.) Both are normal
-policies at the same nice value, so no privilege is needed either way.
+engine replica puts its whole process back at SCHED_OTHER. (Its main thread's signal checks are among
+those preemptions, but that thread also hands each call to the replica, which should not wait for a
+tick.) Both are normal policies at the same nice value, so no privilege is needed either way.
 """
 
 from __future__ import annotations
@@ -45,18 +44,16 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def set_policy(pids: Iterable[int], policy: int, except_threads: Iterable[int] = ()) -> int:
+def set_policy(pids: Iterable[int], policy: int) -> int:
     """Every thread of these processes (threads they start later inherit their creator's policy).
     Returns how many threads were set; threads and processes gone meanwhile are skipped."""
-    skip, count = set(except_threads), 0
+    count = 0
     for pid in pids:
         try:
             threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         except OSError:
             continue
         for tid in threads:
-            if tid in skip:
-                continue
             try:
                 os.sched_setscheduler(tid, policy, os.sched_param(0))
                 count += 1
