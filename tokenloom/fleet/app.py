@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from ..model.load import usable_cores
-from . import board, cpu_policy
+from . import board
 from .board import FleetBoard
 from .ray_router import FleetRequestRouter
 from .replica import EngineReplica
@@ -152,7 +151,6 @@ def start_fleet(args: argparse.Namespace, config):
     # niced engine loses its cores to Ray's housekeeping: steps of 0.65 s instead of 10 ms were measured.
     ray.init(num_cpus=usable_cores(), include_dashboard=False, namespace="tokenloom",
              _system_config={"worker_niceness": 0})
-    cpu_policy.ray_gives_way(cpu_policy.descendants(os.getpid()))  # its workers inherit it
     serve.start(http_options={"location": "NoServer"})
     serve.run(build_fleet(args, with_ingress=False), name=APP_NAME, route_prefix=None)
     handle = functools.partial(serve.get_deployment_handle, app_name=APP_NAME)

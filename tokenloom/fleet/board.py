@@ -11,10 +11,7 @@ metrics, and drops off the board after `FORGET_S` (Ray Serve will have replaced 
 from __future__ import annotations
 
 import logging
-import os
 import time
-
-from . import cpu_policy
 
 REPORT_PERIOD_S = 1.0
 STALE_S = 5.0
@@ -28,9 +25,6 @@ logger = logging.getLogger("tokenloom.fleet")
 class FleetBoard:
     def __init__(self) -> None:
         self._reports: dict[str, tuple[float, dict]] = {}
-        # Housekeeping: its wake-ups (Ray's signal checks, 100 a second) wait for the engines' tick
-        # (cpu_policy.py), also on a cluster that `tokenloom serve` did not start (`serve run`).
-        cpu_policy.set_policy([os.getpid()], os.SCHED_BATCH)
 
     async def post(self, replica_id: str, report: dict) -> None:
         self._reports[replica_id] = (time.monotonic(), report)

@@ -33,7 +33,6 @@ from contextlib import aclosing
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..sim.step_log import replica_path
-from . import cpu_policy
 from .board import REPORT_PERIOD_S
 from .outbox import Outbox
 from .prefix_summary import PrefixSummary
@@ -52,7 +51,6 @@ class EngineReplica:
         from ..model import catalog
         from ..server.loading import load_served_engine
 
-        cpu_policy.engine_takes_cores()  # before the engine's threads start from these
         args = argparse.Namespace(**engine_args)
         if args.record_steps:  # one file per replica
             args.record_steps = replica_path(args.record_steps, str(os.getpid()))
