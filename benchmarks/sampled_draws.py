@@ -24,6 +24,7 @@ from tokenloom.model.sampler import Sampler
 
 ROOT = Path(__file__).resolve().parent
 ANIMALS = ["cat", "dog", "fox", "owl", "bee", "ant", "elk", "yak", "ram", "hen", "cod", "eel", "bat", "doe", "emu", "gnu"] * 2
+TORCH_NOISE = torch.Generator().manual_seed(0)  # the sampler's unseeded stream before
 PROMPTS = [f"Write a short story about a {a} who finds a map." for a in ANIMALS]
 
 
@@ -31,12 +32,11 @@ def torch_draw(self, probs: torch.Tensor, generator: np.random.Generator | None)
     """The draw as it was: unseeded noise from torch's `exponential_`."""
     if generator is not None:
         return numpy_draw(self, probs, generator)
-    noise = torch.empty_like(probs).exponential_(generator=torch_draw.generator)
+    noise = torch.empty_like(probs).exponential_(generator=TORCH_NOISE)
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return int((probs / noise).argmax())
 
 
-torch_draw.generator = torch.Generator().manual_seed(0)
 numpy_draw = Sampler._draw
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from tokenloom import LLM, SamplingParams
 from tokenloom.engine.speculation import NgramProposer, SpeculativeConfig
 from tokenloom.model.kernels import cpu_flags
+from tokenloom.model.sampler import verify
 
 ROOT = Path(__file__).resolve().parent
 NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -67,6 +68,7 @@ def run(prompts: list[dict], speculative_config: dict | None) -> tuple[list[tupl
 
 
 def accepted(draft: list[int], truth: list[int]) -> int:
+    """How many of `draft` match `truth` from its start."""
     n = 0
     while n < len(draft) and n < len(truth) and draft[n] == truth[n]:
         n += 1
@@ -101,7 +103,7 @@ def replay(answers, propose, step_seconds) -> tuple[float, int]:
             draft = propose(seq, p, min(MAX_DRAFTS, len(seq) - p - 1))
             seconds += step_seconds(1 + len(draft))
             steps += 1
-            p += accepted(draft, seq[p:]) + 1
+            p += len(verify(draft, seq[p:]))  # as the engine walks a row's drafts
     return seconds, steps
 
 
