@@ -5,6 +5,9 @@
    same cores, serving defaults, the two alternating for `--rounds` rounds (medians). Cells
    (`tokenloom bench serve`, streaming): c=1 (16 requests, 128-token prompts, 64 tokens out) and c=32
    (64 requests, 32 concurrent, outputs alternating 16 / 256). The target: throughput and TTFT within 10%.
+   The engines record their steps (`--record-steps`), and each cell's wall time is split into the model
+   forward, the engine's own work around it, and the time between steps (the engine idle or waiting):
+   which part Ray's path costs.
 2. Routing: two replicas of one core each (`--data-parallel-size 2`) under each routing policy, on a
    shared-prefix workload: 8 system prompts (~300 tokens) x 16 users, shuffled, Poisson arrivals at
    `--rate` requests/s, 32 tokens out. Reported: TTFT, throughput, and the fleet's prefix-cache hit rate
@@ -76,6 +79,17 @@ def row(res: dict) -> dict:
             "completed": res["completed"], "failed": res.get("failed", 0)}
 
 
+def step_split(step_files: list[Path], start: float, end: float) -> dict:
+    """Where a cell's wall time [start, end) (time.monotonic, the engines' step clock) went, from the steps
+    recorded in it: in the model forward, in the rest of the steps, and outside any step."""
+    steps = [rec for path in step_files for line in path.read_text().splitlines()
+             if start <= (rec := json.loads(line))["start"] and rec["end"] <= end]
+    in_steps = sum(rec["end"] - rec["start"] for rec in steps)
+    forward = sum(rec["forward"] for rec in steps)
+    return {"steps": len(steps), "forward_s": forward, "step_rest_s": in_steps - forward,
+            "outside_steps_s": (end - start) - in_steps}
+
+
 def overhead(raw: Path, rounds: int, intervals: list[str]) -> dict:
     """Each setup `rounds` times, alternating (the machine drifts by 20% between minutes), medians kept.
     `intervals`: more Ray setups, with these --stream-batching-interval-ms."""
@@ -85,14 +99,22 @@ def overhead(raw: Path, rounds: int, intervals: list[str]) -> dict:
     for r in range(rounds):
         for setup, extra in setups.items():
             print(f"== overhead: {setup}, round {r + 1}", flush=True)
-            proc = serve(extra, raw / f"{setup}.log")
+            steps = raw / f"steps-{setup}-{r + 1}.jsonl"  # a Ray replica's file has its pid added
+            for old in raw.glob(f"{steps.stem}*.jsonl"):
+                old.unlink()
+            proc = serve([*extra, "--record-steps", str(steps)], raw / f"{setup}.log")
+            windows = {}
             try:
                 bench(["--num-prompts", "4", "--output-len", "8"], raw / "warm-up.json")
                 for cell, cell_args in OVERHEAD_CELLS.items():
+                    start = time.monotonic()
                     runs[setup][cell].append(row(bench(cell_args, raw / f"{setup}-{cell}-{r + 1}.json")))
+                    windows[cell] = (start, time.monotonic())
                     print(f"  {cell}: {runs[setup][cell][-1]}", flush=True)
             finally:
                 stop(proc)
+            for cell, (start, end) in windows.items():
+                runs[setup][cell][-1].update(step_split(sorted(raw.glob(f"{steps.stem}*.jsonl")), start, end))
     rows = {setup: {cell: {key: statistics.median(run[key] for run in cell_runs) for key in cell_runs[0]}
                     for cell, cell_runs in by_cell.items()} for setup, by_cell in runs.items()}
     ratios = {setup: {cell: {"throughput": rows[setup][cell]["output_tok_s"] / rows["plain"][cell]["output_tok_s"],
@@ -196,6 +218,15 @@ def write_markdown(result: dict, path: Path) -> None:
                 lines.append(f"| {setup} | {cell} | {p['output_tok_s']:.1f} | {r['output_tok_s']:.1f} | "
                              f"{q['throughput']:.3f} | {p['median_ttft_ms']:.1f} ms | {r['median_ttft_ms']:.1f} ms | "
                              f"{q['median_ttft']:.3f} |")
+        lines += ["", ("Where each cell's wall time went (medians over the rounds), from the steps the engine recorded: "
+                  "in the model forward (the kernels), in the rest of its steps (scheduling, inputs, sampling, "
+                  "outputs), and outside any step (no work, or waiting for the next request)."), "",
+                  "| setup | cell | steps | forward | rest of the steps | outside steps | forward per step |",
+                  "|---|---|---|---|---|---|---|"]
+        for setup, by_cell in o["rows"].items():
+            for cell, x in by_cell.items():
+                lines.append(f"| {setup} | {cell} | {x['steps']:.0f} | {x['forward_s']:.2f} s | {x['step_rest_s']:.2f} s | "
+                             f"{x['outside_steps_s']:.2f} s | {1000 * x['forward_s'] / x['steps']:.1f} ms |")
         lines.append("")
     if "routing" in result:
         r = result["routing"]

@@ -44,7 +44,7 @@ class StepLog:
         if not stats.shape.rows:
             return
         features = step_features(stats.shape, self.engine.config.block_size)
-        self._file.write(json.dumps({"start": stats.start, "end": stats.start + stats.duration,
+        self._file.write(json.dumps({"start": stats.start, "end": stats.start + stats.duration, "forward": stats.forward_time,
                                      "busy_after": self.engine.has_unfinished_requests(),
                                      "features": asdict(features)}) + "\n")
 
