@@ -7,7 +7,7 @@
    (64 requests, 32 concurrent, outputs alternating 16 / 256). The target: throughput and TTFT within 10%.
    The engines record their steps (`--record-steps`), and each cell's wall time is split into the model
    forward, the engine's own work around it, and the time between steps (the engine idle or waiting):
-   which part Ray's path costs.
+   which part Ray's path costs; and the CPU the cell used (/proc), by who used it.
 2. Routing: two replicas of one core each (`--data-parallel-size 2`) under each routing policy, on a
    shared-prefix workload: 8 system prompts (~300 tokens) x 16 users, shuffled, Poisson arrivals at
    `--rate` requests/s, 32 tokens out. Reported: TTFT, throughput, and the fleet's prefix-cache hit rate
@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -90,6 +91,37 @@ def step_split(step_files: list[Path], start: float, end: float) -> dict:
             "outside_steps_s": (end - start) - in_steps}
 
 
+def thread_cpu_seconds() -> dict[tuple[int, int], float]:
+    """(pid, tid) -> CPU seconds so far, for every thread on the machine."""
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for stat in Path("/proc").glob("[0-9]*/task/[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        seconds[(int(stat.parts[2]), int(stat.parts[4]))] = (int(fields[11]) + int(fields[12])) / tick
+    return seconds
+
+
+def cpu_split(before: dict, after: dict, client_s: float, engine_pid: int, front_pid: int, wall: float) -> dict:
+    """Cores' worth of CPU a cell used, by who used it: the engine process's two busiest threads (the
+    forward's: the engine thread and the kernels' other thread), its other threads, the HTTP front when
+    it is another process, the load generator, and every other process (Ray's daemons, Serve's controller,
+    the board; the OS)."""
+    used = {key: after[key] - before.get(key, 0.0) for key in after}
+    engine = sorted((t for (pid, _), t in used.items() if pid == engine_pid), reverse=True)
+    front = sum(t for (pid, _), t in used.items() if pid == front_pid) if front_pid != engine_pid else 0.0
+    others = sum(t for (pid, _), t in used.items() if pid not in (engine_pid, front_pid, os.getpid()))
+    return {"cpu_forward_threads": sum(engine[:2]) / wall, "cpu_engine_other": sum(engine[2:]) / wall,
+            "cpu_front": front / wall, "cpu_client": client_s / wall, "cpu_others": others / wall}
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def overhead(raw: Path, rounds: int, intervals: list[str]) -> dict:
     """Each setup `rounds` times, alternating (the machine drifts by 20% between minutes), medians kept.
     `intervals`: more Ray setups, with these --stream-batching-interval-ms."""
@@ -106,15 +138,19 @@ def overhead(raw: Path, rounds: int, intervals: list[str]) -> dict:
             windows = {}
             try:
                 bench(["--num-prompts", "4", "--output-len", "8"], raw / "warm-up.json")
+                step_files = sorted(raw.glob(f"{steps.stem}*.jsonl"))
+                engine_pid = int(step_files[0].stem.rsplit("-", 1)[1]) if extra else proc.pid
                 for cell, cell_args in OVERHEAD_CELLS.items():
-                    start = time.monotonic()
+                    cpu, client, start = thread_cpu_seconds(), children_cpu_seconds(), time.monotonic()
                     runs[setup][cell].append(row(bench(cell_args, raw / f"{setup}-{cell}-{r + 1}.json")))
                     windows[cell] = (start, time.monotonic())
+                    runs[setup][cell][-1].update(cpu_split(cpu, thread_cpu_seconds(), children_cpu_seconds() - client,
+                                                           engine_pid, proc.pid, windows[cell][1] - start))
                     print(f"  {cell}: {runs[setup][cell][-1]}", flush=True)
             finally:
                 stop(proc)
             for cell, (start, end) in windows.items():
-                runs[setup][cell][-1].update(step_split(sorted(raw.glob(f"{steps.stem}*.jsonl")), start, end))
+                runs[setup][cell][-1].update(step_split(step_files, start, end))
     rows = {setup: {cell: {key: statistics.median(run[key] for run in cell_runs) for key in cell_runs[0]}
                     for cell, cell_runs in by_cell.items()} for setup, by_cell in runs.items()}
     ratios = {setup: {cell: {"throughput": rows[setup][cell]["output_tok_s"] / rows["plain"][cell]["output_tok_s"],
@@ -227,6 +263,15 @@ def write_markdown(result: dict, path: Path) -> None:
             for cell, x in by_cell.items():
                 lines.append(f"| {setup} | {cell} | {x['steps']:.0f} | {x['forward_s']:.2f} s | {x['step_rest_s']:.2f} s | "
                              f"{x['outside_steps_s']:.2f} s | {1000 * x['forward_s'] / x['steps']:.1f} ms |")
+        lines += ["", ("The CPU each cell used, in cores (medians): the engine process's two busiest threads (the forward's), its other "
+                  "threads, the HTTP front when it is a process of its own, the load generator, and every "
+                  "other process (for Ray: its daemons, Serve's controller, the board)."), "",
+                  "| setup | cell | forward's threads | engine's others | front | load generator | other processes |",
+                  "|---|---|---|---|---|---|---|"]
+        for setup, by_cell in o["rows"].items():
+            for cell, x in by_cell.items():
+                lines.append(f"| {setup} | {cell} | {x['cpu_forward_threads']:.3f} | {x['cpu_engine_other']:.3f} | "
+                             f"{x['cpu_front']:.3f} | {x['cpu_client']:.3f} | {x['cpu_others']:.3f} |")
         lines.append("")
     if "routing" in result:
         r = result["routing"]
