@@ -238,6 +238,16 @@ def simulator_check(raw: Path, rows: dict, rate: float) -> dict:
     return checks
 
 
+def setup_cell_table(rows: dict, caption: str, columns: dict) -> list[str]:
+    """Markdown lines: `caption`, then a row per setup and cell of `rows`, a column per `columns` title
+    (its function formats the cell's medians)."""
+    lines = ["", caption, "", "| setup | cell | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+    for setup, by_cell in rows.items():
+        for cell, x in by_cell.items():
+            lines.append(f"| {setup} | {cell} | " + " | ".join(fmt(x) for fmt in columns.values()) + " |")
+    return lines
+
+
 def write_markdown(result: dict, path: Path) -> None:
     lines = ["# Fleet on Ray Serve: overhead and routing", "",
              f"Command: `{result['command']}`", "", result["machine"], ""]
@@ -254,24 +264,21 @@ def write_markdown(result: dict, path: Path) -> None:
                 lines.append(f"| {setup} | {cell} | {p['output_tok_s']:.1f} | {r['output_tok_s']:.1f} | "
                              f"{q['throughput']:.3f} | {p['median_ttft_ms']:.1f} ms | {r['median_ttft_ms']:.1f} ms | "
                              f"{q['median_ttft']:.3f} |")
-        lines += ["", ("Where each cell's wall time went (medians over the rounds), from the steps the engine recorded: "
-                  "in the model forward (the kernels), in the rest of its steps (scheduling, inputs, sampling, "
-                  "outputs), and outside any step (no work, or waiting for the next request)."), "",
-                  "| setup | cell | steps | forward | rest of the steps | outside steps | forward per step |",
-                  "|---|---|---|---|---|---|---|"]
-        for setup, by_cell in o["rows"].items():
-            for cell, x in by_cell.items():
-                lines.append(f"| {setup} | {cell} | {x['steps']:.0f} | {x['forward_s']:.2f} s | {x['step_rest_s']:.2f} s | "
-                             f"{x['outside_steps_s']:.2f} s | {1000 * x['forward_s'] / x['steps']:.1f} ms |")
-        lines += ["", ("The CPU each cell used, in cores (medians): the engine process's two busiest threads (the forward's), its other "
-                  "threads, the HTTP front when it is a process of its own, the load generator, and every "
-                  "other process (for Ray: its daemons, Serve's controller, the board)."), "",
-                  "| setup | cell | forward's threads | engine's others | front | load generator | other processes |",
-                  "|---|---|---|---|---|---|---|"]
-        for setup, by_cell in o["rows"].items():
-            for cell, x in by_cell.items():
-                lines.append(f"| {setup} | {cell} | {x['cpu_forward_threads']:.3f} | {x['cpu_engine_other']:.3f} | "
-                             f"{x['cpu_front']:.3f} | {x['cpu_client']:.3f} | {x['cpu_others']:.3f} |")
+        lines += setup_cell_table(o["rows"], (
+            "Where each cell's wall time went (medians over the rounds), from the steps the engine recorded: in the "
+            "model forward (the kernels), in the rest of its steps (scheduling, inputs, sampling, outputs), and "
+            "outside any step (no work, or waiting for the next request)."), {
+            "steps": lambda x: f"{x['steps']:.0f}", "forward": lambda x: f"{x['forward_s']:.2f} s",
+            "rest of the steps": lambda x: f"{x['step_rest_s']:.2f} s",
+            "outside steps": lambda x: f"{x['outside_steps_s']:.2f} s",
+            "forward per step": lambda x: f"{1000 * x['forward_s'] / x['steps']:.1f} ms"})
+        lines += setup_cell_table(o["rows"], (
+            "The CPU each cell used, in cores (medians): the engine process's two busiest threads (the forward's), "
+            "its other threads, the HTTP front when it is a process of its own, the load generator, and every "
+            "other process (for Ray: its daemons, Serve's controller, the board)."),
+            {title: lambda x, key=key: f"{x[key]:.3f}" for title, key in (
+                ("forward's threads", "cpu_forward_threads"), ("engine's others", "cpu_engine_other"),
+                ("front", "cpu_front"), ("load generator", "cpu_client"), ("other processes", "cpu_others"))})
         lines.append("")
     if "routing" in result:
         r = result["routing"]
