@@ -139,7 +139,7 @@ def overhead(raw: Path, rounds: int, intervals: list[str]) -> dict:
             try:
                 bench(["--num-prompts", "4", "--output-len", "8"], raw / "warm-up.json")
                 step_files = sorted(raw.glob(f"{steps.stem}*.jsonl"))
-                engine_pid = int(step_files[0].stem.rsplit("-", 1)[1]) if extra else proc.pid
+                engine_pid = proc.pid if setup == "plain" else int(step_files[0].stem.rsplit("-", 1)[1])
                 for cell, cell_args in OVERHEAD_CELLS.items():
                     cpu, client, start = thread_cpu_seconds(), children_cpu_seconds(), time.monotonic()
                     runs[setup][cell].append(row(bench(cell_args, raw / f"{setup}-{cell}-{r + 1}.json")))

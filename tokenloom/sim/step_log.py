@@ -1,9 +1,9 @@
 """A serving engine's steps on file, to fit the simulator's cost model on the traffic it really served.
 
 `tokenloom serve --record-steps FILE` appends one JSON line per step that ran tokens: when it started
-and ended (the engine's monotonic clock), whether the engine still had work when it ended, and the
-step's `StepFeatures`. A fleet's replicas each write their own file (the replica's pid before the
-suffix). `tokenloom calibrate --from-steps FILE...` fits the linear cost model on these instead of
+and ended (the engine's monotonic clock), the seconds of it in the model forward, whether the engine
+still had work when it ended, and the step's `StepFeatures`. A fleet's replicas each write their own
+file (the replica's pid before the suffix). `tokenloom calibrate --from-steps FILE...` fits the linear cost model on these instead of
 running the calibration grid on a quiet engine.
 
 Why: the grid measures one engine alone on the machine. A replica shares it with the other replicas,
@@ -44,8 +44,8 @@ class StepLog:
         if not stats.shape.rows:
             return
         features = step_features(stats.shape, self.engine.config.block_size)
-        self._file.write(json.dumps({"start": stats.start, "end": stats.start + stats.duration, "forward": stats.forward_time,
-                                     "busy_after": self.engine.has_unfinished_requests(),
+        self._file.write(json.dumps({"start": stats.start, "end": stats.start + stats.duration,
+                                     "forward": stats.forward_time, "busy_after": self.engine.has_unfinished_requests(),
                                      "features": asdict(features)}) + "\n")
 
     def close(self) -> None:
