@@ -3,8 +3,8 @@
 `tokenloom serve --record-steps FILE` appends one JSON line per step that ran tokens: when it started
 and ended (the engine's monotonic clock), the seconds of it in the model forward, whether the engine
 still had work when it ended, and the step's `StepFeatures`. A fleet's replicas each write their own
-file (the replica's pid before the suffix). `tokenloom calibrate --from-steps FILE...` fits the linear cost model on these instead of
-running the calibration grid on a quiet engine.
+file (the replica's pid before the suffix). `tokenloom calibrate --from-steps FILE...` fits the linear
+cost model on these instead of running the calibration grid on a quiet engine.
 
 Why: the grid measures one engine alone on the machine. A replica shares it with the other replicas,
 Ray's processes, the HTTP front and the clients, and its steps took about twice as long as that grid
