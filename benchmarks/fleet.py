@@ -80,11 +80,10 @@ def row(res: dict) -> dict:
             "completed": res["completed"], "failed": res.get("failed", 0)}
 
 
-def step_split(step_files: list[Path], start: float, end: float) -> dict:
-    """Where a cell's wall time [start, end) (time.monotonic, the engines' step clock) went, from the steps
-    recorded in it: in the model forward, in the rest of the steps, and outside any step."""
-    steps = [rec for path in step_files for line in path.read_text().splitlines()
-             if start <= (rec := json.loads(line))["start"] and rec["end"] <= end]
+def step_split(steps: list[dict], start: float, end: float) -> dict:
+    """Where a cell's wall time [start, end) (time.monotonic, the engines' step clock) went, from the step
+    records (`read_step_records`) in it: in the model forward, in the rest of the steps, and outside any step."""
+    steps = [rec for rec in steps if start <= rec["start"] and rec["end"] <= end]
     in_steps = sum(rec["end"] - rec["start"] for rec in steps)
     forward = sum(rec["forward"] for rec in steps)
     return {"steps": len(steps), "forward_s": forward, "step_rest_s": in_steps - forward,
@@ -125,6 +124,8 @@ def children_cpu_seconds() -> float:
 def overhead(raw: Path, rounds: int, intervals: list[str]) -> dict:
     """Each setup `rounds` times, alternating (the machine drifts by 20% between minutes), medians kept.
     `intervals`: more Ray setups, with these --stream-batching-interval-ms."""
+    from tokenloom.sim.step_log import read_step_records
+
     setups = {**OVERHEAD_SETUPS, **{f"ray-1-replica-{ms}ms": [*RAY, "--stream-batching-interval-ms", ms]
                                     for ms in intervals}}
     runs: dict[str, dict[str, list[dict]]] = {setup: {cell: [] for cell in OVERHEAD_CELLS} for setup in setups}
@@ -149,8 +150,9 @@ def overhead(raw: Path, rounds: int, intervals: list[str]) -> dict:
                     print(f"  {cell}: {runs[setup][cell][-1]}", flush=True)
             finally:
                 stop(proc)
+            steps_run = [rec for path in step_files for rec in read_step_records(str(path))]
             for cell, (start, end) in windows.items():
-                runs[setup][cell][-1].update(step_split(step_files, start, end))
+                runs[setup][cell][-1].update(step_split(steps_run, start, end))
     rows = {setup: {cell: {key: statistics.median(run[key] for run in cell_runs) for key in cell_runs[0]}
                     for cell, cell_runs in by_cell.items()} for setup, by_cell in runs.items()}
     ratios = {setup: {cell: {"throughput": rows[setup][cell]["output_tok_s"] / rows["plain"][cell]["output_tok_s"],

@@ -54,7 +54,7 @@ class StepLog:
 
 
 def busy_step_times(records: list[dict]) -> list[tuple[StepFeatures, float]]:
-    """(features, seconds) per recorded step of one engine (`read_step_logs`' records), in order: a step that left work behind
+    """(features, seconds) per recorded step of one engine (`read_step_records`), in order: a step that left work behind
     lasts until the next step starts (the engine loop's time between them is part of its cost); the
     last step of a busy period lasts its own duration."""
     samples = []
@@ -64,22 +64,27 @@ def busy_step_times(records: list[dict]) -> list[tuple[StepFeatures, float]]:
     return samples
 
 
-def read_step_logs(paths: list[str]) -> list[tuple[StepFeatures, float]]:
-    """Every file's steps (each file one engine) as fitting samples; a line that is not a step record
-    is a ValueError naming the file and line."""
-    samples = []
-    for path in paths:
-        records = []
+def read_step_records(path: str) -> list[dict]:
+    """One file's step records, in order (start, end, forward — None in files written before it was
+    recorded —, busy_after, features); a line that is not a step record is a ValueError naming the file
+    and line."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"--from-steps: cannot read {path}: {exc.strerror}") from None
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
         try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ValueError(f"--from-steps: cannot read {path}: {exc.strerror}") from None
-        for n, line in enumerate(text.splitlines(), 1):
-            try:
-                rec = json.loads(line)
-                records.append({"start": float(rec["start"]), "end": float(rec["end"]),
-                                "busy_after": bool(rec["busy_after"]), "features": StepFeatures(**rec["features"])})
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"--from-steps: {path} line {n} is not a step record ({exc})") from None
-        samples += busy_step_times(records)
-    return samples
+            rec = json.loads(line)
+            forward = rec.get("forward")
+            records.append({"start": float(rec["start"]), "end": float(rec["end"]),
+                            "forward": None if forward is None else float(forward),
+                            "busy_after": bool(rec["busy_after"]), "features": StepFeatures(**rec["features"])})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"--from-steps: {path} line {n} is not a step record ({exc})") from None
+    return records
+
+
+def read_step_logs(paths: list[str]) -> list[tuple[StepFeatures, float]]:
+    """Every file's steps (each file one engine) as fitting samples (`read_step_records`' errors)."""
+    return [sample for path in paths for sample in busy_step_times(read_step_records(path))]
