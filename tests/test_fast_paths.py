@@ -18,8 +18,8 @@ from tokenloom.model.loader import dequantize
 CAP = linear.detect() | linear.torch_quant_ops()
 needs_int4 = pytest.mark.skipif(not CAP["int4_bf16"], reason="int4 with bf16 activations does not run here")
 needs_int8 = pytest.mark.skipif(not CAP["int8_bf16"], reason="int8 with bf16 activations does not run here")
-# The int4 kernels that run here: torch's, and the project's C kernels (AVX512-BF16; AVX2 + FMA).
-needs_c = pytest.mark.skipif(linear.quant_gemm_avx512() is None, reason="no AVX512-BF16 C kernel here")
+# The int4 kernels that run here: torch's, and the project's C kernels (AVX-512 VNNI; AVX2 + FMA).
+needs_c = pytest.mark.skipif(linear.quant_gemm_avx512() is None, reason="no AVX-512 C kernel here")
 needs_c_avx2 = pytest.mark.skipif(linear.quant_gemm_avx2() is None, reason="no AVX2 C kernel here")
 C_KERNELS = [pytest.param("c", id="c", marks=needs_c), pytest.param("c-avx2", id="c-avx2", marks=needs_c_avx2)]
 INT4_KERNELS = [pytest.param(None, id="torch", marks=needs_int4), *C_KERNELS]
@@ -74,15 +74,15 @@ def test_int4_bf16_close_and_row_invariant(kernel):
 @pytest.mark.parametrize("kernel", C_KERNELS)
 @pytest.mark.parametrize("rows", [1, 3, 7, 8, 9, 15, 33])
 def test_int4_c_kernel_matches_the_q4_1_weights(kernel, rows):
-    """Only the activations are rounded (to bfloat16 by the AVX512-BF16 kernel, to int8 per group of 32
-    by the AVX2 one): against the dequantized weights in float64 the error is float32 accumulation
-    noise; every tile shape (however the rows fall into tiles, columns % 48) gives the same bits."""
+    """Only the activations are rounded (to int8 per group of 32, outliers kept): against the dequantized
+    weights in float64 the error is float32 accumulation noise; every tile shape (however the rows fall
+    into tiles, columns % 48) gives the same bits."""
     n, k = 112, 96  # 7 column blocks: a full tile of 3, another, and one of 1
     blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=5), (n, k))
     layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     x = with_outliers(torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)))
     out = layer(x)
-    xr = x.bfloat16() if kernel == "c" else int8_groups(x)
+    xr = int8_groups(x)
     ref = xr.double() @ linear.dequantize_blocks(blocks).double().t()
     assert out.dtype == torch.float32
     # Sums of 96 products reach |10|; their float32 rounding reached 1.2e-5 for 1 draw in 300 (measured).
@@ -117,7 +117,7 @@ def test_int5_c_kernel_matches_the_q5_0_weights(kernel, rows):
     assert layer.bits == 5
     x = with_outliers(torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)))
     out = layer(x)
-    xr = x.bfloat16() if kernel == "c" else int8_groups(x)
+    xr = int8_groups(x)
     ref = xr.double() @ linear.dequantize_blocks(blocks).double().t()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
@@ -148,7 +148,7 @@ def test_five_bit_blocks_are_refused_by_torchs_int4_op():
 
 
 def int8_groups(x: torch.Tensor, outlier_ratio: float = 6.0) -> torch.Tensor:
-    """x as the AVX2 int4 / int5 kernels round it, in float32 arithmetic as theirs: per row and group of 32,
+    """x as the C int4 / int5 kernels round it, in float32 arithmetic as theirs: per row and group of 32,
     an input over `outlier_ratio` times the group's mean magnitude (an outlier) as it is, the rest int8
     times their largest magnitude / 127 (llama.cpp's Q8_0), round half to even."""
     g = x.float().reshape(x.shape[0], -1, 32)
@@ -175,16 +175,16 @@ def int16_groups(x: torch.Tensor) -> torch.Tensor:
     return ((g / scale).round().clamp(-32768, 32767) * scale).reshape(x.shape)
 
 
-@needs_c_avx2
+@pytest.mark.parametrize("kernel", C_KERNELS)
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0"])
-def test_avx2_int8_groups_keep_their_outliers_in_float32(qtype):
+def test_int8_groups_keep_their_outliers_in_float32(kernel, qtype):
     """An input far above its group's others meets its weights in float32; rounded with them to int8 it
     would leave them a few bits (the error here ~30x larger). The rows of a tile walk their outlier lists
     together: shared, own and no outliers, across a tile's end (4 rows), each row as it comes alone."""
     n, k = 48, 64
     data = random_q4_1_bytes(n, k, seed=4) if qtype == "Q4_1" else q5_0_bytes(n, k, seed=4)
     blocks = linear.LOW_BIT_BLOCKS[qtype](data, (n, k))
-    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=linear.quant_gemm_avx2())
+    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(0))
     x[:5, 9] = torch.tensor([80.0, -55.0, 120.0, 60.0, -70.0])
     x[1, 40], x[2, 3], x[4, 63] = 90.0, -75.0, 65.0
@@ -198,17 +198,31 @@ def test_avx2_int8_groups_keep_their_outliers_in_float32(qtype):
     assert (all_rounded @ w.t() - exact).abs().mean() > 10 * (out - exact).abs().mean()
 
 
-@needs_c_avx2
-def test_avx2_int4_kernel_keeps_non_finite_activations():
+@pytest.mark.parametrize("kernel", C_KERNELS)
+def test_int4_kernel_keeps_non_finite_activations(kernel):
     """A NaN or an infinity reaches its own row's outputs, as through float32 matmuls; rows without one
     are untouched; an all-zero row gives zeros."""
     blocks = linear.q4_1_blocks(random_q4_1_bytes(32, 64, seed=9), (32, 64))
-    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=linear.quant_gemm_avx2())
+    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     x = torch.randn(4, 64)
     x[1, 5], x[2, 40], x[3] = float("nan"), float("inf"), 0.0
     out = layer(x)
     assert out[1].isnan().all() and not out[2].isfinite().any()
     assert torch.equal(out[0], layer(x[:1])[0]) and torch.equal(out[3], torch.zeros(32))
+
+
+@needs_c
+@needs_c_avx2
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q5_0"])
+def test_avx512_and_avx2_int4_kernels_give_the_same_bits(qtype):
+    """The two C kernels round the activations alike (csrc/quant_rows.h), sum the integer products exactly
+    and do the same float operations in the same order: an AVX-512 machine's outputs are an AVX2 one's."""
+    n, k = 112, 160
+    data = random_q4_1_bytes(n, k, seed=11) if qtype == "Q4_1" else q5_0_bytes(n, k, seed=11, qtype=qtype)
+    blocks = linear.LOW_BIT_BLOCKS[qtype](data, (n, k))
+    x = with_outliers(torch.randn(13, k, generator=torch.Generator().manual_seed(3)))
+    outs = [linear.Int4Linear(blocks, torch.bfloat16, kernel=kernel)(x) for kernel in (int4_kernel("c"), int4_kernel("c-avx2"))]
+    assert torch.equal(*outs)
 
 
 @pytest.mark.parametrize("kernel", C_KERNELS)

@@ -3,12 +3,11 @@
 - dense (default): the GGUF weights dequantized to float32 (or cast to `dtype`), `F.linear`.
 - int4: weight-only 4-bit straight from the GGUF's Q4_1 blocks (w = d*q + m per block of 32, q in
   0..15), by the first of these that runs here (`quant_gemm()`, `detect()`):
-  - the C kernel csrc/quant_gemm.c (AVX512-BF16): float32 in and out, the activations rounded to
-    bfloat16 for `vdpbf16ps` against the codes as the exact bfloat16 numbers 128 + q, Q4_1's own
-    float16 d and m;
-  - the C kernel csrc/quant_gemm_avx2.c (AVX2 + FMA): the activations rounded to int8 per group of
-    32 (llama.cpp's Q8_0; an input over 6x its group's mean magnitude kept in float32 instead), integer
-    dot products against the exact codes by vpmaddubsw, y = W times the rounded x per group;
+  - the C kernels csrc/quant_gemm.c (AVX-512 VNNI) and csrc/quant_gemm_avx2.c (AVX2 + FMA): float32
+    in and out, the activations rounded to int8 per group of 32 (llama.cpp's Q8_0; an input over 6x
+    its group's mean magnitude kept in float32 instead: csrc/quant_rows.h), integer dot products
+    against the exact codes (vpdpbusd, vpmaddubsw), y = W times the rounded x per group, Q4_1's own
+    float16 d and m: the two kernels give the same bits;
   - torch's `aten._weight_int4pack_mm_for_cpu` with bfloat16 activations (vectorised on x86 only for
     bfloat16): scale = d, zero = m + 8*d (the op computes (q - 8) * scale + zero); bit-exact against
     the dequantized weights with float32 scales (tests/test_fast_paths.py).
@@ -19,8 +18,8 @@
   chunks through oneDNN. With today's kernels it made a 512-token prompt only 5-6% faster, for a
   bfloat16 copy of every weight (1.5x a Q4 file's size). A row's kernel depends on its own
   sequence's chunk length (runner.SHORT_CHUNK), never on the rest of the batch. (Int8 activations
-  through VNNI doubled that again but cost 6 points of top-1 agreement: not used. The AVX2 kernel's
-  int8 groups of 32 keep outliers in float32 and cost under 1 point: tests/test_fast_paths.py.)
+  without their outliers cost 6 points of top-1 agreement; the kernels' int8 groups of 32 keep
+  outliers in float32 and cost under 1 point: tests/test_fast_paths.py.)
 - the LM head (`RescoredHead`): int4 logits over the vocabulary (int8 without the C kernels), then the
   best candidates of each row recomputed exactly in float32: the argmax is the float32 head's, the
   rest within the scan's error. A greedy row's argmax alone comes from a scan that keeps each row's
@@ -173,32 +172,22 @@ def _scales_and_offsets(blocks: torch.Tensor, five_bit: bool) -> tuple[torch.Ten
     return d, None if symmetric else m
 
 
-def _nibble_words(q: torch.Tensor) -> torch.Tensor:
-    """[..., 4] codes -> [...] int16 with code t in bits 4t..4t+3 (the same 16 bits, signed)."""
-    word = q[..., 0] | (q[..., 1] << 4) | (q[..., 2] << 8) | (q[..., 3] << 12)
-    return (word - ((word >> 15) << 16)).to(torch.int16).contiguous()
-
-
-def _fifth_bits(q: torch.Tensor) -> torch.Tensor | None:
-    """[..., 32 lanes, 4] codes -> [..., 4, 32] int32 bit masks (bit l: lane l's code has its fifth bit);
-    None when every code fits 4 bits."""
-    bits = (q >> 4) & 1
-    if not bits.any():
-        return None
-    word = (bits.transpose(-1, -2).long() << torch.arange(32)).sum(-1)
-    return (word - ((word >> 31) << 32)).to(torch.int32).contiguous()  # two's complement of the 32-bit word
-
-
 def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Blocks [N, K/32, 34] -> csrc/quant_gemm.c's layout: codes [N/16, K/32, 4, 32] int16 of four nibbles,
-    nibble t of lane 2c + p in quarter jq the code of column c, input 8jq + 2t + p of the group (a shift
-    and a mask give the `vdpbf16ps` operand for inputs 8jq + 2t and + 1 of 16 columns); the fifth bits
-    [N/16, K/32, 4, 4] (None for 4-bit codes); scales and offsets [N/16, K/32, 16] float16 (Q4_1's own)."""
+    """Blocks [N, K/32, 34] -> csrc/quant_gemm.c's layout: codes [N/16, K/32, 4, 64] uint8, byte 4c + p of
+    quarter jq holding the code of column c, input 8jq + p of the group in its low nibble and input
+    8jq + 4 + p in its high (a mask, or a shift and a mask, gives `vpdpbusd` four inputs of 16 columns);
+    the fifth bits (None for 4-bit codes) [N/16, K/32, 4, 2] int64, bit 4c + p of word (jq, h) that of the
+    code of column c, input 8jq + 4h + p; scales and offsets [N/16, K/32, 16] float16 (Q4_1's own)."""
     n, kb, _ = blocks.shape
-    q = blocks[..., 2:].to(torch.int32).reshape(n // 16, 16, kb, GROUP // 8, 4, 2)  # nb, c, g, jq, t, p
-    q = q.permute(0, 2, 3, 1, 5, 4).reshape(n // 16, kb, GROUP // 8, 32, 4)  # nb, g, jq, lane, t
-    fifth = _fifth_bits(q)
-    return _nibble_words(q & 0xF), fifth, *_scales_and_offsets(blocks, fifth is not None)
+    q = blocks[..., 2:].to(torch.int64).reshape(n // 16, 16, kb, GROUP // 8, 2, 4)  # nb, c, g, jq, h, p
+    q = q.permute(0, 2, 3, 1, 5, 4)  # nb, g, jq, c, p, h
+    codes = ((q[..., 0] & 0xF) | ((q[..., 1] & 0xF) << 4)).reshape(n // 16, kb, GROUP // 8, 64).to(torch.uint8)
+    bits = (q >> 4) & 1
+    fifth = None
+    if bits.any():  # int64 sums of distinct bits: bit 63 wraps to the sign, the word's two's complement
+        bits = bits.permute(0, 1, 2, 5, 3, 4).reshape(n // 16, kb, GROUP // 8, 2, 64)  # nb, g, jq, h, 4c + p
+        fifth = (bits << torch.arange(64)).sum(-1).contiguous()
+    return codes.contiguous(), fifth, *_scales_and_offsets(blocks, fifth is not None)
 
 
 def pack_avx2_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -227,7 +216,7 @@ def pack_int8_c_layout(q: torch.Tensor) -> torch.Tensor:
 
 
 class QuantGemm:
-    """ctypes front of csrc/quant_gemm.c (AVX512-BF16) or csrc/quant_gemm_avx2.c (AVX2 + FMA): float32
+    """ctypes front of csrc/quant_gemm.c (AVX-512) or csrc/quant_gemm_avx2.c (AVX2 + FMA): float32
     x [M, K] -> float32 [M, N] over int4 or int8 weights."""
 
     def __init__(self, lib, name: str, pack_int4=pack_c_layout):
@@ -322,14 +311,13 @@ def _quant_gemm_check(code_bytes: str) -> str:
 
 
 _CODE_BYTES_C = r"""
-def code_bytes(q, N, G):  # pack_c_layout (the low nibbles)
-    words = (sum((q[nb * 16 + c][g * 32 + 8 * jq + 2 * t + p] & 15) << 4 * t for t in range(4))
-             for nb in range(N // 16) for g in range(G) for jq in range(4) for c in range(16) for p in range(2))
-    return bytearray(b"".join(w.to_bytes(2, "little") for w in words))
-def fifth_bytes(q, N, G):  # its fifth bits: uint32 per (block, group, jq, t), bit 2c + p
-    words = (sum((q[nb * 16 + c][g * 32 + 8 * jq + 2 * t + p] >> 4) << (2 * c + p) for c in range(16) for p in range(2))
-             for nb in range(N // 16) for g in range(G) for jq in range(4) for t in range(4))
-    return bytearray(b"".join(w.to_bytes(4, "little") for w in words))
+def code_bytes(q, N, G):  # pack_c_layout: byte 4c + p of quarter jq, inputs 8jq + p (low nibble) and 8jq + 4 + p
+    return bytearray((q[nb * 16 + c][g * 32 + 8 * jq + p] & 15) | (q[nb * 16 + c][g * 32 + 8 * jq + 4 + p] & 15) << 4
+                     for nb in range(N // 16) for g in range(G) for jq in range(4) for c in range(16) for p in range(4))
+def fifth_bytes(q, N, G):  # its fifth bits: uint64 per (block, group, jq, h), bit 4c + p
+    words = (sum((q[nb * 16 + c][g * 32 + 8 * jq + 4 * h + p] >> 4) << (4 * c + p) for c in range(16) for p in range(4))
+             for nb in range(N // 16) for g in range(G) for jq in range(4) for h in range(2))
+    return bytearray(b"".join(w.to_bytes(8, "little") for w in words))
 """
 _CODE_BYTES_AVX2 = r"""
 def code_bytes(q, N, G):  # pack_avx2_layout: byte 4c + p of slot jj, columns c (low nibble) and 8 + c
@@ -441,17 +429,19 @@ for r in range(M):
 
 
 SPEC_AVX512 = kernels.KernelSpec(
-    "quant_gemm", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
-    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), _quant_gemm_check(_CODE_BYTES_C))
+    "quant_gemm", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx2", "fma", "f16c"}),
+    ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c"),
+    _quant_gemm_check(_CODE_BYTES_C))
 SPEC_AVX2 = kernels.KernelSpec("quant_gemm_avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
                                _quant_gemm_check(_CODE_BYTES_AVX2))
 
 
 @functools.cache
 def quant_gemm_avx512() -> QuantGemm | None:
-    """The AVX512-BF16 int4 and int8 kernels (csrc/quant_gemm.c) where they build and pass their check."""
+    """The AVX-512 kernels (csrc/quant_gemm.c: int4 / int5 by VNNI over the activations rounded to int8 per
+    group of 32, int8 by BF16 dot products) where they build and pass their check."""
     lib = kernels.load(SPEC_AVX512)
-    return QuantGemm(lib, "c-avx512-bf16", pack_c_layout) if lib is not None else None
+    return QuantGemm(lib, "c-avx512", pack_c_layout) if lib is not None else None
 
 
 @functools.cache
@@ -463,7 +453,7 @@ def quant_gemm_avx2() -> QuantGemm | None:
 
 
 def quant_gemm() -> QuantGemm | None:
-    """The fastest C kernels that run here: AVX512-BF16, else AVX2, else None (torch's ops)."""
+    """The fastest C kernels that run here: AVX-512 (VNNI and BF16), else AVX2, else None (torch's ops)."""
     return quant_gemm_avx512() or quant_gemm_avx2()
 
 

@@ -1,96 +1,148 @@
-/* Matmuls over quantized weights with AVX512-BF16 dot products, for every batch size:
+/* Matmuls over quantized weights on AVX-512 (VNNI for int4 / int5, BF16 for int8), for every batch size:
  *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T with W in the GGUF's own Q4_1 blocks (w = d*q + m per 32
  *              weights, q in 0..15): the decoder's projections;
  *   int5_gemm: the same with 5-bit codes (q in 0..31: Q5_0's, w = d * (q - 16)): int4's nibbles plus a
- *              plane of fifth bits, added to the operands under a mask (one op more per 32 codes);
+ *              fifth bit per code, added under a byte mask (one op more per 64 codes);
  *   int8_gemm: the same with W = scale[n] * q[n][k], q in -127..127: the LM head's approximate logits;
  *   int8g_gemm: W = scale[n][k / 32] * q[n][k], a scale per group of 32 inputs: the projections a GGUF
  *               stores wider than 4 bits (Q5_0 and Q8_0 are such groups already; Q6_K, F16 nearly).
  *
- * int4, per output element and block of 32 weights:
- *     y += d * sum(x_bf16 * (128 + q)) + (m - 128 d) * sum(x_bf16)
- * `vdpbf16ps` multiplies the activations rounded to bfloat16 with the numbers 128 + q, accumulating in
- * float32. 128 + q is a bfloat16 whose bits are 0x4300 | q (exponent 7, the code as the mantissa), so a
- * shift and one ternary-logic op turn packed nibbles into `vdpbf16ps` operands: no conversion, no
- * shuffle (the kernel before spent five ops, two of them shuffles, where this spends two; 32 rows
- * 11.8 -> 10.9 ms over a model's projections). Each product is exact in float32 (8 by 8 significant
- * bits); the sums run ~16x larger than with q alone, which costs a few bits of float32 accumulation
- * against the 8 the activations' rounding to bfloat16 already costs (measured: the same error against
- * the float32 reference). The activation sums are of the rounded values, so the 128 cancels exactly.
+ * int4 / int5: the activations rounded to int8 per group of 32 with their outliers kept in float32
+ * (quant_rows.h, llama.cpp's Q8_0 plus the outliers), then per output element and group
+ *     y += d * xscale * sum(q_x * q) + m * xsum,   then each outlier's d * x * q
+ * with the integer sums by `vpdpbusd`: 64 multiply-adds of unsigned codes by signed activations an
+ * instruction, into int32, exact. The kernel before multiplied bfloat16 activations by 128 + q in
+ * `vdpbf16ps`, 32 an instruction. The float operations are quant_gemm_avx2.c's in the same order, so
+ * the two kernels give the same bits.
+ * int8: `vdpbf16ps` over the activations rounded to bfloat16 and the codes converted exactly.
  *
  * Batch invariance: every output element is one fixed chain of operations over K (the same code
- * whatever tile its row or column falls in, and whichever thread runs it), so a row's result does
- * not depend on how many rows there are. Threads split the columns (OpenMP, torch's libgomp pool).
+ * whatever tile its row or column falls in, and whichever thread runs it), and a row's rounding is its
+ * own, so a row's result does not depend on how many rows there are. Threads split the columns (OpenMP,
+ * torch's libgomp pool).
  *
  * Layout (model/linear.py pack_c_layout): for each block of 16 output columns, group of 32 inputs and
- * quarter jq of the group, 32 16-bit lanes; nibble t of lane 2c + p is the code of column c, input
- * 8 jq + 2 t + p. Scales d and offsets m: float16, [N/16][K/32][16]; offsets NULL for symmetric codes,
- * m = -8 d (int4: Q4_0's) or -16 d (int5: Q5_0's), computed instead of read (0.5 bits a weight less to
- * keep). int5's fifth bits: uint32 [N/16][K/32][4 jq][4 t], bit 2c + p the one of nibble t of lane 2c + p.
- * int8: [N/16][K/2][16][2] bytes, scales float32 [N]; int8g: the same codes, scales float32 [N/16][K/32][16].
+ * quarter jq of the group, 64 bytes: byte 4c + p holds the code of column c, input 8jq + p in its low
+ * nibble and input 8jq + 4 + p in its high (a mask, or a shift and a mask, gives `vpdpbusd` the codes of
+ * four inputs of 16 columns). Fifth bits: uint64 [N/16][K/32][4 jq][2 h], bit 4c + p the one of the code
+ * of column c, input 8jq + 4h + p. Scales d and offsets m: float16, [N/16][K/32][16]; offsets NULL for
+ * symmetric codes, m = -8 d (int4: Q4_0's) or -16 d (int5: Q5_0's), computed instead of read (0.5 bits
+ * a weight less to keep). int8: [N/16][K/2][16][2] bytes, scales float32 [N]; int8g: the same codes,
+ * scales float32 [N/16][K/32][16].
  *
- * Built at run time by model/kernels.py with -mavx512f -mavx512bw -mavx512vl -mavx512bf16.
+ * Built at run time by model/kernels.py with -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx512bf16
+ * (and AVX2 + FMA + F16C for quant_rows.h).
  */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
+#include "quant_rows.h"
 
-#define GROUP 32
 #define COLS 16      /* output columns per zmm */
 #define TILE_COLS 3  /* column blocks per tile: 48 columns */
-#define TILE_ROWS 6  /* int4 rows per tile: 6 x 3 accumulators + 3 code vectors + 3 operands in 32 zmm (the
-                        * running outputs stay in y). 8 rows, each operand serving more, were 10-14% slower at
-                        * 32-512 rows (the compiler spills); 7 as fast as 6; 5 or 4 rows of 4 blocks no faster */
+#define TILE_ROWS 6  /* int4 rows per tile: 6 x 3 accumulators, 6 code vectors and 2 broadcasts in 32 zmm */
 #define INT8_TILE_ROWS 8  /* each converted int8 weight serves 8 rows (4 rows: the 32-row LM head 3.4 -> 2.5 ms) */
 #define PREFETCH_GROUPS 8  /* the codes this many groups on are asked for: at one row the projections stream
                             * 53 MB from DRAM a token (batch-1 int4 time 2.6-2.9 -> 2.1-2.2 ms; 2, 4, 16 slower) */
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* Two adjacent bfloat16 activations as one 32-bit lane (memcpy: no aliasing through another type). */
-INLINE int32_t pair_bits(const uint16_t *p) {
+/* Four adjacent int8 activations as one 32-bit lane (memcpy: no aliasing through another type). */
+INLINE int32_t quad_bits(const int8_t *p) {
     int32_t v;
-    __builtin_memcpy(&v, p, sizeof v);
+    memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* One tile: rows [0, MR) of xb (bfloat16, row stride K) x column blocks [nb0, nb0 + NB). Each group's dot
- * products accumulate in registers; the running outputs live in y (L1), updated once per group. */
-INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, const int MR, const int NB,
-                 const uint8_t *codes, const uint32_t *hi, const uint16_t *scale, const uint16_t *offset,
+/* A 64-bit word of fifth bits as a byte mask. */
+INLINE __mmask64 fifth_mask(const uint64_t *p) {
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return (__mmask64)v;
+}
+
+/* Input k of one group's codes (cg: its 4 x 64 bytes; hg: its fifth bits or NULL) for the 16 columns,
+ * as float32. */
+INLINE __m512 input_codes(const uint8_t *cg, const uint64_t *hg, int k) {
+    const int jq = k / 8, h = k % 8 / 4, p = k % 4;
+    __m512i v = _mm512_loadu_si512(cg + jq * 64);
+    v = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
+    if (hg) v = _mm512_or_si512(v, _mm512_maskz_mov_epi8(fifth_mask(hg + 2 * jq + h), _mm512_set1_epi8(16)));
+    v = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * p)), _mm512_set1_epi32(0xFF));
+    return _mm512_cvtepi32_ps(v);
+}
+
+/* The tile's rows' outliers times their weights in column block nb, d * x * code, into their 16 outputs
+ * each (their offsets are in their groups' sums). As quant_gemm_avx2.c's: the rows' lists walked
+ * together, an input's codes unpacked once for every row that has it, each row adding its outliers in
+ * its own order. */
+static void add_outliers(const QuantRows *rows, int64_t row0, int MR, int64_t G, const uint8_t *codes,
+                         const uint64_t *hi, const uint16_t *scale, int64_t nb, float *y, int64_t N) {
+    const int32_t *at[TILE_ROWS], *end[TILE_ROWS];
+    const float *value[TILE_ROWS];
+    for (int r = 0; r < MR; r++) {
+        at[r] = rows->outlier_at + (row0 + r) * G * MAX_OUTLIERS;
+        end[r] = at[r] + rows->outliers[row0 + r];
+        value[r] = rows->outlier_x + (row0 + r) * G * MAX_OUTLIERS;
+    }
+    for (;;) {
+        int32_t k = INT32_MAX;  /* the next input any row has as an outlier */
+        for (int r = 0; r < MR; r++)
+            if (at[r] < end[r] && *at[r] < k) k = *at[r];
+        if (k == INT32_MAX) return;
+        const int64_t group = nb * G + k / GROUP;
+        const __m512 c = input_codes(codes + group * (GROUP / 2) * COLS, hi ? hi + group * 8 : NULL, k % GROUP);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + group * COLS)));
+        for (int r = 0; r < MR; r++) {
+            if (at[r] == end[r] || *at[r] != k) continue;
+            float *o = y + r * N;
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(c, _mm512_mul_ps(d, _mm512_set1_ps(*value[r])), _mm512_loadu_ps(o)));
+            at[r]++;
+            value[r]++;
+        }
+    }
+}
+
+/* One tile: rows [row0, row0 + MR) x column blocks [nb0, nb0 + NB). Each group's integer dot products
+ * accumulate in registers; the running outputs live in y (L1), updated once per group. */
+INLINE void tile(const QuantRows *rows, int64_t row0, int64_t K, int64_t G, const int MR, const int NB,
+                 const uint8_t *codes, const uint64_t *hi, const uint16_t *scale, const uint16_t *offset,
                  int64_t nb0, float *y, int64_t N) {
-    __m512 acc[TILE_ROWS][TILE_COLS];
-    const __m512i nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
-    const __m512i sixteen = _mm512_set1_epi16(16);
+    const int8_t *xq = rows->q + row0 * K;
+    const float *xscale = rows->scale + row0 * G, *sums = rows->sum + row0 * G;
+    const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
+    __m512i acc[TILE_ROWS][TILE_COLS];
     for (int r = 0; r < MR; r++)
         for (int b = 0; b < NB; b++) _mm512_storeu_ps(y + r * N + (nb0 + b) * COLS, _mm512_setzero_ps());
     for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < MR; r++)
-            for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
+            for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_si512();
         for (int b = 0; b < NB; b++) {  /* the codes PREFETCH_GROUPS groups on (past the end: harmless) */
             const uint8_t *ahead = codes + ((nb0 + b) * G + g + PREFETCH_GROUPS) * (GROUP / 2) * COLS;
             for (int line = 0; line < GROUP / 2 * COLS; line += 64) __builtin_prefetch(ahead + line);
-            if (hi) __builtin_prefetch(hi + ((nb0 + b) * G + g + PREFETCH_GROUPS) * 16);
+            if (hi) __builtin_prefetch(hi + ((nb0 + b) * G + g + PREFETCH_GROUPS) * 8);
         }
         for (int jq = 0; jq < 4; jq++) {
-            __m512i v[TILE_COLS];
-            for (int b = 0; b < NB; b++)
-                v[b] = _mm512_loadu_si512(codes + (((nb0 + b) * G + g) * 4 + jq) * 64);
-            for (int t = 0; t < 4; t++) {
-                __m512i w[TILE_COLS];  /* 0x4300 | nibble t of each lane: 128 + q as bfloat16 */
-                for (int b = 0; b < NB; b++) {
-                    w[b] = _mm512_ternarylogic_epi32(t ? _mm512_srli_epi16(v[b], 4 * t) : v[b], nibble, bf16_128, 0xEA);
-                    if (hi)  /* + 16 where the code's fifth bit is set: 128 + q stays exact in bfloat16 */
-                        w[b] = _mm512_mask_add_epi16(w[b], (__mmask32)hi[(((nb0 + b) * G + g) * 4 + jq) * 4 + t],
-                                                     w[b], sixteen);
+            __m512i w0[TILE_COLS], w1[TILE_COLS];  /* inputs 8jq .. + 3 and 8jq + 4 .. + 7 */
+            for (int b = 0; b < NB; b++) {
+                const int64_t at = ((nb0 + b) * G + g) * 4 + jq;
+                const __m512i v = _mm512_loadu_si512(codes + at * 64);
+                w0[b] = _mm512_and_si512(v, low);
+                w1[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (hi) {  /* + 16 where the code's fifth bit is set */
+                    w0[b] = _mm512_mask_add_epi8(w0[b], fifth_mask(hi + 2 * at), w0[b], sixteen);
+                    w1[b] = _mm512_mask_add_epi8(w1[b], fifth_mask(hi + 2 * at + 1), w1[b], sixteen);
                 }
-                for (int r = 0; r < MR; r++) {
-                    const __m512i xv = _mm512_set1_epi32(pair_bits(xb + r * K + g * GROUP + 8 * jq + 2 * t));
-                    for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)w[b]);
-                }
+            }
+            for (int r = 0; r < MR; r++) {
+                const int8_t *xg = xq + r * K + g * GROUP + 8 * jq;
+                const __m512i x0 = _mm512_set1_epi32(quad_bits(xg)), x1 = _mm512_set1_epi32(quad_bits(xg + 4));
+                for (int b = 0; b < NB; b++)
+                    acc[r][b] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][b], w0[b], x0), w1[b], x1);
             }
         }
         for (int b = 0; b < NB; b++) {
@@ -98,28 +150,28 @@ INLINE void tile(const uint16_t *xb, const float *sums, int64_t K, int64_t G, co
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + at)));
             const __m512 m = offset ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(offset + at)))
                                     : _mm512_mul_ps(_mm512_set1_ps(hi ? -16.0f : -8.0f), d);  /* symmetric */
-            const __m512 m128 = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), d, m);  /* m - 128 d */
             for (int r = 0; r < MR; r++) {
                 float *o = y + r * N + (nb0 + b) * COLS;
-                const __m512 out = _mm512_fmadd_ps(acc[r][b], d, _mm512_loadu_ps(o));
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(sums[r * G + g]), m128, out));
+                const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(xscale[r * G + g]));
+                const __m512 out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][b]), dx, _mm512_loadu_ps(o));
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_set1_ps(sums[r * G + g]), m, out));
             }
         }
     }
+    for (int b = 0; b < NB; b++)
+        add_outliers(rows, row0, MR, G, codes, hi, scale, nb0 + b, y + (nb0 + b) * COLS, N);
 }
 
 /* All rows for column blocks [nb0, nb0 + nb), in tiles of at most TILE_ROWS (gemm_tile_rows).
  * The switch gives the compiler constant tile sizes to unroll and keep in registers; inlined into its
  * callers, int4's (hi NULL) loses the fifth-bit code altogether. */
-INLINE void column_tile(const uint16_t *xb, const float *sums, int64_t M, int64_t K, int64_t G,
-                        const uint8_t *codes, const uint32_t *hi, const uint16_t *scale, const uint16_t *offset,
-                        int64_t nb0, int nb, float *y, int64_t N) {
+INLINE void column_tile(const QuantRows *rows, int64_t M, int64_t K, int64_t G, const uint8_t *codes,
+                        const uint64_t *hi, const uint16_t *scale, const uint16_t *offset, int64_t nb0, int nb,
+                        float *y, int64_t N) {
     for (int64_t m = 0, mr; m < M; m += mr) {
         mr = gemm_tile_rows(M - m, TILE_ROWS);
-        const uint16_t *xm = xb + m * K;
-        const float *sm = sums + m * G;
         float *ym = y + m * N;
-#define TILE(MR, NB) tile(xm, sm, K, G, MR, NB, codes, hi, scale, offset, nb0, ym, N)
+#define TILE(MR, NB) tile(rows, m, K, G, MR, NB, codes, hi, scale, offset, nb0, ym, N)
 #define ROWS(MR) case MR * 4 + 3: TILE(MR, 3); break; case MR * 4 + 2: TILE(MR, 2); break; \
                  case MR * 4 + 1: TILE(MR, 1); break;
         switch (mr * 4 + nb) {
@@ -130,45 +182,24 @@ INLINE void column_tile(const uint16_t *xb, const float *sums, int64_t M, int64_
     }
 }
 
-/* Activations to bfloat16 (round to nearest even) and, when `sums` is given, each group of 32's sum of
- * the rounded values. */
-static void to_bf16(const float *x, int64_t M, int64_t G, uint16_t *xb, float *sums) {
-    for (int64_t i = 0; i < M * G; i++) {
-        const float *src = x + i * GROUP;
-        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src));
-        _mm512_store_si512(xb + i * GROUP, h);
-        if (!sums) continue;
-        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(h, _mm512_set1_epi32((int)0xFFFF0000u)));
-        sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
-    }
-}
-
-/* int4 (hi NULL) or int5. Returns 0, or 1 when the scratch buffers cannot be allocated. K % 32 == 0 and
- * N % 16 == 0. */
-static int low_bit_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *hi,
+/* int4 (hi NULL) or int5. Returns 0, or 1 when the activations' buffer cannot be allocated. K % 32 == 0
+ * and N % 16 == 0. */
+static int low_bit_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint64_t *hi,
                         const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
-    uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * M * K + 63) / 64 * 64);
-    float *sums = malloc(sizeof(float) * M * G);
-    if (!xb || !sums) {
-        free(xb);
-        free(sums);
-        return 1;
-    }
-    to_bf16(x, M, G, xb, sums);
+    const QuantRows rows = quantize_rows8(x, M, K);
+    if (!rows.scale) return 1;
     const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
 #pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t nb0 = t * TILE_COLS;
         const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
         if (hi)
-            column_tile(xb, sums, M, K, G, codes, hi, scale, offset, nb0, nb, y, N);
+            column_tile(&rows, M, K, G, codes, hi, scale, offset, nb0, nb, y, N);
         else
-            column_tile(xb, sums, M, K, G, codes, NULL, scale, offset, nb0, nb, y, N);
+            column_tile(&rows, M, K, G, codes, NULL, scale, offset, nb0, nb, y, N);
     }
-    free(xb);
-    free(sums);
+    free(rows.scale);
     return 0;
 }
 
@@ -179,7 +210,7 @@ int int4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const 
 
 int int5_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *hi,
               const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
-    return low_bit_gemm(x, M, K, codes, hi, scale, offset, N, y);
+    return low_bit_gemm(x, M, K, codes, (const uint64_t *)hi, scale, offset, N, y);
 }
 
 /* int4_gemm's tiles into a per-thread buffer, each row's `keep` largest outputs kept as they come (kernels.h):
@@ -188,16 +219,13 @@ int int4_top(const float *x, int64_t M, int64_t K, const uint8_t *codes, const u
              const uint16_t *offset, int64_t N, int64_t keep, int64_t slots, float *top_values, int32_t *top_ids,
              uint8_t *unordered) {
     const int64_t G = K / GROUP, blocks = N / COLS, width = TILE_COLS * COLS;
-    uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * M * K + 63) / 64 * 64);
-    float *sums = malloc(sizeof(float) * M * G);
+    const QuantRows rows = quantize_rows8(x, M, K);
     float *tiles_out = aligned_alloc(64, sizeof(float) * slots * M * width);
-    if (!xb || !sums || !tiles_out) {
-        free(xb);
-        free(sums);
+    if (!rows.scale || !tiles_out) {
+        free(rows.scale);
         free(tiles_out);
         return 1;
     }
-    to_bf16(x, M, G, xb, sums);
     const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
 #pragma omp parallel num_threads(slots)
     {
@@ -207,7 +235,7 @@ int int4_top(const float *x, int64_t M, int64_t K, const uint8_t *codes, const u
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t nb0 = t * TILE_COLS, at = nb0 * G * COLS;
             const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
-            column_tile(xb, sums, M, K, G, codes + at * (GROUP / 2), NULL, scale + at, offset ? offset + at : NULL,
+            column_tile(&rows, M, K, G, codes + at * (GROUP / 2), NULL, scale + at, offset ? offset + at : NULL,
                         0, nb, y, width);
             for (int64_t r = 0; r < M; r++) {
                 float *vals = top_values + (slot * M + r) * keep;
@@ -227,10 +255,24 @@ int int4_top(const float *x, int64_t M, int64_t K, const uint8_t *codes, const u
             }
         }
     }
-    free(xb);
-    free(sums);
+    free(rows.scale);
     free(tiles_out);
     return 0;
+}
+
+/* Activations to bfloat16 (round to nearest even): the int8 kernels' operands. */
+static void to_bf16(const float *x, int64_t n, uint16_t *xb) {
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+        _mm512_store_si512(xb + i, h);
+    }
+}
+
+/* Two adjacent bfloat16 activations as one 32-bit lane (memcpy: no aliasing through another type). */
+INLINE int32_t pair_bits(const uint16_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
 /* --- int8 ---------------------------------------------------------------------------------------- */
@@ -297,7 +339,7 @@ static int int8_any(const float *x, int64_t M, int64_t K, const int8_t *codes, c
     const int64_t G = K / GROUP, blocks = N / COLS;
     uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * M * K + 63) / 64 * 64);
     if (!xb) return 1;
-    to_bf16(x, M, G, xb, NULL);  /* the weights' scales only: no activation group sums needed */
+    to_bf16(x, M * K, xb);
     const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
 #pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
     for (int64_t t = 0; t < tiles; t++) {

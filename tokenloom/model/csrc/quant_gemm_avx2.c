@@ -26,95 +26,15 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "quant_rows.h"
 #include "simd_avx2.h"
 
-#define GROUP 32
 #define COLS 16      /* output columns per column block: two ymm */
 #define TILE_ROWS 4  /* 4 rows x 2 accumulators + code vectors and broadcasts fit in 16 ymm */
 
 #define PREFETCH_GROUPS 8  /* the codes this many groups on are asked for: batch-1 decode is DRAM-bound */
 
 #define INLINE static inline __attribute__((always_inline))
-
-/* The largest of the 8 lanes. */
-INLINE float hmax8(__m256 v) {
-    __m128 b = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    b = _mm_max_ps(b, _mm_movehl_ps(b, b));
-    return _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
-}
-
-/* An input of a group whose magnitude is more than OUTLIER_RATIO times the group's mean magnitude is an
- * outlier: it is taken out of the group's int8 rounding and meets its weights in float32. int8 steps of
- * the group's largest / 127 would otherwise leave the other inputs a few bits: RMS-normed inputs have a
- * few outlier channels. Measured with the rounding simulated on the float32 models (top-1 agreement with
- * float32 over 2,500 tokens): SmolLM2 0.977 with every input rounded, 0.991 with outliers (0.28 a group).
- * At most 5 a group: 6 outliers would sum to more than the group's total. */
-#define OUTLIER_RATIO 6.0f
-#define MAX_OUTLIERS 5
-
-/* The activations of the int4 / int5 gemms: per row and group of 32 inputs int8 codes, their scale and
- * the rounded group's sum; per row its outliers (above), in a list: their inputs (g * 32 + k) and values. */
-typedef struct {
-    int8_t *q;
-    float *scale, *sum, *outlier_x;  /* outlier_x, outlier_at: MAX_OUTLIERS * G a row */
-    int32_t *outlier_at, *outliers;  /* outliers: how many each row has */
-} QuantRows;
-
-/* One row's group of 32 inputs: its outliers (above) as they are, appended to the row's list (`at` the
- * group's first input), the rest as int8 with the rest's own scale: x ~= scale * q, |q| <= 127, the
- * largest at 127, an outlier's q 0. `sum`: scale * sum(q) + the outliers, so that the offset term meets
- * the same rounded activations as the codes (y is then exactly W times the rounded x, its error
- * sum(e_k w_k), the weights centred where the codes are not). A non-finite group gets a NaN scale, so
- * it reaches the outputs as the float32 path would let it. */
-INLINE void quantize_group8(const float *x, int8_t *q, float *scale, float *sum, int32_t at, float *outlier_x,
-                            int32_t *outlier_at, int32_t *outliers) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 v[4], a[4];
-    for (int i = 0; i < 4; i++) {
-        v[i] = _mm256_loadu_ps(x + 8 * i);
-        a[i] = _mm256_and_ps(v[i], magnitude);
-    }
-    /* the sum of magnitudes keeps NaNs and infinities (max would skip NaNs) */
-    const float total = hsum8(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
-    if (!(total <= FLT_MAX)) {
-        *scale = NAN;
-        *sum = 0.0f;
-        memset(q, 0, GROUP);
-        return;
-    }
-    float outlier_sum = 0.0f;
-    const __m256 bar = _mm256_set1_ps(OUTLIER_RATIO * total / GROUP);
-    for (int i = 0; i < 4; i++) {
-        const __m256 out = _mm256_cmp_ps(a[i], bar, _CMP_GT_OQ);
-        for (unsigned bits = (unsigned)_mm256_movemask_ps(out); bits; bits &= bits - 1) {
-            const int k = 8 * i + __builtin_ctz(bits);
-            outlier_at[*outliers] = at + k;
-            outlier_x[(*outliers)++] = x[k];
-            outlier_sum += x[k];
-        }
-        v[i] = _mm256_andnot_ps(out, v[i]);
-        a[i] = _mm256_andnot_ps(out, a[i]);
-    }
-    const float largest = hmax8(_mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3])));
-    if (largest < 1e-30f) {  /* (nearly) all zeros: nothing to multiply */
-        *scale = 0.0f;
-        *sum = outlier_sum;
-        memset(q, 0, GROUP);
-        return;
-    }
-    *scale = largest / 127.0f;
-    const __m256 inv = _mm256_set1_ps(127.0f / largest);  /* |x * inv| <= 127 + an ulp: no saturation */
-    __m256i i32[4];
-    for (int i = 0; i < 4; i++) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  /* to nearest even */
-    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    *sum = *scale * (float)_mm_cvtsi128_si32(s4) + outlier_sum;
-    /* the packs interleave 128-bit lanes: dwords of four inputs come out as 0, 8, 16, 24, 4, 12, 20, 28 */
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
-    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-}
 
 /* One row's group of 32 inputs as int16 with a power-of-two scale (the int8 weights' activations):
  * x ~= scale * q, |q| <= 32767, every input keeping 15 bits relative to its group's largest. A
@@ -279,27 +199,6 @@ INLINE void tile(const QuantRows *rows, int64_t row0, int64_t K, int64_t G, cons
         }
     }
     add_outliers(rows, row0, MR, G, codes, hi, scale, nb, y + nb * COLS, N);
-}
-
-/* The activations [M, K] as int8 groups with their outliers (quantize_group8), the rows split between
- * the threads: one buffer, freed with free(rows.scale). */
-static QuantRows quantize_rows8(const float *x, int64_t M, int64_t K) {
-    const int64_t G = K / GROUP;
-    QuantRows rows = {NULL, malloc(4 * (size_t)((2 + 2 * MAX_OUTLIERS) * M * G + M) + (size_t)(M * K)), NULL, NULL, NULL, NULL};
-    if (!rows.scale) return rows;
-    rows.sum = rows.scale + M * G;
-    rows.outlier_x = rows.sum + M * G;
-    rows.outlier_at = (int32_t *)(rows.outlier_x + MAX_OUTLIERS * M * G);
-    rows.outliers = rows.outlier_at + MAX_OUTLIERS * M * G;
-    rows.q = (int8_t *)(rows.outliers + M);
-#pragma omp parallel for schedule(static) if (M * G >= 512)
-    for (int64_t r = 0; r < M; r++) {
-        rows.outliers[r] = 0;
-        for (int64_t g = 0, i = r * G; g < G; g++, i++)
-            quantize_group8(x + i * GROUP, rows.q + i * GROUP, rows.scale + i, rows.sum + i, (int32_t)(g * GROUP),
-                            rows.outlier_x + r * G * MAX_OUTLIERS, rows.outlier_at + r * G * MAX_OUTLIERS, rows.outliers + r);
-    }
-    return rows;
 }
 
 /* The activations [M, K] as int16 groups (quantize_group16): xq, then the scales; freed with free(). */

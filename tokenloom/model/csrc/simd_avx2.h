@@ -1,5 +1,5 @@
 /* Small AVX2 + FMA helpers shared by the kernels compiled with -mavx2 -mfma (layer_ops.c,
- * paged_attention.c). */
+ * paged_attention.c, quant_rows.h). */
 #ifndef TOKENLOOM_SIMD_AVX2_H
 #define TOKENLOOM_SIMD_AVX2_H
 
@@ -11,6 +11,13 @@ static inline float hsum8(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* The largest of the 8 lanes. */
+static inline float hmax8(__m256 v) {
+    __m128 b = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    b = _mm_max_ps(b, _mm_movehl_ps(b, b));
+    return _mm_cvtss_f32(_mm_max_ss(b, _mm_movehdup_ps(b)));
 }
 
 /* The lane sums of four vectors, [sum a0, sum a1, sum a2, sum a3], in one fixed order (three hadds
