@@ -48,6 +48,7 @@
 #define INT8_TILE_ROWS 8  /* each converted int8 weight serves 8 rows (4 rows: the 32-row LM head 3.4 -> 2.5 ms) */
 #define PREFETCH_GROUPS 8  /* the codes this many groups on are asked for: at one row the projections stream
                             * 53 MB from DRAM a token (batch-1 int4 time 2.6-2.9 -> 2.1-2.2 ms; 2, 4, 16 slower) */
+_Static_assert(TILE_ROWS <= OUTLIER_WALK_ROWS, "add_outliers walks at most OUTLIER_WALK_ROWS rows");
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -77,32 +78,18 @@ INLINE __m512 input_codes(const uint8_t *cg, const uint64_t *hg, int k) {
 }
 
 /* The tile's rows' outliers times their weights in column block nb, d * x * code, into their 16 outputs
- * each (their offsets are in their groups' sums). As quant_gemm_avx2.c's: the rows' lists walked
- * together, an input's codes unpacked once for every row that has it, each row adding its outliers in
- * its own order. */
+ * each (their offsets are in their groups' sums), the rows' lists walked together (quant_rows.h). */
 static void add_outliers(const QuantRows *rows, int64_t row0, int MR, int64_t G, const uint8_t *codes,
                          const uint64_t *hi, const uint16_t *scale, int64_t nb, float *y, int64_t N) {
-    const int32_t *at[TILE_ROWS], *end[TILE_ROWS];
-    const float *value[TILE_ROWS];
-    for (int r = 0; r < MR; r++) {
-        at[r] = rows->outlier_at + (row0 + r) * G * MAX_OUTLIERS;
-        end[r] = at[r] + rows->outliers[row0 + r];
-        value[r] = rows->outlier_x + (row0 + r) * G * MAX_OUTLIERS;
-    }
-    for (;;) {
-        int32_t k = INT32_MAX;  /* the next input any row has as an outlier */
-        for (int r = 0; r < MR; r++)
-            if (at[r] < end[r] && *at[r] < k) k = *at[r];
-        if (k == INT32_MAX) return;
+    OutlierWalk walk = outlier_walk(rows, row0, MR, G);
+    for (int32_t k; (k = outlier_walk_next(&walk)) != INT32_MAX;) {
         const int64_t group = nb * G + k / GROUP;
         const __m512 c = input_codes(codes + group * (GROUP / 2) * COLS, hi ? hi + group * 8 : NULL, k % GROUP);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + group * COLS)));
         for (int r = 0; r < MR; r++) {
-            if (at[r] == end[r] || *at[r] != k) continue;
-            float *o = y + r * N;
-            _mm512_storeu_ps(o, _mm512_fmadd_ps(c, _mm512_mul_ps(d, _mm512_set1_ps(*value[r])), _mm512_loadu_ps(o)));
-            at[r]++;
-            value[r]++;
+            float x, *o = y + r * N;
+            if (outlier_walk_take(&walk, r, k, &x))
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(c, _mm512_mul_ps(d, _mm512_set1_ps(x)), _mm512_loadu_ps(o)));
         }
     }
 }

@@ -31,6 +31,7 @@
 
 #define COLS 16      /* output columns per column block: two ymm */
 #define TILE_ROWS 4  /* 4 rows x 2 accumulators + code vectors and broadcasts fit in 16 ymm */
+_Static_assert(TILE_ROWS <= OUTLIER_WALK_ROWS, "add_outliers walks at most OUTLIER_WALK_ROWS rows");
 
 #define PREFETCH_GROUPS 8  /* the codes this many groups on are asked for: batch-1 decode is DRAM-bound */
 
@@ -107,37 +108,22 @@ INLINE void input_codes(const uint8_t *cg, const uint8_t *planes, int k, __m256 
 }
 
 /* The tile's rows' outliers times their weights in column block nb, d * x * code, into their 16 outputs
- * each (their offsets are in their groups' sums). RMS-normed rows share their outlier channels, so the
- * rows' lists (each ascending) are walked together: an input's codes are unpacked once for every row
- * that has it (SmolLM2's 880-token prefill: 9.5% of its time in here when each row unpacked its own).
- * Each row still adds its outliers in its own order, the same operations as alone. After the tile:
- * inlined in it they cost its loop registers. */
+ * each (their offsets are in their groups' sums), the rows' lists walked together (quant_rows.h). After
+ * the tile: inlined in it they cost its loop registers. */
 static void add_outliers(const QuantRows *rows, int64_t row0, int MR, int64_t G, const uint8_t *codes,
                          const uint8_t *hi, const uint16_t *scale, int64_t nb, float *y, int64_t N) {
-    const int32_t *at[TILE_ROWS], *end[TILE_ROWS];
-    const float *value[TILE_ROWS];
-    for (int r = 0; r < MR; r++) {
-        at[r] = rows->outlier_at + (row0 + r) * G * MAX_OUTLIERS;
-        end[r] = at[r] + rows->outliers[row0 + r];
-        value[r] = rows->outlier_x + (row0 + r) * G * MAX_OUTLIERS;
-    }
-    for (;;) {
-        int32_t k = INT32_MAX;  /* the next input any row has as an outlier */
-        for (int r = 0; r < MR; r++)
-            if (at[r] < end[r] && *at[r] < k) k = *at[r];
-        if (k == INT32_MAX) return;
+    OutlierWalk walk = outlier_walk(rows, row0, MR, G);
+    for (int32_t k; (k = outlier_walk_next(&walk)) != INT32_MAX;) {
         const int64_t group = nb * G + k / GROUP;
         __m256 c[2], d[2];
         input_codes(codes + group * (GROUP / 2) * COLS, hi ? hi + group * 64 : NULL, k % GROUP, &c[0], &c[1]);
         for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + group * COLS + 8 * h)));
         for (int r = 0; r < MR; r++) {
-            if (at[r] == end[r] || *at[r] != k) continue;
-            const __m256 xv = _mm256_set1_ps(*value[r]);
-            float *o = y + r * N;
+            float x, *o = y + r * N;
+            if (!outlier_walk_take(&walk, r, k, &x)) continue;
+            const __m256 xv = _mm256_set1_ps(x);
             for (int h = 0; h < 2; h++)
                 _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(c[h], _mm256_mul_ps(d[h], xv), _mm256_loadu_ps(o + 8 * h)));
-            at[r]++;
-            value[r]++;
         }
     }
 }
