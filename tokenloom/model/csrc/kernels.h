@@ -11,7 +11,7 @@
 
 #include <stdint.h>
 
-/* quant_gemm.c (AVX512-BF16) and quant_gemm_avx2.c (AVX2 + FMA): the same three, each in its own layout. */
+/* quant_gemm.c (AVX-512: VNNI, BF16) and quant_gemm_avx2.c (AVX2 + FMA): the same three, each in its own layout. */
 typedef int int4_gemm_fn(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const uint16_t *scales,
                          const uint16_t *offsets, int64_t n, float *y);
 typedef int int5_gemm_fn(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const uint32_t *fifth_bits,
