@@ -178,15 +178,17 @@ def pack_c_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | No
     8jq + 4 + p in its high (a mask, or a shift and a mask, gives `vpdpbusd` four inputs of 16 columns);
     the fifth bits (None for 4-bit codes) [N/16, K/32, 4, 2] int64, bit 4c + p of word (jq, h) that of the
     code of column c, input 8jq + 4h + p; scales and offsets [N/16, K/32, 16] float16 (Q4_1's own)."""
+    import numpy as np
+
     n, kb, _ = blocks.shape
-    q = blocks[..., 2:].to(torch.int64).reshape(n // 16, 16, kb, GROUP // 8, 2, 4)  # nb, c, g, jq, h, p
+    q = blocks[..., 2:].to(torch.uint8).reshape(n // 16, 16, kb, GROUP // 8, 2, 4)  # nb, c, g, jq, h, p
     q = q.permute(0, 2, 3, 1, 5, 4)  # nb, g, jq, c, p, h
-    codes = ((q[..., 0] & 0xF) | ((q[..., 1] & 0xF) << 4)).reshape(n // 16, kb, GROUP // 8, 64).to(torch.uint8)
-    bits = (q >> 4) & 1
+    codes = ((q[..., 0] & 0xF) | ((q[..., 1] & 0xF) << 4)).reshape(n // 16, kb, GROUP // 8, 64)
+    high = q >> 4
     fifth = None
-    if bits.any():  # int64 sums of distinct bits: bit 63 wraps to the sign, the word's two's complement
-        bits = bits.permute(0, 1, 2, 5, 3, 4).reshape(n // 16, kb, GROUP // 8, 2, 64)  # nb, g, jq, h, 4c + p
-        fifth = (bits << torch.arange(64)).sum(-1).contiguous()
+    if high.any():  # 64 bits, first one lowest: the little-endian int64 words the kernel reads
+        bits = high.permute(0, 1, 2, 5, 3, 4).reshape(n // 16, kb, GROUP // 8, 2, 64)  # nb, g, jq, h, 4c + p
+        fifth = torch.from_numpy(np.packbits(bits.numpy(), axis=-1, bitorder="little")).view(torch.int64)[..., 0]
     return codes.contiguous(), fifth, *_scales_and_offsets(blocks, fifth is not None)
 
 
