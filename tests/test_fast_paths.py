@@ -376,13 +376,24 @@ def test_grouped_int8_c_kernel_is_exact_on_its_activations(kernel, rows):
     w[:, :32] *= 50  # the first group of every column is 50x the others
     layer = linear.Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel), grouped=True)
     q, scale = linear.quantize_int8_grouped(w)
-    x = torch.randn(rows, 96)
-    xr = (x.bfloat16() if kernel == "c" else int16_groups(x)).double()
+    x = with_outliers(torch.randn(rows, 96))  # the AVX-512 kernel's int8 groups keep them in float32
+    xr = (int8_groups(x) if kernel == "c" else int16_groups(x)).double()
     ref = (xr.reshape(rows, 1, 3, 32) * (q.double().reshape(1, 112, 3, 32) * scale.double()[None, :, :, None])).sum((2, 3))
     torch.testing.assert_close(layer(x).double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
     dequantized = (q.float().reshape(112, 3, 32) * scale[..., None]).reshape(112, 96)
     assert ((dequantized - w)[:, 32:].abs().max()) <= w[:, 32:].abs().max() / 254 + 1e-6
+
+
+@pytest.mark.parametrize("kernel", C_KERNELS)
+def test_grouped_int8_kernel_keeps_non_finite_activations(kernel):
+    """As int4's: a NaN or an infinity reaches its own row's outputs, the other rows untouched."""
+    layer = linear.Int8Linear(torch.randn(48, 64) * 0.1, torch.bfloat16, kernel=int4_kernel(kernel), grouped=True)
+    x = torch.randn(4, 64)
+    x[1, 5], x[2, 40], x[3] = float("nan"), float("inf"), 0.0
+    out = layer(x)
+    assert out[1].isnan().all() and not out[2].isfinite().any()
+    assert torch.equal(out[0], layer(x[:1])[0]) and torch.equal(out[3], torch.zeros(48))
 
 
 @needs_int8

@@ -211,23 +211,28 @@ def pack_avx2_layout(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor |
     return codes.contiguous(), fifth, *_scales_and_offsets(blocks, fifth is not None)
 
 
-def pack_int8_c_layout(q: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] -> the C kernel's layout [N/16, K/2, 16, 2]: each pair of inputs of 16 columns together."""
+def pack_int8_c_layout(q: torch.Tensor, inputs: int = 2) -> torch.Tensor:
+    """int8 [N, K] -> the C kernels' layout [N/16, K/inputs, 16, inputs]: each run of `inputs` adjacent
+    inputs of 16 columns together (2: the int8 kernels' pairs; 4: the AVX-512 int8g's VNNI quads)."""
     n, k = q.shape
-    return q.reshape(n // 16, 16, k // 2, 2).transpose(1, 2).contiguous()
+    return q.reshape(n // 16, 16, k // inputs, inputs).transpose(1, 2).contiguous()
+
+
+def pack_int8_quads(q: torch.Tensor) -> torch.Tensor:
+    return pack_int8_c_layout(q, 4)
 
 
 class QuantGemm:
     """ctypes front of csrc/quant_gemm.c (AVX-512) or csrc/quant_gemm_avx2.c (AVX2 + FMA): float32
     x [M, K] -> float32 [M, N] over int4 or int8 weights."""
 
-    def __init__(self, lib, name: str, pack_int4=pack_c_layout):
+    def __init__(self, lib, name: str, pack_int4=pack_c_layout, pack_int8g=pack_int8_c_layout):
         """`pack_int4`: blocks -> (codes, fifth bits or None, scales, offsets) in the layout this library's
-        int4_gemm / int5_gemm read."""
+        int4_gemm / int5_gemm read; `pack_int8g`: int8 codes [N, K] -> its int8g_gemm's."""
         import ctypes
 
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self.name, self.pack_int4 = name, pack_int4
+        self.name, self.pack_int4, self.pack_int8g = name, pack_int4, pack_int8g
         self._int4, self._int5 = lib.int4_gemm, lib.int5_gemm
         self._int8, self._int8g = lib.int8_gemm, lib.int8g_gemm
         self._int4.argtypes = [p, i64, i64, p, p, p, i64, p]
@@ -287,7 +292,7 @@ class QuantGemm:
         """Per-column scales [N] (per_column_int8) or a scale per group of 32 inputs [N/16, K/32, 16]
         (grouped_int8)."""
         fn = self._int8 if scales.dim() == 1 else self._int8g
-        return self._run(fn, x, codes.shape[1] * 2, codes.shape[0] * 16, codes, scales, out=out)
+        return self._run(fn, x, codes.shape[1] * codes.shape[3], codes.shape[0] * 16, codes, scales, out=out)
 
 
 # Outputs of at least this many bytes are allocated for a whole multiple of OUTPUT_ROWS_STEP rows.
@@ -313,6 +318,7 @@ def _quant_gemm_check(code_bytes: str) -> str:
 
 
 _CODE_BYTES_C = r"""
+INT8G_INPUTS = 4  # pack_int8_quads
 def code_bytes(q, N, G):  # pack_c_layout: byte 4c + p of quarter jq, inputs 8jq + p (low nibble) and 8jq + 4 + p
     return bytearray((q[nb * 16 + c][g * 32 + 8 * jq + p] & 15) | (q[nb * 16 + c][g * 32 + 8 * jq + 4 + p] & 15) << 4
                      for nb in range(N // 16) for g in range(G) for jq in range(4) for c in range(16) for p in range(4))
@@ -322,6 +328,7 @@ def fifth_bytes(q, N, G):  # its fifth bits: uint64 per (block, group, jq, h), b
     return bytearray(b"".join(w.to_bytes(8, "little") for w in words))
 """
 _CODE_BYTES_AVX2 = r"""
+INT8G_INPUTS = 2  # pack_int8_c_layout
 def code_bytes(q, N, G):  # pack_avx2_layout: byte 4c + p of slot jj, columns c (low nibble) and 8 + c
     return bytearray((q[nb * 16 + c][g * 32 + 4 * jj + p] & 15) | (q[nb * 16 + 8 + c][g * 32 + 4 * jj + p] & 15) << 4
                      for nb in range(N // 16) for g in range(G) for jj in range(8) for c in range(8) for p in range(4))
@@ -422,7 +429,9 @@ fn8g.restype = ctypes.c_int
 fn8g.argtypes = fn8.argtypes
 g8 = [[rng.uniform(0.001, 0.01) for _ in range(G)] for _ in range(N)]
 gs = (ctypes.c_float * (N * G))(*[g8[nb * 16 + c][g] for nb in range(N // 16) for g in range(G) for c in range(16)])
-assert fn8g(xbuf, M, K, (ctypes.c_uint8 * len(c8)).from_buffer(c8), gs, N, y) == 0
+c8g = bytearray(w8[nb * 16 + c][INT8G_INPUTS * j + i] & 0xFF for nb in range(N // 16) for j in range(K // INT8G_INPUTS)
+                for c in range(16) for i in range(INT8G_INPUTS))
+assert fn8g(xbuf, M, K, (ctypes.c_uint8 * len(c8g)).from_buffer(c8g), gs, N, y) == 0
 for r in range(M):
     for n in range(N):
         ref = sum(x[r * K + k] * w8[n][k] * struct.unpack("<f", struct.pack("<f", g8[n][k // 32]))[0] for k in range(K))
@@ -443,7 +452,7 @@ def quant_gemm_avx512() -> QuantGemm | None:
     """The AVX-512 kernels (csrc/quant_gemm.c: int4 / int5 by VNNI over the activations rounded to int8 per
     group of 32, int8 by BF16 dot products) where they build and pass their check."""
     lib = kernels.load(SPEC_AVX512)
-    return QuantGemm(lib, "c-avx512", pack_c_layout) if lib is not None else None
+    return QuantGemm(lib, "c-avx512", pack_c_layout, pack_int8_quads) if lib is not None else None
 
 
 @functools.cache
@@ -593,7 +602,7 @@ class Int8Linear(SplitRowsLinear):
         self.grouped = grouped and self.kernel is not None
         q, scale = quantize_int8_grouped(weight) if self.grouped else quantize_int8(weight)
         if self.kernel is not None:
-            self.register_buffer("codes", pack_int8_c_layout(q))
+            self.register_buffer("codes", self.kernel.pack_int8g(q) if self.grouped else pack_int8_c_layout(q))
             if self.grouped:  # [N/16, K/32, 16] float32: each column block's 16 scales per group
                 scale = scale.reshape(self.out_features // 16, 16, -1).transpose(1, 2)
             self.register_buffer("scales", scale.float().contiguous())

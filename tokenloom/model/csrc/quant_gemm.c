@@ -290,40 +290,77 @@ INLINE void tile8(const uint16_t *xb, int64_t K, const int MR, const int NB, con
     }
 }
 
-/* --- int8 with a scale per group of 32 inputs ------------------------------------------------------- */
+/* --- int8 with a scale per group of 32 inputs: VNNI over the int4 kernels' int8 activations -------------
+ * Codes [N/16][K/4][16][4]: each column's four adjacent inputs as one 32-bit lane. `vpdpbusd` multiplies
+ * unsigned bytes by signed ones, so the codes go in as q + 128 (the sign bit flipped: one xor) and each
+ * group's integer sums give back 128 times the activations' own sum (quant_rows.h's qsum): exactly
+ * sum(q_x * q), with no float cancellation. Then per group y += d * xscale * sum, and the outliers'
+ * d * x * q, as int4's. */
 
-/* As tile8, but each group's dot products meet the group's column scales before joining the running
- * outputs in y (L1), as int4's tile does with its d and m. */
-INLINE void tile8g(const uint16_t *xb, int64_t K, int64_t G, const int MR, const int NB, const int8_t *codes,
-                   const float *gscale, int64_t nb0, float *y, int64_t N) {
-    __m512 acc[INT8_TILE_ROWS][TILE_COLS];
-    for (int r = 0; r < MR; r++)
-        for (int b = 0; b < NB; b++) _mm512_storeu_ps(y + r * N + (nb0 + b) * COLS, _mm512_setzero_ps());
-    for (int64_t g = 0; g < G; g++) {
-        for (int r = 0; r < MR; r++)
-            for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
-        for (int64_t j = g * GROUP / 2; j < (g + 1) * GROUP / 2; j++) {
-            __m512i w[TILE_COLS];
-            for (int b = 0; b < NB; b++) w[b] = int8_to_bf16(codes + ((nb0 + b) * (K / 2) + j) * 2 * COLS);
-            for (int r = 0; r < MR; r++) {
-                const __m512i xv = _mm512_set1_epi32(pair_bits(xb + r * K + 2 * j));
-                for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], (__m512bh)xv, (__m512bh)w[b]);
-            }
-        }
-        for (int b = 0; b < NB; b++) {
-            const __m512 s = _mm512_loadu_ps(gscale + ((nb0 + b) * G + g) * COLS);
-            for (int r = 0; r < MR; r++) {
-                float *o = y + r * N + (nb0 + b) * COLS;
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(acc[r][b], s, _mm512_loadu_ps(o)));
-            }
+/* Input k of one group's codes (cg: its 8 x 64 bytes) for the 16 columns, as float32. */
+INLINE __m512 input_codes8(const int8_t *cg, int k) {
+    const __m512i v = _mm512_loadu_si512(cg + k / 4 * 64);
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8 * (3 - k % 4)), 24));
+}
+
+static void add_outliers8(const QuantRows *rows, int64_t row0, int MR, int64_t G, const int8_t *codes,
+                          const float *gscale, int64_t nb, float *y, int64_t N) {
+    OutlierWalk walk = outlier_walk(rows, row0, MR, G);
+    for (int32_t k; (k = outlier_walk_next(&walk)) != INT32_MAX;) {
+        const int64_t group = nb * G + k / GROUP;
+        const __m512 c = input_codes8(codes + group * GROUP * COLS, k % GROUP);
+        const __m512 d = _mm512_loadu_ps(gscale + group * COLS);
+        for (int r = 0; r < MR; r++) {
+            float x, *o = y + r * N;
+            if (outlier_walk_take(&walk, r, k, &x))
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(c, _mm512_mul_ps(d, _mm512_set1_ps(x)), _mm512_loadu_ps(o)));
         }
     }
 }
 
-/* Both int8 kernels' driver: per-column `scale`, or (non-NULL) per-group `gscale`. */
-static int int8_any(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale,
-                    const float *gscale, int64_t N, float *y) {
-    const int64_t G = K / GROUP, blocks = N / COLS;
+INLINE void tile8g(const QuantRows *rows, int64_t row0, int64_t K, int64_t G, const int MR, const int NB,
+                   const int8_t *codes, const float *gscale, int64_t nb0, float *y, int64_t N) {
+    const int8_t *xq = rows->q + row0 * K;
+    const float *xscale = rows->scale + row0 * G;
+    const int32_t *qsum = rows->qsum + row0 * G;
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    __m512i acc[TILE_ROWS][TILE_COLS];
+    for (int r = 0; r < MR; r++)
+        for (int b = 0; b < NB; b++) _mm512_storeu_ps(y + r * N + (nb0 + b) * COLS, _mm512_setzero_ps());
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < MR; r++)
+            for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_si512();
+        for (int b = 0; b < NB; b++) {  /* the codes PREFETCH_GROUPS groups on (past the end: harmless) */
+            const int8_t *ahead = codes + ((nb0 + b) * G + g + PREFETCH_GROUPS) * GROUP * COLS;
+            for (int line = 0; line < GROUP * COLS; line += 64) __builtin_prefetch(ahead + line);
+        }
+        for (int j = 0; j < GROUP / 4; j++) {
+            __m512i w[TILE_COLS];
+            for (int b = 0; b < NB; b++)
+                w[b] = _mm512_xor_si512(_mm512_loadu_si512(codes + (((nb0 + b) * G + g) * 8 + j) * 64), sign);
+            for (int r = 0; r < MR; r++) {
+                const __m512i xv = _mm512_set1_epi32(quad_bits(xq + r * K + g * GROUP + 4 * j));
+                for (int b = 0; b < NB; b++) acc[r][b] = _mm512_dpbusd_epi32(acc[r][b], w[b], xv);
+            }
+        }
+        for (int b = 0; b < NB; b++) {
+            const __m512 d = _mm512_loadu_ps(gscale + ((nb0 + b) * G + g) * COLS);
+            for (int r = 0; r < MR; r++) {
+                float *o = y + r * N + (nb0 + b) * COLS;
+                const __m512i dot = _mm512_sub_epi32(acc[r][b], _mm512_set1_epi32(128 * qsum[r * G + g]));
+                const __m512 dx = _mm512_mul_ps(d, _mm512_set1_ps(xscale[r * G + g]));
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx, _mm512_loadu_ps(o)));
+            }
+        }
+    }
+    for (int b = 0; b < NB; b++)
+        add_outliers8(rows, row0, MR, G, codes, gscale, nb0 + b, y + (nb0 + b) * COLS, N);
+}
+
+/* The per-column int8 kernel's driver. */
+static int int8_any(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, int64_t N,
+                    float *y) {
+    const int64_t blocks = N / COLS;
     uint16_t *xb = aligned_alloc(64, (sizeof(uint16_t) * M * K + 63) / 64 * 64);
     if (!xb) return 1;
     to_bf16(x, M * K, xb);
@@ -336,8 +373,7 @@ static int int8_any(const float *x, int64_t M, int64_t K, const int8_t *codes, c
             mr = gemm_tile_rows(M - m, INT8_TILE_ROWS);
             const uint16_t *xm = xb + m * K;
             float *ym = y + m * N;
-#define TILE8(MR, NB) (gscale ? tile8g(xm, K, G, MR, NB, codes, gscale, nb0, ym, N) \
-                              : tile8(xm, K, MR, NB, codes, scale, nb0, ym, N))
+#define TILE8(MR, NB) tile8(xm, K, MR, NB, codes, scale, nb0, ym, N)
 #define ROWS8(MR) case MR * 4 + 3: TILE8(MR, 3); break; case MR * 4 + 2: TILE8(MR, 2); break; \
                   case MR * 4 + 1: TILE8(MR, 1); break;
             switch (mr * 4 + nb) {
@@ -353,10 +389,33 @@ static int int8_any(const float *x, int64_t M, int64_t K, const int8_t *codes, c
 
 /* y[M, N] = (x[M, K] rounded to bfloat16) @ (scale[n] * q[n][k])^T. K % 32 == 0, N % 16 == 0. */
 int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *scale, int64_t N, float *y) {
-    return int8_any(x, M, K, codes, scale, NULL, N, y);
+    return int8_any(x, M, K, codes, scale, N, y);
 }
 
-/* y[M, N] = (x rounded to bfloat16) @ (scale[n][k / 32] * q[n][k])^T. K % 32 == 0, N % 16 == 0. */
+/* y[M, N] = (x as int8 groups with their outliers) @ (gscale[n][k / 32] * q[n][k])^T, codes [N/16][K/4][16][4].
+ * K % 32 == 0, N % 16 == 0. Returns 0, or 1 when the activations' buffer cannot be allocated. */
 int int8g_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *gscale, int64_t N, float *y) {
-    return int8_any(x, M, K, codes, NULL, gscale, N, y);
+    const int64_t G = K / GROUP, blocks = N / COLS;
+    const QuantRows rows = quantize_rows8(x, M, K);
+    if (!rows.scale) return 1;
+    const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
+#pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t nb0 = t * TILE_COLS;
+        const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
+        for (int64_t m = 0, mr; m < M; m += mr) {
+            mr = gemm_tile_rows(M - m, TILE_ROWS);
+            float *ym = y + m * N;
+#define TILE8G(MR, NB) tile8g(&rows, m, K, G, MR, NB, codes, gscale, nb0, ym, N)
+#define ROWS8G(MR) case MR * 4 + 3: TILE8G(MR, 3); break; case MR * 4 + 2: TILE8G(MR, 2); break; \
+                   case MR * 4 + 1: TILE8G(MR, 1); break;
+            switch (mr * 4 + nb) {
+                ROWS8G(6) ROWS8G(5) ROWS8G(4) ROWS8G(3) ROWS8G(2) ROWS8G(1)
+            }
+#undef ROWS8G
+#undef TILE8G
+        }
+    }
+    free(rows.scale);
+    return 0;
 }

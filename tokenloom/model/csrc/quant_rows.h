@@ -31,6 +31,7 @@ typedef struct {
     int8_t *q;
     float *scale, *sum, *outlier_x;  /* outlier_x, outlier_at: MAX_OUTLIERS * G a row */
     int32_t *outlier_at, *outliers;  /* outliers: how many each row has */
+    int32_t *qsum;                   /* per row and group the sum of its int8 codes (int8g's VNNI kernel) */
 } QuantRows;
 
 /* One row's group of 32 inputs: its outliers (above) as they are, appended to the row's list (`at` the
@@ -39,8 +40,9 @@ typedef struct {
  * the same rounded activations as the codes (y is then exactly W times the rounded x, its error
  * sum(e_k w_k), the weights centred where the codes are not). A non-finite group gets a NaN scale, so
  * it reaches the outputs as the float32 path would let it. */
-static inline __attribute__((always_inline)) void quantize_group8(const float *x, int8_t *q, float *scale, float *sum, int32_t at, float *outlier_x,
-                            int32_t *outlier_at, int32_t *outliers) {
+static inline __attribute__((always_inline)) void quantize_group8(const float *x, int8_t *q, float *scale, float *sum,
+                                                                 int32_t *qsum, int32_t at, float *outlier_x,
+                                                                 int32_t *outlier_at, int32_t *outliers) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 v[4], a[4];
     for (int i = 0; i < 4; i++) {
@@ -52,6 +54,7 @@ static inline __attribute__((always_inline)) void quantize_group8(const float *x
     if (!(total <= FLT_MAX)) {
         *scale = NAN;
         *sum = 0.0f;
+        *qsum = 0;
         memset(q, 0, GROUP);
         return;
     }
@@ -72,6 +75,7 @@ static inline __attribute__((always_inline)) void quantize_group8(const float *x
     if (largest < 1e-30f) {  /* (nearly) all zeros: nothing to multiply */
         *scale = 0.0f;
         *sum = outlier_sum;
+        *qsum = 0;
         memset(q, 0, GROUP);
         return;
     }
@@ -83,7 +87,8 @@ static inline __attribute__((always_inline)) void quantize_group8(const float *x
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    *sum = *scale * (float)_mm_cvtsi128_si32(s4) + outlier_sum;
+    *qsum = _mm_cvtsi128_si32(s4);
+    *sum = *scale * (float)*qsum + outlier_sum;
     /* the packs interleave 128-bit lanes: dwords of four inputs come out as 0, 8, 16, 24, 4, 12, 20, 28 */
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
     _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
@@ -93,18 +98,19 @@ static inline __attribute__((always_inline)) void quantize_group8(const float *x
  * the threads: one buffer, freed with free(rows.scale). */
 static inline QuantRows quantize_rows8(const float *x, int64_t M, int64_t K) {
     const int64_t G = K / GROUP;
-    QuantRows rows = {NULL, malloc(4 * (size_t)((2 + 2 * MAX_OUTLIERS) * M * G + M) + (size_t)(M * K)), NULL, NULL, NULL, NULL};
+    QuantRows rows = {.scale = malloc(4 * (size_t)((3 + 2 * MAX_OUTLIERS) * M * G + M) + (size_t)(M * K))};
     if (!rows.scale) return rows;
     rows.sum = rows.scale + M * G;
     rows.outlier_x = rows.sum + M * G;
     rows.outlier_at = (int32_t *)(rows.outlier_x + MAX_OUTLIERS * M * G);
-    rows.outliers = rows.outlier_at + MAX_OUTLIERS * M * G;
+    rows.qsum = rows.outlier_at + MAX_OUTLIERS * M * G;
+    rows.outliers = rows.qsum + M * G;
     rows.q = (int8_t *)(rows.outliers + M);
 #pragma omp parallel for schedule(static) if (M * G >= 512)
     for (int64_t r = 0; r < M; r++) {
         rows.outliers[r] = 0;
         for (int64_t g = 0, i = r * G; g < G; g++, i++)
-            quantize_group8(x + i * GROUP, rows.q + i * GROUP, rows.scale + i, rows.sum + i, (int32_t)(g * GROUP),
+            quantize_group8(x + i * GROUP, rows.q + i * GROUP, rows.scale + i, rows.sum + i, rows.qsum + i, (int32_t)(g * GROUP),
                             rows.outlier_x + r * G * MAX_OUTLIERS, rows.outlier_at + r * G * MAX_OUTLIERS, rows.outliers + r);
     }
     return rows;
