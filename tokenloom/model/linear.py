@@ -12,7 +12,8 @@
     bfloat16): scale = d, zero = m + 8*d (the op computes (q - 8) * scale + zero); bit-exact against
     the dequantized weights with float32 scales (tests/test_fast_paths.py).
 - int8: per-output-channel int8 (C kernel, else `torch._weight_int8pack_mm`), requantized from the
-  dense weights.
+  dense weights; grouped (a scale per group of 32: the projections a GGUF stores wider than 5 bits) on
+  the C kernels, on AVX-512 by VNNI over the int4 kernels' int8 activations.
 - int4 + dense prefill (`quantize_model(dense_prefill=True)`; no longer what `auto` loads): int4 for
   decode rows and short prefill chunks, the same weights dequantized to bfloat16 for long prefill
   chunks through oneDNN. With today's kernels it made a 512-token prompt only 5-6% faster, for a
@@ -449,8 +450,9 @@ SPEC_AVX2 = kernels.KernelSpec("quant_gemm_avx2", frozenset({"avx2", "fma", "f16
 
 @functools.cache
 def quant_gemm_avx512() -> QuantGemm | None:
-    """The AVX-512 kernels (csrc/quant_gemm.c: int4 / int5 by VNNI over the activations rounded to int8 per
-    group of 32, int8 by BF16 dot products) where they build and pass their check."""
+    """The AVX-512 kernels (csrc/quant_gemm.c: int4 / int5 and grouped int8 by VNNI over the activations
+    rounded to int8 per group of 32, per-column int8 by BF16 dot products) where they build and pass
+    their check."""
     lib = kernels.load(SPEC_AVX512)
     return QuantGemm(lib, "c-avx512", pack_c_layout, pack_int8_quads) if lib is not None else None
 

@@ -29,7 +29,8 @@ int4_top_fn int4_top;     /* int4_gemm's outputs never stored: per row its `keep
                            * first: top_values / top_ids [slots][rows][keep], which the caller fills with -inf
                            * and -1 (to merge them); unordered [slots][rows] set where a row met a NaN */
 int8_gemm_fn int8_gemm;   /* int8, a float32 scale per column */
-int8_gemm_fn int8g_gemm;  /* int8, a float32 scale per group of 32 inputs and column */
+int8_gemm_fn int8g_gemm;  /* int8, a float32 scale per group of 32 inputs and column (AVX-512: codes in
+                           * quads, VNNI over quant_rows.h's int8 activations) */
 
 /* The gemms' row tiles: the next tile's rows when `left` rows remain and a tile holds at most `most`,
  * spreading them evenly over the fewest tiles (9 rows in tiles of 8: 5 + 4, not 8 + 1). A one-row tile

@@ -1,4 +1,4 @@
-/* Matmuls over quantized weights on AVX-512 (VNNI for int4 / int5, BF16 for int8), for every batch size:
+/* Matmuls over quantized weights on AVX-512 (VNNI for int4 / int5 / int8g, BF16 for int8), for every batch size:
  *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T with W in the GGUF's own Q4_1 blocks (w = d*q + m per 32
  *              weights, q in 0..15): the decoder's projections;
  *   int5_gemm: the same with 5-bit codes (q in 0..31: Q5_0's, w = d * (q - 16)): int4's nibbles plus a
@@ -14,6 +14,7 @@
  * instruction, into int32, exact. The kernel before multiplied bfloat16 activations by 128 + q in
  * `vdpbf16ps`, 32 an instruction. The float operations are quant_gemm_avx2.c's in the same order, so
  * the two kernels give the same bits.
+ * int8g: the same int8 activations and `vpdpbusd` over codes in quads (below), exact integer sums.
  * int8: `vdpbf16ps` over the activations rounded to bfloat16 and the codes converted exactly.
  *
  * Batch invariance: every output element is one fixed chain of operations over K (the same code
@@ -27,8 +28,8 @@
  * four inputs of 16 columns). Fifth bits: uint64 [N/16][K/32][4 jq][2 h], bit 4c + p the one of the code
  * of column c, input 8jq + 4h + p. Scales d and offsets m: float16, [N/16][K/32][16]; offsets NULL for
  * symmetric codes, m = -8 d (int4: Q4_0's) or -16 d (int5: Q5_0's), computed instead of read (0.5 bits
- * a weight less to keep). int8: [N/16][K/2][16][2] bytes, scales float32 [N]; int8g: the same codes,
- * scales float32 [N/16][K/32][16].
+ * a weight less to keep). int8: [N/16][K/2][16][2] bytes, scales float32 [N]; int8g: [N/16][K/4][16][4]
+ * bytes (model/linear.py pack_int8_quads), scales float32 [N/16][K/32][16].
  *
  * Built at run time by model/kernels.py with -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx512bf16
  * (and AVX2 + FMA + F16C for quant_rows.h).
