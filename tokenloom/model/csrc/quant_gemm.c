@@ -78,6 +78,16 @@ INLINE __m512 input_codes(const uint8_t *cg, const uint64_t *hg, int k) {
     return _mm512_cvtepi32_ps(v);
 }
 
+/* Each of the walk's rows whose next outlier is input k: d * x * c (input k's codes c, scales d) into
+ * its 16 outputs. Both kernels' add_outliers. */
+INLINE void add_outlier_products(OutlierWalk *walk, int32_t k, __m512 c, __m512 d, float *y, int64_t N) {
+    for (int r = 0; r < walk->rows; r++) {
+        float x, *o = y + r * N;
+        if (outlier_walk_take(walk, r, k, &x))
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(c, _mm512_mul_ps(d, _mm512_set1_ps(x)), _mm512_loadu_ps(o)));
+    }
+}
+
 /* The tile's rows' outliers times their weights in column block nb, d * x * code, into their 16 outputs
  * each (their offsets are in their groups' sums), the rows' lists walked together (quant_rows.h). */
 static void add_outliers(const QuantRows *rows, int64_t row0, int MR, int64_t G, const uint8_t *codes,
@@ -86,12 +96,7 @@ static void add_outliers(const QuantRows *rows, int64_t row0, int MR, int64_t G,
     for (int32_t k; (k = outlier_walk_next(&walk)) != INT32_MAX;) {
         const int64_t group = nb * G + k / GROUP;
         const __m512 c = input_codes(codes + group * (GROUP / 2) * COLS, hi ? hi + group * 8 : NULL, k % GROUP);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + group * COLS)));
-        for (int r = 0; r < MR; r++) {
-            float x, *o = y + r * N;
-            if (outlier_walk_take(&walk, r, k, &x))
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(c, _mm512_mul_ps(d, _mm512_set1_ps(x)), _mm512_loadu_ps(o)));
-        }
+        add_outlier_products(&walk, k, c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + group * COLS))), y, N);
     }
 }
 
@@ -310,12 +315,7 @@ static void add_outliers8(const QuantRows *rows, int64_t row0, int MR, int64_t G
     for (int32_t k; (k = outlier_walk_next(&walk)) != INT32_MAX;) {
         const int64_t group = nb * G + k / GROUP;
         const __m512 c = input_codes8(codes + group * GROUP * COLS, k % GROUP);
-        const __m512 d = _mm512_loadu_ps(gscale + group * COLS);
-        for (int r = 0; r < MR; r++) {
-            float x, *o = y + r * N;
-            if (outlier_walk_take(&walk, r, k, &x))
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(c, _mm512_mul_ps(d, _mm512_set1_ps(x)), _mm512_loadu_ps(o)));
-        }
+        add_outlier_products(&walk, k, c, _mm512_loadu_ps(gscale + group * COLS), y, N);
     }
 }
 
