@@ -180,7 +180,8 @@ def int16_groups(x: torch.Tensor) -> torch.Tensor:
 def test_int8_groups_keep_their_outliers_in_float32(kernel, qtype):
     """An input far above its group's others meets its weights in float32; rounded with them to int8 it
     would leave them a few bits (the error here ~30x larger). The rows of a tile walk their outlier lists
-    together: shared, own and no outliers, across a tile's end (4 rows), each row as it comes alone."""
+    together (shared, own and no outliers), and a gemm of more rows than a tile adds them input by input
+    for all its rows: either way each row as it comes alone."""
     n, k = 48, 64
     data = random_q4_1_bytes(n, k, seed=4) if qtype == "Q4_1" else q5_0_bytes(n, k, seed=4)
     blocks = linear.LOW_BIT_BLOCKS[qtype](data, (n, k))
@@ -193,6 +194,7 @@ def test_int8_groups_keep_their_outliers_in_float32(kernel, qtype):
     torch.testing.assert_close(out, int8_groups(x) @ w.t(), rtol=1e-5, atol=1e-4)
     for r in range(len(x)):
         assert torch.equal(out[r], layer(x[r:r + 1])[0].double()), r
+    assert torch.equal(layer(torch.cat([x, x.flip(0), x])).double(), torch.cat([out, out.flip(0), out]))
     all_rounded = int8_groups(x, outlier_ratio=float("inf"))
     exact = x.double() @ w.t()
     assert (all_rounded @ w.t() - exact).abs().mean() > 10 * (out - exact).abs().mean()
@@ -214,13 +216,15 @@ def test_int4_kernel_keeps_non_finite_activations(kernel):
 @needs_c
 @needs_c_avx2
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_0", "Q5_0"])
-def test_avx512_and_avx2_int4_kernels_give_the_same_bits(qtype):
+@pytest.mark.parametrize("rows", [5, 13])
+def test_avx512_and_avx2_int4_kernels_give_the_same_bits(qtype, rows):
     """The two C kernels round the activations alike (csrc/quant_rows.h), sum the integer products exactly
-    and do the same float operations in the same order: an AVX-512 machine's outputs are an AVX2 one's."""
+    and do the same float operations in the same order: an AVX-512 machine's outputs are an AVX2 one's.
+    5 rows: AVX-512's one tile walks its rows' outliers, AVX2 (tiles of 4) adds them input by input."""
     n, k = 112, 160
     data = random_q4_1_bytes(n, k, seed=11) if qtype == "Q4_1" else q5_0_bytes(n, k, seed=11, qtype=qtype)
     blocks = linear.LOW_BIT_BLOCKS[qtype](data, (n, k))
-    x = with_outliers(torch.randn(13, k, generator=torch.Generator().manual_seed(3)))
+    x = with_outliers(torch.randn(rows, k, generator=torch.Generator().manual_seed(3)))
     outs = [linear.Int4Linear(blocks, torch.bfloat16, kernel=kernel)(x) for kernel in (int4_kernel("c"), int4_kernel("c-avx2"))]
     assert torch.equal(*outs)
 

@@ -100,11 +100,31 @@ static void add_outliers(const QuantRows *rows, int64_t row0, int MR, int64_t G,
     }
 }
 
+/* Index entry i's rows: d * x * c (input inputs[i]'s codes c, scales d) into their 16 outputs (y: the
+ * column block's first output of row 0), as add_outlier_products does for a tile's rows. */
+INLINE void add_indexed_products(const OutlierIndex *ix, int32_t i, __m512 c, __m512 d, float *y, int64_t N) {
+    for (int32_t e = ix->first[i]; e < ix->first[i + 1]; e++) {
+        float *o = y + (int64_t)ix->row[e] * N;
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(c, _mm512_mul_ps(d, _mm512_set1_ps(ix->x[e])), _mm512_loadu_ps(o)));
+    }
+}
+
+/* Every row's outliers times their weights in column block nb (int4 / int5 codes). */
+static void add_indexed_outliers(const OutlierIndex *ix, int64_t G, const uint8_t *codes, const uint64_t *hi,
+                                 const uint16_t *scale, int64_t nb, float *y, int64_t N) {
+    for (int32_t i = 0; i < ix->count; i++) {
+        const int32_t k = ix->inputs[i];
+        const int64_t group = nb * G + k / GROUP;
+        const __m512 c = input_codes(codes + group * (GROUP / 2) * COLS, hi ? hi + group * 8 : NULL, k % GROUP);
+        add_indexed_products(ix, i, c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scale + group * COLS))), y, N);
+    }
+}
+
 /* One tile: rows [row0, row0 + MR) x column blocks [nb0, nb0 + NB). Each group's integer dot products
  * accumulate in registers; the running outputs live in y (L1), updated once per group. */
 INLINE void tile(const QuantRows *rows, int64_t row0, int64_t K, int64_t G, const int MR, const int NB,
                  const uint8_t *codes, const uint64_t *hi, const uint16_t *scale, const uint16_t *offset,
-                 int64_t nb0, float *y, int64_t N) {
+                 int64_t nb0, float *y, int64_t N, int walk) {
     const int8_t *xq = rows->q + row0 * K;
     const float *xscale = rows->scale + row0 * G, *sums = rows->sum + row0 * G;
     const __m512i low = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(16);
@@ -151,20 +171,22 @@ INLINE void tile(const QuantRows *rows, int64_t row0, int64_t K, int64_t G, cons
             }
         }
     }
-    for (int b = 0; b < NB; b++)
-        add_outliers(rows, row0, MR, G, codes, hi, scale, nb0 + b, y + (nb0 + b) * COLS, N);
+    if (walk)  /* else the column's outlier pass (column_tile) */
+        for (int b = 0; b < NB; b++)
+            add_outliers(rows, row0, MR, G, codes, hi, scale, nb0 + b, y + (nb0 + b) * COLS, N);
 }
 
-/* All rows for column blocks [nb0, nb0 + nb), in tiles of at most TILE_ROWS (gemm_tile_rows).
+/* All rows for column blocks [nb0, nb0 + nb), in tiles of at most TILE_ROWS (gemm_tile_rows), then
+ * their outliers: each tile walks its own, or with an index (more rows than a tile) one pass for all.
  * The switch gives the compiler constant tile sizes to unroll and keep in registers; inlined into its
  * callers, int4's (hi NULL) loses the fifth-bit code altogether. */
-INLINE void column_tile(const QuantRows *rows, int64_t M, int64_t K, int64_t G, const uint8_t *codes,
-                        const uint64_t *hi, const uint16_t *scale, const uint16_t *offset, int64_t nb0, int nb,
-                        float *y, int64_t N) {
+INLINE void column_tile(const QuantRows *rows, const OutlierIndex *ix, int64_t M, int64_t K, int64_t G,
+                        const uint8_t *codes, const uint64_t *hi, const uint16_t *scale, const uint16_t *offset,
+                        int64_t nb0, int nb, float *y, int64_t N) {
     for (int64_t m = 0, mr; m < M; m += mr) {
         mr = gemm_tile_rows(M - m, TILE_ROWS);
         float *ym = y + m * N;
-#define TILE(MR, NB) tile(rows, m, K, G, MR, NB, codes, hi, scale, offset, nb0, ym, N)
+#define TILE(MR, NB) tile(rows, m, K, G, MR, NB, codes, hi, scale, offset, nb0, ym, N, !ix)
 #define ROWS(MR) case MR * 4 + 3: TILE(MR, 3); break; case MR * 4 + 2: TILE(MR, 2); break; \
                  case MR * 4 + 1: TILE(MR, 1); break;
         switch (mr * 4 + nb) {
@@ -173,6 +195,8 @@ INLINE void column_tile(const QuantRows *rows, int64_t M, int64_t K, int64_t G, 
 #undef ROWS
 #undef TILE
     }
+    if (ix)
+        for (int b = 0; b < nb; b++) add_indexed_outliers(ix, G, codes, hi, scale, nb0 + b, y + (nb0 + b) * COLS, N);
 }
 
 /* int4 (hi NULL) or int5. Returns 0, or 1 when the activations' buffer cannot be allocated. K % 32 == 0
@@ -181,17 +205,23 @@ static int low_bit_gemm(const float *x, int64_t M, int64_t K, const uint8_t *cod
                         const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
     const QuantRows rows = quantize_rows8(x, M, K);
-    if (!rows.scale) return 1;
+    OutlierIndex ix;
+    if (!rows.scale || index_outliers(&rows, M, K, TILE_ROWS, &ix)) {
+        free(rows.scale);
+        return 1;
+    }
+    const OutlierIndex *index = ix.inputs ? &ix : NULL;
     const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
 #pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
     for (int64_t t = 0; t < tiles; t++) {
         const int64_t nb0 = t * TILE_COLS;
         const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
         if (hi)
-            column_tile(&rows, M, K, G, codes, hi, scale, offset, nb0, nb, y, N);
+            column_tile(&rows, index, M, K, G, codes, hi, scale, offset, nb0, nb, y, N);
         else
-            column_tile(&rows, M, K, G, codes, NULL, scale, offset, nb0, nb, y, N);
+            column_tile(&rows, index, M, K, G, codes, NULL, scale, offset, nb0, nb, y, N);
     }
+    free(ix.inputs);
     free(rows.scale);
     return 0;
 }
@@ -214,11 +244,13 @@ int int4_top(const float *x, int64_t M, int64_t K, const uint8_t *codes, const u
     const int64_t G = K / GROUP, blocks = N / COLS, width = TILE_COLS * COLS;
     const QuantRows rows = quantize_rows8(x, M, K);
     float *tiles_out = aligned_alloc(64, sizeof(float) * slots * M * width);
-    if (!rows.scale || !tiles_out) {
+    OutlierIndex ix = {0};
+    if (!rows.scale || !tiles_out || index_outliers(&rows, M, K, TILE_ROWS, &ix)) {
         free(rows.scale);
         free(tiles_out);
         return 1;
     }
+    const OutlierIndex *index = ix.inputs ? &ix : NULL;
     const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
 #pragma omp parallel num_threads(slots)
     {
@@ -228,8 +260,8 @@ int int4_top(const float *x, int64_t M, int64_t K, const uint8_t *codes, const u
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t nb0 = t * TILE_COLS, at = nb0 * G * COLS;
             const int nb = (int)(blocks - nb0 < TILE_COLS ? blocks - nb0 : TILE_COLS);
-            column_tile(&rows, M, K, G, codes + at * (GROUP / 2), NULL, scale + at, offset ? offset + at : NULL,
-                        0, nb, y, width);
+            column_tile(&rows, index, M, K, G, codes + at * (GROUP / 2), NULL, scale + at,
+                        offset ? offset + at : NULL, 0, nb, y, width);
             for (int64_t r = 0; r < M; r++) {
                 float *vals = top_values + (slot * M + r) * keep;
                 int32_t *ids = top_ids + (slot * M + r) * keep;
@@ -248,6 +280,7 @@ int int4_top(const float *x, int64_t M, int64_t K, const uint8_t *codes, const u
             }
         }
     }
+    free(ix.inputs);
     free(rows.scale);
     free(tiles_out);
     return 0;
@@ -319,8 +352,19 @@ static void add_outliers8(const QuantRows *rows, int64_t row0, int MR, int64_t G
     }
 }
 
+/* Every row's outliers times their weights in column block nb (int8g codes). */
+static void add_indexed_outliers8(const OutlierIndex *ix, int64_t G, const int8_t *codes, const float *gscale,
+                                  int64_t nb, float *y, int64_t N) {
+    for (int32_t i = 0; i < ix->count; i++) {
+        const int32_t k = ix->inputs[i];
+        const int64_t group = nb * G + k / GROUP;
+        add_indexed_products(ix, i, input_codes8(codes + group * GROUP * COLS, k % GROUP),
+                             _mm512_loadu_ps(gscale + group * COLS), y, N);
+    }
+}
+
 INLINE void tile8g(const QuantRows *rows, int64_t row0, int64_t K, int64_t G, const int MR, const int NB,
-                   const int8_t *codes, const float *gscale, int64_t nb0, float *y, int64_t N) {
+                   const int8_t *codes, const float *gscale, int64_t nb0, float *y, int64_t N, int walk) {
     const int8_t *xq = rows->q + row0 * K;
     const float *xscale = rows->scale + row0 * G;
     const int32_t *qsum = rows->qsum + row0 * G;
@@ -354,8 +398,9 @@ INLINE void tile8g(const QuantRows *rows, int64_t row0, int64_t K, int64_t G, co
             }
         }
     }
-    for (int b = 0; b < NB; b++)
-        add_outliers8(rows, row0, MR, G, codes, gscale, nb0 + b, y + (nb0 + b) * COLS, N);
+    if (walk)  /* else the column's outlier pass (int8g_gemm) */
+        for (int b = 0; b < NB; b++)
+            add_outliers8(rows, row0, MR, G, codes, gscale, nb0 + b, y + (nb0 + b) * COLS, N);
 }
 
 /* The per-column int8 kernel's driver. */
@@ -398,7 +443,11 @@ int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const f
 int int8g_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *gscale, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
     const QuantRows rows = quantize_rows8(x, M, K);
-    if (!rows.scale) return 1;
+    OutlierIndex ix;
+    if (!rows.scale || index_outliers(&rows, M, K, TILE_ROWS, &ix)) {
+        free(rows.scale);
+        return 1;
+    }
     const int64_t tiles = (blocks + TILE_COLS - 1) / TILE_COLS;
 #pragma omp parallel for schedule(dynamic, 1)  /* a thread the OS has paused leaves its tiles to the others */
     for (int64_t t = 0; t < tiles; t++) {
@@ -407,7 +456,7 @@ int int8g_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const 
         for (int64_t m = 0, mr; m < M; m += mr) {
             mr = gemm_tile_rows(M - m, TILE_ROWS);
             float *ym = y + m * N;
-#define TILE8G(MR, NB) tile8g(&rows, m, K, G, MR, NB, codes, gscale, nb0, ym, N)
+#define TILE8G(MR, NB) tile8g(&rows, m, K, G, MR, NB, codes, gscale, nb0, ym, N, !ix.inputs)
 #define ROWS8G(MR) case MR * 4 + 3: TILE8G(MR, 3); break; case MR * 4 + 2: TILE8G(MR, 2); break; \
                    case MR * 4 + 1: TILE8G(MR, 1); break;
             switch (mr * 4 + nb) {
@@ -416,7 +465,10 @@ int int8g_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const 
 #undef ROWS8G
 #undef TILE8G
         }
+        if (ix.inputs)
+            for (int b = 0; b < nb; b++) add_indexed_outliers8(&ix, G, codes, gscale, nb0 + b, y + (nb0 + b) * COLS, N);
     }
+    free(ix.inputs);
     free(rows.scale);
     return 0;
 }

@@ -128,13 +128,34 @@ static void add_outliers(const QuantRows *rows, int64_t row0, int MR, int64_t G,
     }
 }
 
+/* Every row's outliers (quant_rows.h's index) times their weights in column block nb, as add_outliers
+ * adds a tile's. */
+static void add_indexed_outliers(const OutlierIndex *ix, int64_t G, const uint8_t *codes, const uint8_t *hi,
+                                 const uint16_t *scale, int64_t nb, float *y, int64_t N) {
+    for (int32_t i = 0; i < ix->count; i++) {
+        const int32_t k = ix->inputs[i];
+        const int64_t group = nb * G + k / GROUP;
+        __m256 c[2], d[2];
+        input_codes(codes + group * (GROUP / 2) * COLS, hi ? hi + group * 64 : NULL, k % GROUP, &c[0], &c[1]);
+        for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scale + group * COLS + 8 * h)));
+        for (int32_t e = ix->first[i]; e < ix->first[i + 1]; e++) {
+            float *o = y + (int64_t)ix->row[e] * N;
+            const __m256 xv = _mm256_set1_ps(ix->x[e]);
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(c[h], _mm256_mul_ps(d[h], xv), _mm256_loadu_ps(o + 8 * h)));
+        }
+    }
+}
+
 /* Rows [0, MR) x column block nb. Per group of 32 inputs: y += d * xscale * dot + m * xsum, then each
- * outlier's d * x * code; the running outputs in y (L1). The integer dot products by vpmaddubsw (the
+ * outlier's d * x * code (when `walk`; else the column block's pass adds them, add_indexed_outliers);
+ * the running outputs in y (L1). The integer dot products by vpmaddubsw (the
  * codes unsigned, the activations signed: a multiply for 32 products and pair sums where vpmaddwd gives
  * 16), summed in int16 over the group (int4: 8 * 2 * 15 * 127 < 2^15) or half of it (5-bit codes to 31),
  * then widened. */
 INLINE void tile(const QuantRows *rows, int64_t row0, int64_t K, int64_t G, const int MR, const uint8_t *codes,
-                 const uint8_t *hi, const uint16_t *scale, const uint16_t *offset, int64_t nb, float *y, int64_t N) {
+                 const uint8_t *hi, const uint16_t *scale, const uint16_t *offset, int64_t nb, float *y, int64_t N,
+                 int walk) {
     const int8_t *xq = rows->q + row0 * K;
     const float *xscale = rows->scale + row0 * G, *sums = rows->sum + row0 * G;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -184,7 +205,7 @@ INLINE void tile(const QuantRows *rows, int64_t row0, int64_t K, int64_t G, cons
             }
         }
     }
-    add_outliers(rows, row0, MR, G, codes, hi, scale, nb, y + nb * COLS, N);
+    if (walk) add_outliers(rows, row0, MR, G, codes, hi, scale, nb, y + nb * COLS, N);
 }
 
 /* The activations [M, K] as int16 groups (quantize_group16): xq, then the scales; freed with free(). */
@@ -203,7 +224,12 @@ static int low_bit_gemm(const float *x, int64_t M, int64_t K, const uint8_t *cod
                         const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
     const QuantRows rows = quantize_rows8(x, M, K);
-    if (!rows.scale) return 1;
+    OutlierIndex ix;
+    if (!rows.scale || index_outliers(&rows, M, K, TILE_ROWS, &ix)) {
+        free(rows.scale);
+        return 1;
+    }
+    const int walk = !ix.inputs;
     const int64_t share = gemm_share_blocks(G, blocks);
 #pragma omp parallel for schedule(dynamic, share)
     for (int64_t nb = 0; nb < blocks; nb++) {
@@ -211,13 +237,15 @@ static int low_bit_gemm(const float *x, int64_t M, int64_t K, const uint8_t *cod
             mr = gemm_tile_rows(M - m, TILE_ROWS);
             float *ym = y + m * N;
             switch (mr) {
-                case 4: tile(&rows, m, K, G, 4, codes, hi, scale, offset, nb, ym, N); break;
-                case 3: tile(&rows, m, K, G, 3, codes, hi, scale, offset, nb, ym, N); break;
-                case 2: tile(&rows, m, K, G, 2, codes, hi, scale, offset, nb, ym, N); break;
-                default: tile(&rows, m, K, G, 1, codes, hi, scale, offset, nb, ym, N); break;
+                case 4: tile(&rows, m, K, G, 4, codes, hi, scale, offset, nb, ym, N, walk); break;
+                case 3: tile(&rows, m, K, G, 3, codes, hi, scale, offset, nb, ym, N, walk); break;
+                case 2: tile(&rows, m, K, G, 2, codes, hi, scale, offset, nb, ym, N, walk); break;
+                default: tile(&rows, m, K, G, 1, codes, hi, scale, offset, nb, ym, N, walk); break;
             }
         }
+        if (!walk) add_indexed_outliers(&ix, G, codes, hi, scale, nb, y + nb * COLS, N);
     }
+    free(ix.inputs);
     free(rows.scale);
     return 0;
 }
@@ -240,11 +268,13 @@ int int4_top(const float *x, int64_t M, int64_t K, const uint8_t *codes, const u
     const int64_t G = K / GROUP, blocks = N / COLS;
     const QuantRows rows = quantize_rows8(x, M, K);
     float *blocks_out = malloc(sizeof(float) * slots * M * COLS);
-    if (!rows.scale || !blocks_out) {
+    OutlierIndex ix = {0};
+    if (!rows.scale || !blocks_out || index_outliers(&rows, M, K, TILE_ROWS, &ix)) {
         free(rows.scale);
         free(blocks_out);
         return 1;
     }
+    const int walk = !ix.inputs;
 #pragma omp parallel num_threads(slots)
     {
         const int64_t slot = omp_get_thread_num();
@@ -257,12 +287,13 @@ int int4_top(const float *x, int64_t M, int64_t K, const uint8_t *codes, const u
                 const uint8_t *c = codes + at * (GROUP / 2);
                 const uint16_t *o = offset ? offset + at : NULL;
                 switch (mr) {
-                    case 4: tile(&rows, m, K, G, 4, c, NULL, scale + at, o, 0, y + m * COLS, COLS); break;
-                    case 3: tile(&rows, m, K, G, 3, c, NULL, scale + at, o, 0, y + m * COLS, COLS); break;
-                    case 2: tile(&rows, m, K, G, 2, c, NULL, scale + at, o, 0, y + m * COLS, COLS); break;
-                    default: tile(&rows, m, K, G, 1, c, NULL, scale + at, o, 0, y + m * COLS, COLS); break;
+                    case 4: tile(&rows, m, K, G, 4, c, NULL, scale + at, o, 0, y + m * COLS, COLS, walk); break;
+                    case 3: tile(&rows, m, K, G, 3, c, NULL, scale + at, o, 0, y + m * COLS, COLS, walk); break;
+                    case 2: tile(&rows, m, K, G, 2, c, NULL, scale + at, o, 0, y + m * COLS, COLS, walk); break;
+                    default: tile(&rows, m, K, G, 1, c, NULL, scale + at, o, 0, y + m * COLS, COLS, walk); break;
                 }
             }
+            if (!walk) add_indexed_outliers(&ix, G, codes + at * (GROUP / 2), NULL, scale + at, 0, y, COLS);
             for (int64_t r = 0; r < M; r++) {
                 float *vals = top_values + (slot * M + r) * keep;
                 int32_t *ids = top_ids + (slot * M + r) * keep;
@@ -281,6 +312,7 @@ int int4_top(const float *x, int64_t M, int64_t K, const uint8_t *codes, const u
             }
         }
     }
+    free(ix.inputs);
     free(rows.scale);
     free(blocks_out);
     return 0;
