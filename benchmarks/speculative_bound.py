@@ -141,7 +141,7 @@ def main() -> None:
     prefill = (off["prefill"] + on["prefill"]) / 2
     decode_off, steps_off = replay(answers, lambda *_: [], cost.__getitem__, k)
     lines = {"engine (measured)": {"ratio": off_total / on_total, "decode_s": sum(map(sum, on["decode"].values()))}}
-    depths = sorted({2, 4, 8, k} - {d for d in (2, 4, 8) if d > k})
+    depths = sorted({d for d in (2, 4, 8) if d < k} | {k})
     proposers = {**{f"lookup-{d}": lookup(d) for d in depths}, "lookup-oracle": lookup_oracle,
                  **{f"perfect-{d}": perfect(d) for d in depths}}
     for name, propose in proposers.items():
