@@ -179,9 +179,9 @@ def int16_groups(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0"])
 def test_int8_groups_keep_their_outliers_in_float32(kernel, qtype):
     """An input far above its group's others meets its weights in float32; rounded with them to int8 it
-    would leave them a few bits (the error here ~30x larger). The rows of a tile walk their outlier lists
-    together (shared, own and no outliers), and a gemm of more rows than a tile adds them input by input
-    for all its rows: either way each row as it comes alone."""
+    would leave them a few bits (the error here ~30x larger). Shared, own and no outliers: 6 rows are one
+    tile walking its rows' lists on AVX-512 (AVX2's tiles are 4: indexed), 18 rows are indexed input by
+    input on both; either way each row as it comes alone."""
     n, k = 48, 64
     data = random_q4_1_bytes(n, k, seed=4) if qtype == "Q4_1" else q5_0_bytes(n, k, seed=4)
     blocks = linear.LOW_BIT_BLOCKS[qtype](data, (n, k))
@@ -315,7 +315,7 @@ def test_int4_top_keeps_each_rows_largest_outputs(kernel, codes, rows):
         blocks[..., 1] = -8 * blocks[..., 0]
     layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=k)
     assert (layer.offsets is None) == (codes == "q4_0")
-    x = torch.randn(rows, 64, generator=gen)
+    x = with_outliers(torch.randn(rows, 64, generator=gen))  # more rows than a tile: the outlier index
     full = layer(x)
     values, ids, unordered = k.int4_top(x, layer.codes, layer.scales, layer.offsets, 18)
     best, order = values.topk(18, dim=1)

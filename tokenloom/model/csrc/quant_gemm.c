@@ -17,9 +17,10 @@
  * int8g: the same int8 activations and `vpdpbusd` over codes in quads (below), exact integer sums.
  * int8: `vdpbf16ps` over the activations rounded to bfloat16 and the codes converted exactly.
  *
- * Batch invariance: every output element is one fixed chain of operations over K (the same code
- * whatever tile its row or column falls in, and whichever thread runs it), and a row's rounding is its
- * own, so a row's result does not depend on how many rows there are. Threads split the columns (OpenMP,
+ * Batch invariance: every output element is one fixed chain of operations over K (the same operations
+ * whatever tile its row or column falls in, whether its tile walks its outliers or the gemm indexes
+ * them, and whichever thread runs it), and a row's rounding is its own, so a row's result does not
+ * depend on how many rows there are. Threads split the columns (OpenMP,
  * torch's libgomp pool).
  *
  * Layout (model/linear.py pack_c_layout): for each block of 16 output columns, group of 32 inputs and
@@ -199,8 +200,8 @@ INLINE void column_tile(const QuantRows *rows, const OutlierIndex *ix, int64_t M
         for (int b = 0; b < nb; b++) add_indexed_outliers(ix, G, codes, hi, scale, nb0 + b, y + (nb0 + b) * COLS, N);
 }
 
-/* int4 (hi NULL) or int5. Returns 0, or 1 when the activations' buffer cannot be allocated. K % 32 == 0
- * and N % 16 == 0. */
+/* int4 (hi NULL) or int5. Returns 0, or 1 when the activations' buffer or the outlier index cannot be
+ * allocated. K % 32 == 0 and N % 16 == 0. */
 static int low_bit_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint64_t *hi,
                         const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
@@ -439,7 +440,8 @@ int int8_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const f
 }
 
 /* y[M, N] = (x as int8 groups with their outliers) @ (gscale[n][k / 32] * q[n][k])^T, codes [N/16][K/4][16][4].
- * K % 32 == 0, N % 16 == 0. Returns 0, or 1 when the activations' buffer cannot be allocated. */
+ * K % 32 == 0, N % 16 == 0. Returns 0, or 1 when the activations' buffer or the outlier index cannot be
+ * allocated. */
 int int8g_gemm(const float *x, int64_t M, int64_t K, const int8_t *codes, const float *gscale, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;
     const QuantRows rows = quantize_rows8(x, M, K);

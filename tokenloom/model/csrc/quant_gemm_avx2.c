@@ -218,8 +218,8 @@ static int16_t *quantize_rows16(const float *x, int64_t M, int64_t K) {
     return xq;
 }
 
-/* int4 (hi NULL) or int5, in the layouts above. Returns 0, or 1 when the activations' int16 buffer
- * cannot be allocated. */
+/* int4 (hi NULL) or int5, in the layouts above. Returns 0, or 1 when the activations' buffer or the
+ * outlier index cannot be allocated. */
 static int low_bit_gemm(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint8_t *hi,
                         const uint16_t *scale, const uint16_t *offset, int64_t N, float *y) {
     const int64_t G = K / GROUP, blocks = N / COLS;

@@ -116,10 +116,9 @@ static inline QuantRows quantize_rows8(const float *x, int64_t M, int64_t K) {
     return rows;
 }
 
-/* A tile's rows' outlier lists walked together (the gemms' add_outliers): input by input, ascending, so
- * that an input's codes are unpacked once for every row that has it (SmolLM2's 880-token prefill spent
- * 9.5% of its time there when each row unpacked its own); each row still meets its outliers in its own
- * order, the same operations as alone. */
+/* A tile's rows' outlier lists walked together (the gemms' add_outliers, when a gemm has a tile's rows
+ * or fewer): input by input, ascending, so that an input's codes are unpacked once for every row of the
+ * tile that has it; each row still meets its outliers in its own order, the same operations as alone. */
 #define OUTLIER_WALK_ROWS 8  /* the most rows a tile has */
 typedef struct {
     const int32_t *at[OUTLIER_WALK_ROWS], *end[OUTLIER_WALK_ROWS];
@@ -156,7 +155,7 @@ static inline int outlier_walk_take(OutlierWalk *w, int r, int32_t k, float *x) 
 /* Every row's outliers grouped by input, for gemms of more rows than a tile: input inputs[i]'s entries
  * are [first[i], first[i + 1]) of `row` and `x`, rows ascending. An input's codes are then unpacked once
  * per column block for all the rows that have it, where a tile's walk (above) unpacks them once per tile
- * (SmolLM2's prefill on AVX-512 spent 16% of its time in the walks, 7.5% with the index). Each row still
+ * (SmolLM2's prefill on AVX-512 spent 16.5% of its time in the walks, 7.9% with the index). Each row still
  * meets its outliers in ascending input order after all its groups: the same operations in the same
  * order as the walk's, the same bits. */
 typedef struct {
