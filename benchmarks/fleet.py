@@ -106,8 +106,8 @@ def thread_cpu_seconds() -> dict[tuple[int, int], float]:
 def cpu_split(before: dict, after: dict, client_s: float, engine_pid: int, front_pid: int, wall: float) -> dict:
     """Cores' worth of CPU a cell used, by who used it: the engine process's two busiest threads (the
     forward's: the engine thread and the kernels' other thread), its other threads, the HTTP front when
-    it is another process, the load generator, and every other process (Ray's daemons, Serve's controller,
-    the board; the OS)."""
+    it is another process, the load generator, and every other process (Ray's daemons, Serve's controller;
+    the OS)."""
     used = {key: after[key] - before.get(key, 0.0) for key in after}
     engine = sorted((t for (pid, _), t in used.items() if pid == engine_pid), reverse=True)
     front = sum(t for (pid, _), t in used.items() if pid == front_pid) if front_pid != engine_pid else 0.0
@@ -277,7 +277,7 @@ def write_markdown(result: dict, path: Path) -> None:
         lines += setup_cell_table(o["rows"], (
             "The CPU each cell used, in cores (medians): the engine process's two busiest threads (the forward's), "
             "its other threads, the HTTP front when it is a process of its own, the load generator, and every "
-            "other process (for Ray: its daemons, Serve's controller, the board)."),
+            "other process (for Ray: its daemons, Serve's controller)."),
             {title: lambda x, key=key: f"{x[key]:.3f}" for title, key in (
                 ("forward's threads", "cpu_forward_threads"), ("engine's others", "cpu_engine_other"),
                 ("front", "cpu_front"), ("load generator", "cpu_client"), ("other processes", "cpu_others"))})

@@ -377,7 +377,7 @@ class _FakeHandle:
 
 def _fleet_client(*replicas) -> FleetClient:
     facts = ModelFacts(max_model_len=64, vocab_size=100, block_size=16, num_kv_blocks=8)
-    return FleetClient(_FakeHandle(*replicas), tokenizer=None, facts=facts, board_handle=None, front="ingress-1")
+    return FleetClient(_FakeHandle(*replicas), tokenizer=None, facts=facts, notice_board=None, front="ingress-1")
 
 
 def test_a_front_gets_every_requests_outputs_on_one_mailbox_call_and_a_cancel_touches_no_other():

@@ -1,12 +1,13 @@
 """The fleet as a Ray Serve application: `tokenloom serve --data-parallel-size N`, or `serve run`.
 
-Three deployments (four with disaggregated prefill):
+Two deployments (three with disaggregated prefill), and a board:
 - `engine`: N replicas of `EngineReplica` (replica.py), each an engine with its own KV cache and
   `cores / N` torch threads, routed to by `FleetRequestRouter` (ray_router.py) with the policy of
   `--routing-policy`. With `--prefill-replicas P`, P more replicas (`prefill`) compute each prompt's
   K/V first and hand it to an `engine` replica (disaggregated prefill; see replica.py). Ray Serve restarts a replica that dies or fails its health check, and scales
   between `min_replicas` and `max_replicas` on queue depth when `--autoscaling-config` is given.
-- `board`: where the replicas post their load, health and metrics every second (board.py).
+- the board: where the replicas post their load, health and metrics every second, in the cluster's
+  key-value store (board.py): no deployment, no process of its own.
 - `ingress`: the same FastAPI app as `tokenloom serve` (tokenloom/server) over a `FleetClient`
   (client.py): same routes, auth, errors and limits. `tokenloom serve -dp N` serves it from its own
   process, on --host/--port (start_fleet), and deploys no ingress replica unless prefill is
@@ -90,8 +91,7 @@ def build_fleet(args: argparse.Namespace, with_ingress: bool = True):
     cores = max(1, usable_cores() // (most + args.prefill_replicas))  # each replica's share at most
     engine_args = {k: v for k, v in vars(args).items() if k != "func"}
     engine_args["num_threads"] = args.num_threads or cores
-    notice_board = serve.deployment(FleetBoard, name="board", ray_actor_options={"num_cpus": 0},
-                                    logging_config={"enable_access_log": False}).bind()
+    notice_board = FleetBoard()  # its replicas know the application's name (`serve run` gives it later)
     prefill = None
     if args.prefill_replicas:
         # Prefill replicas are where prefixes are cached: they take the routing policy; decode
@@ -154,7 +154,7 @@ def start_fleet(args: argparse.Namespace, config):
     serve.start(http_options={"location": "NoServer"})
     serve.run(build_fleet(args, with_ingress=False), name=APP_NAME, route_prefix=None)
     handle = functools.partial(serve.get_deployment_handle, app_name=APP_NAME)
-    engines, notice_board = handle("engine"), handle("board")
+    engines, notice_board = handle("engine"), FleetBoard(APP_NAME)
     prefill = handle("prefill") if args.prefill_replicas else None
     logger.info("fleet: %d engine replica(s)%s, routing %s", args.data_parallel_size,
                 f" and {args.prefill_replicas} prefill replica(s)" if prefill else "", args.routing_policy)

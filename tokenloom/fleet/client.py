@@ -175,9 +175,9 @@ class _Lost:
 
 
 class FleetClient:
-    def __init__(self, handle, tokenizer, facts: ModelFacts, board_handle, prefill_handle=None,
+    def __init__(self, handle, tokenizer, facts: ModelFacts, notice_board, prefill_handle=None,
                  front: str | None = None):
-        """`handle`: the engine deployment's handle; `board_handle`: the board's (board.py);
+        """`handle`: the engine deployment's handle; `notice_board`: the fleet's board (board.py);
         `prefill_handle`: the prefill deployment's, for disaggregated prefill (else None); `front`: the
         name of the Ray actor this runs in, which every request carries, so a replica can stop
         the requests of a front that died (replica.py); None where the front is the Ray driver, which
@@ -187,7 +187,7 @@ class FleetClient:
         # is then one message rather than an object stored and reported through Ray's core, less CPU on
         # both sides. Disaggregated prefill hands the prompt's K/V to `generate` as a Ray object: by reference.
         self.handle = handle.options(stream=True, _by_reference=prefill_handle is not None)
-        self.board_handle = board_handle
+        self.notice_board = notice_board
         self.prefill_handle = prefill_handle
         self.tokenizer = tokenizer
         self.facts = facts
@@ -206,7 +206,7 @@ class FleetClient:
     async def _read_board_forever(self) -> None:
         """The replicas' reports into board.LATEST, which this process's router and /metrics read."""
         while True:
-            await board.refresh(self.board_handle)
+            await board.refresh(self.notice_board)
             await asyncio.sleep(board.REPORT_PERIOD_S)
 
     async def shutdown(self, timeout: float = 0.0) -> None:

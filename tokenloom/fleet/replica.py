@@ -78,8 +78,8 @@ class EngineReplica:
     async def _report_forever(self) -> None:
         while True:
             try:
-                await self.board.post.remote(self.replica_id, await self.report())
-            except Exception as exc:  # noqa: BLE001 - the board restarting must not stop the replica
+                await self.board.post(self.replica_id, await self.report())
+            except Exception as exc:  # noqa: BLE001 - the store being unreachable must not stop the replica
                 logger.warning("could not post to the fleet board: %r", exc)
             await self._abort_orphans()
             await asyncio.sleep(REPORT_PERIOD_S)
