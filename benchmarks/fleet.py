@@ -123,6 +123,8 @@ def children_cpu_seconds() -> float:
 
 def overhead(raw: Path, rounds: int, intervals: list[str]) -> dict:
     """Each setup `rounds` times, alternating (the machine drifts by 20% between minutes), medians kept.
+    Odd rounds run the setups in reverse order (ABBA), so that a drift within a round does not always
+    favour the setup that goes first.
     `intervals`: more Ray setups, with these --stream-batching-interval-ms."""
     from tokenloom.sim.step_log import read_step_records
 
@@ -130,7 +132,7 @@ def overhead(raw: Path, rounds: int, intervals: list[str]) -> dict:
                                     for ms in intervals}}
     runs: dict[str, dict[str, list[dict]]] = {setup: {cell: [] for cell in OVERHEAD_CELLS} for setup in setups}
     for r in range(rounds):
-        for setup, extra in setups.items():
+        for setup, extra in (reversed(setups.items()) if r % 2 else setups.items()):
             print(f"== overhead: {setup}, round {r + 1}", flush=True)
             steps = raw / f"steps-{setup}-{r + 1}.jsonl"  # a Ray replica's file has its pid added
             for old in raw.glob(f"{steps.stem}*.jsonl"):
