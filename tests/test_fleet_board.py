@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from tokenloom.fleet import board  # noqa: E402
-from tokenloom.fleet.board import FleetBoard  # noqa: E402
+from tokenloom.fleet import board
+from tokenloom.fleet.board import FleetBoard
 
 
 @pytest.fixture(scope="module", autouse=True)
