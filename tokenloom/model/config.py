@@ -10,6 +10,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # per-layer attention kinds, Hugging Face's names
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "freq_factors")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How a RoPE's frequencies are stretched past the context the model was trained on (transformers'
+    `rope_type`; model/rope.py computes each). Only the fields of `kind` are read."""
+
+    kind: str  # one of ROPE_SCALINGS; "freq_factors" is a GGUF's rope_freqs table (llama.cpp's llama3)
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 0  # llama3, yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float = 1.0  # yarn: cos and sin are multiplied by this
+    truncate: bool = True  # yarn: the correction range rounded outwards
+    freq_factors: tuple[float, ...] = ()  # freq_factors: each frequency divided by its factor
+
+    def __post_init__(self):
+        if self.kind not in ROPE_SCALINGS:
+            raise ValueError(f"RoPE scaling kind must be one of {ROPE_SCALINGS}, got {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -33,8 +55,9 @@ class ModelConfig:
     embedding_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
     sliding_window: int | None = None  # a sliding layer's query sees this many positions, itself included
     layer_types: tuple[str, ...] | None = None  # FULL / SLIDING per layer; None = every layer FULL
-    rope_local_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
+    rope_local_theta: float | None = None  # the sliding layers' own unscaled RoPE base (None: the full layers')
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim)
+    rope_scaling: RopeScaling | None = None  # the full-attention layers' (sliding layers never scale)
 
     def __post_init__(self):
         if self.hidden_act not in ("silu", "gelu_tanh"):
@@ -56,8 +79,11 @@ class ModelConfig:
         """How many positions layer `layer`'s queries see (None: all before them)."""
         return self.sliding_window if self.layer_type(layer) == SLIDING else None
 
-    def layer_rope_theta(self, layer: int) -> float:
-        return self.rope_local_theta or self.rope_theta if self.layer_type(layer) == SLIDING else self.rope_theta
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(base, scaling) of layer `layer`'s RoPE: the key its cos/sin are computed under."""
+        if self.layer_type(layer) == SLIDING and self.rope_local_theta is not None:
+            return self.rope_local_theta, None  # Gemma 3: the sliding layers' own, unscaled RoPE
+        return self.rope_theta, self.rope_scaling
 
     @property
     def attention_scale(self) -> float:

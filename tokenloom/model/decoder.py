@@ -27,11 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import vocab_select
-from .config import ModelConfig
+from .config import ModelConfig, RopeScaling
 from .kv_layout import KVLayout
 from .layer_ops import TORCH_OPS, TorchLayerOps
 from .lora import LoRABatch
 from .paged_attention import TorchDecodeAttention
+from .rope import inv_frequencies
 
 
 @dataclass
@@ -120,24 +121,26 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE: cos/sin computed once per forward for the step's positions (`forward`) and applied
     in every layer to Q and K together (`layer_ops.rope`). Not a table over every position: that is
-    2 x max_positions x head_dim floats per theta (134 MB for Gemma 3's two thetas at 32k positions),
-    where a step's own rows cost microseconds. Each position's values are the same whatever else is in
-    the step (the same float32 product, then cos and sin elementwise)."""
+    2 x max_positions x head_dim floats per RoPE, where a step's own rows cost microseconds. Each
+    position's values are the same whatever else is in the step (the same float32 product, then cos and
+    sin elementwise). `key` is the (base, scaling) the layers look it up by (`ModelConfig.layer_rope`)."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None):
         super().__init__()
         # On the CPU even where the model is built on the meta device (loader.py): the frequencies are
         # computed, not loaded, and torch's meta-device ops import torch._dynamo and sympy (75 MB).
-        cpu = torch.device("cpu")
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=cpu).float() / head_dim))
-        self.theta = theta
+        inv_freq, self.attention_factor = inv_frequencies(head_dim, theta, scaling)
+        self.theta, self.key = theta, (theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [T, 1, head_dim], for the tokens at `positions`."""
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:  # YaRN
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 def window_mask(query_positions: torch.Tensor, context_start: int, context_len: int, window: int) -> torch.Tensor:
@@ -166,7 +169,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attention_scale
         self.window = cfg.window(layer)  # None: the whole context
-        self.rope_theta = cfg.layer_rope_theta(layer)
+        self.rope_key = cfg.layer_rope(layer)
 
     def _normed_heads(self, qkv: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """Q and K as [T, heads + kv_heads, head_dim], each head RMS-normed (QK-norm)."""
@@ -341,8 +344,8 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             layer.mlp.pass_buffers = shared
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        thetas = sorted({cfg.layer_rope_theta(i) for i in range(cfg.num_layers)})
-        self.ropes = nn.ModuleList(RotaryEmbedding(cfg.dim_per_head, t) for t in thetas)
+        keys = dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers))
+        self.ropes = nn.ModuleList(RotaryEmbedding(cfg.dim_per_head, *key) for key in keys)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.logits_proj: nn.Module | None = None  # a quantized LM head (model/linear.py), when chosen
         self.decode_attention = TorchDecodeAttention()  # or the paged C kernel, chosen at load
@@ -356,7 +359,7 @@ class DecoderModel(nn.Module):
     @property
     def rope(self) -> RotaryEmbedding:
         """The RoPE of the full-attention layers (the only one a Llama has)."""
-        return next(r for r in self.ropes if r.theta == self.config.rope_theta)
+        return next(r for r in self.ropes if r.key == (self.config.rope_theta, self.config.rope_scaling))
 
     @property
     def layer_ops(self) -> TorchLayerOps:
@@ -385,15 +388,15 @@ class DecoderModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden states of all tokens, float32 logits at `batch.logits_indices`)."""
         x = self.embed(input_ids)
-        ropes = {r.theta: r(batch.positions, x.dtype) for r in self.ropes}
+        ropes = {r.key: r(batch.positions, x.dtype) for r in self.ropes}
         views = [batch.for_group(g) for g in range(len(self.kv_group_windows))]
         decode = [self._decode_attention(view, window) if batch.num_decodes else None
                   for view, window in zip(views, self.kv_group_windows, strict=True)]
         if self.decoder_loop is not None and self.decoder_loop.applies(self, x, batch):
-            x = self.decoder_loop(x, batch, ropes[self.config.rope_theta], decode[0][1], kv_caches)
+            x = self.decoder_loop(x, batch, ropes[self.rope.key], decode[0][1], kv_caches)
         else:
             for layer, group, (k_cache, v_cache) in zip(self.layers, self.layer_kv_groups, kv_caches, strict=True):
-                x = layer(x, views[group], ropes[layer.self_attn.rope_theta], decode[group], k_cache, v_cache)
+                x = layer(x, views[group], ropes[layer.self_attn.rope_key], decode[group], k_cache, v_cache)
         x = self.norm(x)
         return x, self.compute_logits(x[batch.logits_indices])
 

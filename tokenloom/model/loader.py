@@ -246,7 +246,7 @@ def _read_gguf(path: str, blocks: dict | None = None
     arch = architectures.for_gguf(gguf_field(reader, "general.architecture"), path)
     config = arch.config_from_gguf(architectures.GGUFMetadata(reader, path, arch.name))
     tensors = {t.name: t for t in reader.tensors}
-    used: set[str] = set()
+    used: set[str] = {"rope_freqs.weight"} if config.rope_scaling and config.rope_scaling.kind == "freq_factors" else set()
 
     def tensor(name: str):
         t = tensors.get(name)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..config import ModelConfig
+from ..config import ModelConfig, RopeScaling
+from .hf_config import hf_rope
 
 
 class GGUFMetadata:
@@ -39,15 +40,33 @@ class GGUFMetadata:
             "rms_norm_eps": float(self("attention.layer_norm_rms_epsilon", 1e-5)),
             "max_position_embeddings": int(self("context_length", 2048)),
             "tie_word_embeddings": "output.weight" not in self.tensor_shapes,
-            "head_dim": int(self("attention.key_length", hidden // heads)), "architecture": self.architecture}
+            "head_dim": int(self("attention.key_length", hidden // heads)), "architecture": self.architecture,
+            "rope_scaling": self.rope_scaling()}
+
+    def rope_scaling(self) -> RopeScaling | None:
+        """llama.cpp's RoPE scaling: a `rope_freqs` table (what its converter writes for Llama 3's) or a
+        linear factor; any other scaling type is refused by name."""
+        kind = self("rope.scaling.type", "none") or "none"
+        if "rope_freqs.weight" in self.tensor_shapes:
+            if kind not in ("none", "linear") or float(self("rope.scaling.factor", 1.0) or 1.0) != 1.0:
+                raise ValueError(f"{self.path}: rope_freqs together with rope.scaling.type {kind!r} is not supported")
+            t = next(t for t in self.reader.tensors if t.name == "rope_freqs.weight")
+            return RopeScaling("freq_factors", freq_factors=tuple(float(v) for v in t.data.reshape(-1)))
+        if kind == "none":
+            return None
+        if kind == "linear":
+            return RopeScaling("linear", factor=float(self("rope.scaling.factor")))
+        raise ValueError(f"{self.path}: RoPE scaling type {kind!r} ({self.architecture}.rope.scaling.type) "
+                         "is not supported")
 
 
-def hf_common(hf: dict, architecture: str) -> dict:
+def hf_common(hf: dict, architecture: str, default_theta: float = 10000.0) -> dict:
     heads = hf["num_attention_heads"]
+    theta, scaling = hf_rope(hf, default_theta=default_theta)
     return {
         "vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"], "intermediate_size": hf["intermediate_size"],
         "num_layers": hf["num_hidden_layers"], "num_heads": heads, "num_kv_heads": hf.get("num_key_value_heads", heads),
-        "rope_theta": hf.get("rope_theta", 10000.0), "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
+        "rope_theta": theta, "rope_scaling": scaling, "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
         "max_position_embeddings": hf.get("max_position_embeddings", 2048),
         "tie_word_embeddings": hf.get("tie_word_embeddings", False), "head_dim": hf.get("head_dim"),
         "architecture": architecture}

@@ -1,6 +1,6 @@
 """Gemma 3 (text): QK-norm, four norms a layer (the attention and MLP outputs normed again), GeGLU,
 embeddings scaled by sqrt(hidden), head_dim 256, and five sliding-window layers (RoPE base 10,000)
-for every full-attention one (RoPE base 1e6, optionally linearly scaled).
+for every full-attention one (RoPE base 1e6, linearly scaled in the larger models).
 
 Hugging Face's checkpoints store each norm's weight minus one; GGUF files store the multiplier."""
 
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from ..config import FULL, SLIDING, ModelConfig
 from .base import Architecture, GGUFMetadata, hf_common
+from .hf_config import hf_rope, refuse_unhandled
 
 PATTERN = 6  # every sixth layer attends to the whole context
-LOCAL_ROPE_THETA = 10000.0  # the sliding layers' RoPE base (llama.cpp and transformers hard-code it too)
+LOCAL_ROPE_THETA = 10000.0  # the sliding layers' RoPE base when a file does not say (both projects' default)
 
 
 def layer_types_of(num_layers: int) -> tuple[str, ...]:
@@ -24,23 +25,27 @@ def _gemma_fields(hidden: int, num_layers: int, window: int, head_dim: int) -> d
 
 
 def _from_gguf(meta: GGUFMetadata) -> ModelConfig:
-    if meta("rope.scaling.type", "none") not in ("none", None):
-        raise ValueError(f"{meta.path}: Gemma 3 RoPE scaling is not supported yet")
     common = meta.common()
-    return ModelConfig(**common, **_gemma_fields(common["hidden_size"], common["num_layers"],
-                                                 int(meta("attention.sliding_window")), common["head_dim"]))
+    fields = _gemma_fields(common["hidden_size"], common["num_layers"], int(meta("attention.sliding_window")),
+                           common["head_dim"])
+    return ModelConfig(**common, **fields | {"rope_local_theta": float(meta("rope.freq_base_swa", LOCAL_ROPE_THETA))})
 
 
 def _from_hf(hf: dict) -> ModelConfig:
-    if hf.get("rope_scaling") or hf.get("final_logit_softcapping") or hf.get("attn_logit_softcapping"):
-        raise ValueError("Gemma 3 with rope_scaling or logit softcapping is not supported yet")
-    common = hf_common(hf, "gemma3") | {"tie_word_embeddings": hf.get("tie_word_embeddings", True)}
+    refuse_unhandled(hf, "Gemma 3", handled={"hidden_act"})
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"config.json: hidden_activation={act!r} is not supported for Gemma 3")
+    common = hf_common(hf, "gemma3", default_theta=1e6) | {"tie_word_embeddings": hf.get("tie_word_embeddings", True)}
     fields = _gemma_fields(hf["hidden_size"], hf["num_hidden_layers"], hf["sliding_window"],
                            common["head_dim"] or hf["hidden_size"] // hf["num_attention_heads"])
     if hf.get("layer_types"):
         fields["layer_types"] = tuple(hf["layer_types"])
     fields["query_pre_attn_scalar"] = float(hf.get("query_pre_attn_scalar", fields["query_pre_attn_scalar"]))
-    fields["rope_local_theta"] = hf.get("rope_local_base_freq", LOCAL_ROPE_THETA)
+    fields["rope_local_theta"], local_scaling = hf_rope(hf, SLIDING, default_theta=LOCAL_ROPE_THETA,
+                                                        legacy_theta_key="rope_local_base_freq", legacy_scaled=False)
+    if local_scaling is not None:
+        raise ValueError("config.json: a scaled RoPE on Gemma 3's sliding layers is not supported")
     return ModelConfig(**common, **fields)
 
 

@@ -1,21 +1,26 @@
-"""Llama (and SmolLM2, Mistral without sliding windows): the plain pre-norm SwiGLU decoder."""
+"""Llama (SmolLM2, Llama 3.x with its RoPE scaling) and Mistral (a sliding window on every layer): the
+plain pre-norm SwiGLU decoder."""
 
 from __future__ import annotations
 
-from ..config import ModelConfig
+from ..config import SLIDING, ModelConfig
 from .base import Architecture, GGUFMetadata, hf_common
+from .hf_config import refuse_unhandled
+
+
+def _sliding(window: int | None, num_layers: int) -> dict:
+    """Mistral's window on every layer (none, or one no shorter than the context: every layer full)."""
+    return {"sliding_window": window, "layer_types": (SLIDING,) * num_layers} if window else {}
 
 
 def _from_gguf(meta: GGUFMetadata) -> ModelConfig:
-    if "rope_freqs.weight" in meta.tensor_shapes or meta("rope.scaling.type", "none") not in ("none", None):
-        raise ValueError(f"{meta.path}: RoPE scaling (rope_freqs / rope.scaling) is not supported yet")
-    return ModelConfig(**meta.common())
+    common = meta.common()
+    return ModelConfig(**common, **_sliding(meta("attention.sliding_window", None), common["num_layers"]))
 
 
 def _from_hf(hf: dict) -> ModelConfig:
-    if hf.get("rope_scaling"):
-        raise ValueError(f"rope_scaling {hf['rope_scaling']!r} is not supported yet")
-    return ModelConfig(**hf_common(hf, "llama"))
+    refuse_unhandled(hf, "Llama")
+    return ModelConfig(**hf_common(hf, "llama"), **_sliding(hf.get("sliding_window"), hf["num_hidden_layers"]))
 
 
 ARCH = Architecture("llama", ("LlamaForCausalLM", "MistralForCausalLM"), _from_gguf, _from_hf, gguf_rope_permuted=True)

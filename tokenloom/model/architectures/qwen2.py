@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from .base import Architecture, GGUFMetadata, hf_common
+from .hf_config import refuse_unhandled
 
 
 def _from_gguf(meta: GGUFMetadata) -> ModelConfig:
@@ -12,8 +13,7 @@ def _from_gguf(meta: GGUFMetadata) -> ModelConfig:
 
 
 def _from_hf(hf: dict) -> ModelConfig:
-    if hf.get("rope_scaling") or hf.get("use_sliding_window"):
-        raise ValueError("Qwen2 with rope_scaling or use_sliding_window is not supported yet")
+    refuse_unhandled(hf, "Qwen2")  # use_sliding_window among them (its window skips the lower layers)
     return ModelConfig(**hf_common(hf, "qwen2"), attention_bias=True)
 
 

@@ -1,0 +1,179 @@
+"""Every architecture against transformers itself, from the config.json styles it writes.
+
+Tiny checkpoints with random weights in each family's real layout are made and saved by `transformers`
+(5.x writes `rope_parameters`); the same directory is also given the 4.x style (`rope_theta`,
+`rope_scaling`, Gemma's `rope_local_base_freq`) and converted to GGUF as llama.cpp's converter does
+(tests/hf_to_gguf.py). From each, tokenloom's float32 greedy tokens must equal transformers' own, with
+RoPE bases that are not the default and, for the scaled RoPEs, prompts reaching past the original
+context; and a prompt's tokens must not depend on which others share its batch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_to_gguf import convert  # noqa: E402
+
+from tokenloom import SamplingParams  # noqa: E402
+from tokenloom.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from tokenloom.llm import LLM  # noqa: E402
+from tokenloom.model.loader import ModelSource, load_model  # noqa: E402
+
+VOCAB = 49152  # the bundled tokenizer's, so the engine can detokenize whatever the random model writes
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False)
+ORIGINAL = 64  # the scaled RoPEs' original context: the prompts below reach past it
+
+FAMILIES = {
+    "llama": ("LlamaConfig", dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5})),
+    "llama-tied": ("LlamaConfig", dict(rope_parameters={"rope_type": "default", "rope_theta": 2e4},
+                                       tie_word_embeddings=True)),
+    "llama3": ("LlamaConfig", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": ORIGINAL})),
+    "llama-linear": ("LlamaConfig", dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0})),
+    "llama-yarn": ("LlamaConfig", dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e5, "factor": 4.0, "original_max_position_embeddings": ORIGINAL})),
+    "mistral": ("MistralConfig", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, sliding_window=16)),
+    "qwen2": ("Qwen2Config", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_hidden_layers=6, head_dim=32, sliding_window=8, query_pre_attn_scalar=32, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 2e5, "factor": 4.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}})),
+}
+
+
+def prompts(n: int = 8, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 12, 30, 47, 70, 9, 90, 21][:n]  # several past ORIGINAL + 32 generated tokens
+    return [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def checkpoint(request, tmp_path_factory):
+    """(family, transformers' greedy tokens for `prompts()`, 5.x directory)."""
+    name = request.param
+    cls, fields = FAMILIES[name]
+    config = getattr(transformers, cls)(**(COMMON | fields))
+    config._attn_implementation = "eager"
+    torch.manual_seed(1234)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # random norms too, so the multiplier (and Gemma's minus-one) matters
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(p + 0.1 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp(name) / "v5"
+    model.save_pretrained(path)
+    return name, [hf_greedy(model, p, 32) for p in prompts()], path
+
+
+def as_4x(src, dst) -> None:
+    """The same checkpoint with transformers 4.x's config keys."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    params = cfg.pop("rope_parameters")
+    full = params.get("full_attention", params)
+    if "sliding_attention" in params:
+        cfg["rope_local_base_freq"] = params["sliding_attention"]["rope_theta"]
+    full = dict(full)
+    cfg["rope_theta"] = full.pop("rope_theta")
+    cfg["rope_scaling"] = None if full.get("rope_type") == "default" else full
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    model.generation_config.eos_token_id = None  # never stop early: tokenloom runs with ignore_eos
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def tokenloom_greedy(source: ModelSource, tokenizer, batch: list[list[int]], n: int) -> list[list[int]]:
+    model = load_model(source)
+    engine = LLMEngine(EngineConfig(max_model_len=1024, num_kv_blocks=64, block_size=16), model=model,
+                       tokenizer=tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    outs = LLM(engine=engine).generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("style", ["5.x", "4.x", "gguf"])
+def test_greedy_tokens_equal_transformers(checkpoint, style, tokenizer, tmp_path):
+    name, expected, path = checkpoint
+    if style == "4.x":
+        as_4x(path, tmp_path / "v4")
+        source = ModelSource("hf", str(tmp_path / "v4"))
+    elif style == "gguf":
+        convert(str(path), str(tmp_path / "m.gguf"))
+        source = ModelSource("gguf", str(tmp_path / "m.gguf"))
+        if name == "llama-yarn":  # llama.cpp's YaRN keys are not mapped onto transformers' arithmetic
+            with pytest.raises(ValueError, match="m.gguf: RoPE scaling type 'yarn'"):
+                load_model(source)
+            return
+    else:
+        source = ModelSource("hf", str(path))
+    batch = prompts()
+    together = tokenloom_greedy(source, tokenizer, batch, 32)
+    assert together == expected, name
+    alone = [tokenloom_greedy(source, tokenizer, [p], 32)[0] for p in batch[:3]]
+    assert alone == expected[:3]
+
+
+def test_a_5x_config_keeps_its_rope_base(checkpoint):
+    """The bug: a 5.x directory's rope_parameters were ignored and θ read as 10,000."""
+    name, _, path = checkpoint
+    cfg = load_model(ModelSource("hf", str(path))).config
+    params = json.loads((path / "config.json").read_text())["rope_parameters"]
+    assert cfg.rope_theta == params.get("full_attention", params)["rope_theta"]
+    assert (cfg.rope_scaling is None) == (params.get("full_attention", params)["rope_type"] == "default")
+
+
+# --- refusals ----------------------------------------------------------------------------------------
+
+
+def write_llama(tmp_path, **changes):
+    cfg = transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+    torch.manual_seed(0)
+    path = tmp_path / "m"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    data = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    (path / "config.json").write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rope_parameters": {"rope_type": "ntk-by-parts", "rope_theta": 1e4}}, "unknown rope_type 'ntk-by-parts'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "'dynamic' is not supported"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "'longrope' is not supported"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0, "beta": 3}},
+     r"RoPE setting\(s\) \['beta'\]"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "su", "factor": 2.0}, "rope_theta": 1e4},
+     "unknown rope_type 'su'"),
+    ({"mlp_bias": True}, "mlp_bias=True is not supported for Llama"),
+    ({"attention_bias": True}, "attention_bias=True"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+])
+def test_arithmetic_it_does_not_know_is_refused_by_name(tmp_path, changes, message):
+    path = write_llama(tmp_path, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_model(ModelSource("hf", str(path)))
+
+
+def test_an_unknown_architecture_is_refused_naming_it(tmp_path):
+    path = write_llama(tmp_path, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
+    with pytest.raises(ValueError, match="unsupported architectures.*Qwen3MoeForCausalLM"):
+        load_model(ModelSource("hf", str(path)))
