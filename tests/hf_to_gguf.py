@@ -50,7 +50,8 @@ def llama3_factors(head_dim: int, p: dict) -> np.ndarray:
 
 
 def convert(hf_dir: str, path: str) -> None:
-    hf = json.load(open(os.path.join(hf_dir, "config.json")))
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf = json.load(f)
     arch = GGUF_ARCH[hf["architectures"][0]]
     sd = {k.removeprefix("model."): v.astype(np.float32) for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
     heads, kv_heads = hf["num_attention_heads"], hf["num_key_value_heads"]

@@ -18,34 +18,43 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_to_gguf import convert  # noqa: E402
+from hf_to_gguf import convert
 
-from tokenloom import SamplingParams  # noqa: E402
-from tokenloom.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from tokenloom.llm import LLM  # noqa: E402
-from tokenloom.model.loader import ModelSource, load_model  # noqa: E402
+from tokenloom import SamplingParams
+from tokenloom.engine.llm_engine import EngineConfig, LLMEngine
+from tokenloom.llm import LLM
+from tokenloom.model.loader import ModelSource, load_model
 
 VOCAB = 49152  # the bundled tokenizer's, so the engine can detokenize whatever the random model writes
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False)
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
+          "tie_word_embeddings": False}
 ORIGINAL = 64  # the scaled RoPEs' original context: the prompts below reach past it
 
+
+def family(config_class: str, **fields) -> tuple[str, dict]:
+    return config_class, fields
+
+
+def rope(rope_type: str, theta: float, **fields) -> dict:
+    return {"rope_type": rope_type, "rope_theta": theta, **fields}
+
+
 FAMILIES = {
-    "llama": ("LlamaConfig", dict(rope_parameters={"rope_type": "default", "rope_theta": 5e5})),
-    "llama-tied": ("LlamaConfig", dict(rope_parameters={"rope_type": "default", "rope_theta": 2e4},
-                                       tie_word_embeddings=True)),
-    "llama3": ("LlamaConfig", dict(rope_parameters={
-        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": ORIGINAL})),
-    "llama-linear": ("LlamaConfig", dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0})),
-    "llama-yarn": ("LlamaConfig", dict(rope_parameters={
-        "rope_type": "yarn", "rope_theta": 1e5, "factor": 4.0, "original_max_position_embeddings": ORIGINAL})),
-    "mistral": ("MistralConfig", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, sliding_window=16)),
-    "qwen2": ("Qwen2Config", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
-    "gemma3": ("Gemma3TextConfig", dict(
-        num_hidden_layers=6, head_dim=32, sliding_window=8, query_pre_attn_scalar=32, tie_word_embeddings=True,
-        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 2e5, "factor": 4.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}})),
+    "llama": family("LlamaConfig", rope_parameters=rope("default", 5e5)),
+    "llama-tied": family("LlamaConfig", rope_parameters=rope("default", 2e4), tie_word_embeddings=True),
+    "llama3": family("LlamaConfig", rope_parameters=rope(
+        "llama3", 5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=ORIGINAL)),
+    "llama-linear": family("LlamaConfig", rope_parameters=rope("linear", 1e4, factor=4.0)),
+    "llama-yarn": family("LlamaConfig", rope_parameters=rope("yarn", 1e5, factor=4.0,
+                                                            original_max_position_embeddings=ORIGINAL)),
+    "mistral": family("MistralConfig", rope_parameters=rope("default", 1e6), sliding_window=16),
+    "qwen2": family("Qwen2Config", rope_parameters=rope("default", 1e6)),
+    "gemma3": family("Gemma3TextConfig", num_hidden_layers=6, head_dim=32, sliding_window=8, query_pre_attn_scalar=32,
+                     tie_word_embeddings=True,
+                     rope_parameters={"full_attention": rope("linear", 2e5, factor=4.0),
+                                      "sliding_attention": rope("default", 2e4)}),
 }
 
 
@@ -128,7 +137,7 @@ def test_greedy_tokens_equal_transformers(checkpoint, style, tokenizer, tmp_path
 
 def test_a_5x_config_keeps_its_rope_base(checkpoint):
     """The bug: a 5.x directory's rope_parameters were ignored and θ read as 10,000."""
-    name, _, path = checkpoint
+    _, _, path = checkpoint
     cfg = load_model(ModelSource("hf", str(path))).config
     params = json.loads((path / "config.json").read_text())["rope_parameters"]
     assert cfg.rope_theta == params.get("full_attention", params)["rope_theta"]
