@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from raw_runs import add_raw_dir_option, raw_dir
 from server_process import start_server, stop
 from speculative import PORT, run_cells
 
@@ -62,11 +63,11 @@ def server_command(server: str, extra: list[str]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "results/draft_model.json"))
+    add_raw_dir_option(ap)
     ap.add_argument("--settings", default="off,draft,llama-off,llama-draft")
     args = ap.parse_args()
     out = Path(args.out)
-    raw = out.with_suffix("")
-    raw.mkdir(parents=True, exist_ok=True)
+    raw = raw_dir(args.raw_dir, out)
     rows: dict[str, dict] = {}
     for name in args.settings.split(","):
         print(f"== {name}", flush=True)

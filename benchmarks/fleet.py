@@ -37,6 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lock import holding_lock
+from raw_runs import add_raw_dir_option, raw_dir
 from server_process import start_server, stop
 
 ROOT = Path(__file__).resolve().parent
@@ -320,6 +321,7 @@ def main() -> None:
                     "with these --stream-batching-interval-ms (0: one streamed item per engine step)")
     ap.add_argument("--rate", type=float, default=4.0, help="routing part: requests per second (Poisson)")
     ap.add_argument("--out", default=str(ROOT / "results/fleet.json"))
+    add_raw_dir_option(ap)
     args = ap.parse_args()
     with holding_lock():
         run(args)
@@ -327,8 +329,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace) -> None:
     out = Path(args.out)
-    raw = out.with_suffix("")
-    raw.mkdir(parents=True, exist_ok=True)
+    raw = raw_dir(args.raw_dir, out)
     import platform
 
     from tokenloom.model.load import usable_cores

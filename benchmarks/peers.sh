@@ -3,7 +3,8 @@
 # cores and the same client, servers taking turns (never two up at once), two cells each:
 #   c1:    8 requests one at a time, ~128-token prompts, 128 tokens out (TPOT / TTFT at batch 1)
 #   mixed: 64 requests, 32 concurrent, outputs alternating 16 / 256 (throughput under load)
-# Results: benchmarks/results/peers/<server>-<cell>.json, summary in benchmarks/results/peers/summary.json.
+# Results: the summary in benchmarks/results/peers/summary.json (OUT); the per-run files (server logs, each
+# cell's output) in RAW, default benchmarks/runs/<OUT's name>/, which git ignores.
 #   bash ../shared/tools/build_llamacpp.sh          # once (~10 min)
 #   bash ../shared/tools/vllm_cpu_peer.sh setup     # once, only for PEERS="... vllm"
 #   PEERS="llama tokenloom-int4 vllm" bash benchmarks/peers.sh
@@ -31,7 +32,8 @@ fi
 # <OUT>-<MODEL>/. Unset: the bundled SmolLM2.
 MODEL=${MODEL:-}
 [[ -n $MODEL ]] && OUT=$OUT-$MODEL
-mkdir -p "$OUT"
+RAW=${RAW:-benchmarks/runs/$(basename "$OUT")}
+mkdir -p "$OUT" "$RAW"
 PEERS=${PEERS:-"llama tokenloom-fp32 tokenloom-int4"}
 LLAMA_BIN=${LLAMA_BIN:-$(dirname "$(mktemp -u)")/llamacpp/build/bin/llama-server}
 TOKENLOOM_ENV=()
@@ -49,17 +51,17 @@ PORT=8123
 
 start() {
     case "$1" in
-        llama) "$LLAMA_BIN" -m "$GGUF" -t 2 --parallel 32 -c 16384 --port $PORT --alias "$ALIAS" >"$OUT/$1.log" 2>&1 & ;;
-        tokenloom-fp32) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --model "$GGUF" --served-model-name "$ALIAS" --port $PORT --quantization none >"$OUT/$1.log" 2>&1 & ;;
-        tokenloom-int4) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --model "$GGUF" --served-model-name "$ALIAS" --port $PORT --quantization auto >"$OUT/$1.log" 2>&1 & ;;
-        vllm) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT bfloat16 ${MODEL:-smollm2} >"$OUT/$1.log" 2>&1 & ;;
-        vllm-fp32) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT float32 ${MODEL:-smollm2} >"$OUT/$1.log" 2>&1 & ;;
+        llama) "$LLAMA_BIN" -m "$GGUF" -t 2 --parallel 32 -c 16384 --port $PORT --alias "$ALIAS" >"$RAW/$1.log" 2>&1 & ;;
+        tokenloom-fp32) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --model "$GGUF" --served-model-name "$ALIAS" --port $PORT --quantization none >"$RAW/$1.log" 2>&1 & ;;
+        tokenloom-int4) env "${TOKENLOOM_ENV[@]}" .venv/bin/tokenloom serve --model "$GGUF" --served-model-name "$ALIAS" --port $PORT --quantization auto >"$RAW/$1.log" 2>&1 & ;;
+        vllm) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT bfloat16 ${MODEL:-smollm2} >"$RAW/$1.log" 2>&1 & ;;
+        vllm-fp32) bash ../shared/tools/vllm_cpu_peer.sh serve $PORT float32 ${MODEL:-smollm2} >"$RAW/$1.log" 2>&1 & ;;
     esac
     PID=$!
     local t0=$SECONDS
     for _ in $(seq 600); do
         if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && curl -sf "http://127.0.0.1:$PORT/v1/models" >/dev/null; then
-            echo $((SECONDS - t0)) >"$OUT/$1-ready-s"
+            echo $((SECONDS - t0)) >"$RAW/$1-ready-s"
             return 0
         fi
         sleep 0.5
@@ -78,7 +80,7 @@ tree_pids() {  # each pid given and every descendant of it
 bench() {  # server cell args...
     local name=$1 cell=$2; shift 2
     .venv/bin/tokenloom bench serve --base-url "http://127.0.0.1:$PORT" --no-progress --no-align-prompts \
-        --input-len 128 --seed 0 --out "$OUT/$name-$cell.json" "$@" | tail -n 25
+        --input-len 128 --seed 0 --out "$RAW/$name-$cell.json" "$@" | tail -n 25
 }
 
 for server in $PEERS; do
@@ -93,23 +95,23 @@ for server in $PEERS; do
         kb=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status" 2>/dev/null || echo 0)
         rss=$((rss + ${kb:-0}))
     done
-    echo "$rss" >"$OUT/$server-peak-rss-kb"
+    echo "$rss" >"$RAW/$server-peak-rss-kb"
     kill "$PID"; wait "$PID" 2>/dev/null || true
     sleep 2
 done
 
-ISA=$ISA MODEL=$MODEL .venv/bin/python - "$OUT" $PEERS <<'PY'
+ISA=$ISA MODEL=$MODEL .venv/bin/python - "$OUT" "$RAW" $PEERS <<'PY'
 import json, os, sys, platform
-out, servers = sys.argv[1], sys.argv[2:]
+out, raw, servers = sys.argv[1], sys.argv[2], sys.argv[3:]
 flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]
                 if f.startswith(("avx", "amx", "fma"))})
 rows = {}
 for s in servers:
-    c1, mixed = (json.load(open(f"{out}/{s}-{cell}.json")) for cell in ("c1", "mixed"))
+    c1, mixed = (json.load(open(f"{raw}/{s}-{cell}.json")) for cell in ("c1", "mixed"))
     rows[s] = {"c1_output_tok_s": c1["output_throughput"], "c1_tpot_p50_ms": c1["median_tpot_ms"],
                "c1_ttft_p50_ms": c1["median_ttft_ms"], "mixed_output_tok_s": mixed["output_throughput"],
-               "peak_rss_mb": int(open(f"{out}/{s}-peak-rss-kb").read()) / 1024,
-               "ready_s": int(open(f"{out}/{s}-ready-s").read())}
+               "peak_rss_mb": int(open(f"{raw}/{s}-peak-rss-kb").read()) / 1024,
+               "ready_s": int(open(f"{raw}/{s}-ready-s").read())}
 for peer in ("llama", "vllm", "vllm-fp32"):
     base = rows.get(peer)
     if base:

@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 
 import httpx
+from raw_runs import add_raw_dir_option, raw_dir
 from server_process import start_server, stop
 
 from tokenloom.model.kernels import cpu_flags
@@ -151,13 +152,13 @@ def mean_run(cell_runs: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "results/speculative.json"))
+    add_raw_dir_option(ap)
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--cells", default=",".join(CELLS))
     ap.add_argument("--reference", default="ngram", help="the setting every other one is compared with")
     args = ap.parse_args()
     out = Path(args.out)
-    raw = out.with_suffix("")
-    raw.mkdir(parents=True, exist_ok=True)
+    raw = raw_dir(args.raw_dir, out)
     # A setting named more than once runs that many times (e.g. off,ngram,ngram,off: drift between
     # minutes then falls on both alike); each cell reports the mean output tok/s of its runs.
     runs: dict[str, list[dict]] = {}

@@ -6,9 +6,8 @@ optional dependency (`pip install tokenloom[ray]`): a single-process `tokenloom 
 Ray Serve's housekeeping is paced here for a machine whose cores the engines use: by default its
 controller loops every 0.1 s and every Serve process exports metrics every 0.1 s, wake-ups that preempt
 an engine's threads mid-step. Set before Ray Serve is imported (its constants are read then) and inherited
-by the cluster `tokenloom serve -dp N` starts; an operator's own setting wins. One replica at 32 streams on
-2 cores, 3 alternating rounds: 0.94x plain `serve`'s throughput with these and client.py's gRPC streams,
-0.79x with gRPC streams alone, 0.73x with neither (the rounds of one setup differed by up to 25%).
+by the cluster `tokenloom serve -dp N` starts; an operator's own setting wins. What the pacing and
+client.py's gRPC streams buy one replica against plain `serve`: benchmarks/results/fleet-overhead-grpc.md.
 """
 
 import os

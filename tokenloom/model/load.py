@@ -83,7 +83,7 @@ def _cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
 
 
 def default_num_threads() -> int:
-    """Serving: the usable cores, leaving one to the event loop when there are more than two (DESIGN.md)."""
+    """Serving: the usable cores, one left to the event loop beyond two (docs/architecture.md)."""
     cores = usable_cores()
     return cores - 1 if cores > 2 else cores
 
