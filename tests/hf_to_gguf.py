@@ -1,7 +1,8 @@
 """A Hugging Face directory (as transformers saves it) written as a GGUF file the way llama.cpp's
 convert_hf_to_gguf.py writes these families: Llama's Q/K rows permuted for its interleaved RoPE,
 Gemma's norms stored as the multiplier, Llama 3's RoPE scaling as a `rope_freqs` table of factors.
-Float32 tensors only: the tests compare arithmetic, not formats."""
+Projections (and the embedding and head) in float32 or, with `qtype`, in one of the block formats gguf's
+own quantizer writes (Q4_0, Q4_1, Q5_0, Q8_0): what the fast paths' kernels then read as stored."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def llama3_factors(head_dim: int, p: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def convert(hf_dir: str, path: str) -> None:
+def convert(hf_dir: str, path: str, qtype: str | None = None) -> None:
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf = json.load(f)
     arch = GGUF_ARCH[hf["architectures"][0]]
@@ -58,6 +59,15 @@ def convert(hf_dir: str, path: str) -> None:
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     gemma = arch == "gemma3"
     w = gguf.GGUFWriter(path, arch)
+    add_tensor = w.add_tensor
+
+    def add_matrix(name: str, t: np.ndarray) -> None:
+        if qtype is None:
+            return add_tensor(name, t)
+        kind = gguf.GGMLQuantizationType[qtype]
+        data = gguf.quants.quantize(t, kind)
+        add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+
     w.add_block_count(hf["num_hidden_layers"])
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hf["hidden_size"])
@@ -82,10 +92,10 @@ def convert(hf_dir: str, path: str) -> None:
         if "original_max_position_embeddings" in p:
             w.add_rope_scaling_orig_ctx_len(p["original_max_position_embeddings"])
     norm = (lambda t: t + 1) if gemma else (lambda t: t)
-    w.add_tensor("token_embd.weight", sd["embed_tokens.weight"])
+    add_matrix("token_embd.weight", sd["embed_tokens.weight"])
     w.add_tensor("output_norm.weight", norm(sd["norm.weight"]))
     if "lm_head.weight" in sd and not hf.get("tie_word_embeddings"):
-        w.add_tensor("output.weight", sd["lm_head.weight"])
+        add_matrix("output.weight", sd["lm_head.weight"])
     rope_permuted = arch == "llama"
     for i in range(hf["num_hidden_layers"]):
         hp, b = f"layers.{i}.", f"blk.{i}."
@@ -93,10 +103,11 @@ def convert(hf_dir: str, path: str) -> None:
             for kind in ("weight", "bias"):
                 t = sd.get(f"{hp}self_attn.{part}_proj.{kind}")
                 if t is not None:
-                    w.add_tensor(f"{b}attn_{part}.{kind}", permute(t, n) if rope_permuted and n else t)
-        w.add_tensor(b + "attn_output.weight", sd[hp + "self_attn.o_proj.weight"])
+                    add = add_matrix if kind == "weight" else w.add_tensor
+                    add(f"{b}attn_{part}.{kind}", permute(t, n) if rope_permuted and n else t)
+        add_matrix(b + "attn_output.weight", sd[hp + "self_attn.o_proj.weight"])
         for theirs, ours in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-            w.add_tensor(f"{b}{ours}.weight", sd[f"{hp}mlp.{theirs}.weight"])
+            add_matrix(f"{b}{ours}.weight", sd[f"{hp}mlp.{theirs}.weight"])
         for theirs, ours in (GEMMA_NORMS if gemma else NORMS).items():
             if f"{hp}{theirs}.weight" in sd:
                 w.add_tensor(f"{b}{ours}.weight", norm(sd[f"{hp}{theirs}.weight"]))

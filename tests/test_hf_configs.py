@@ -51,6 +51,11 @@ FAMILIES = {
                                                             original_max_position_embeddings=ORIGINAL)),
     "mistral": family("MistralConfig", rope_parameters=rope("default", 1e6), sliding_window=16),
     "qwen2": family("Qwen2Config", rope_parameters=rope("default", 1e6)),
+    # Qwen3-0.6B's head layout: head_dim 128 wider than hidden / heads, 16 query heads on 8 KV heads
+    "qwen3": family("Qwen3Config", hidden_size=128, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                    tie_word_embeddings=True, rope_parameters=rope("default", 1e6)),
+    "qwen3-untied-yarn": family("Qwen3Config", head_dim=32, rope_parameters=rope(
+        "yarn", 1e6, factor=4.0, original_max_position_embeddings=ORIGINAL)),
     "gemma3": family("Gemma3TextConfig", num_hidden_layers=6, head_dim=32, sliding_window=8, query_pre_attn_scalar=32,
                      tie_word_embeddings=True,
                      rope_parameters={"full_attention": rope("linear", 2e5, factor=4.0),
@@ -122,7 +127,7 @@ def test_greedy_tokens_equal_transformers(checkpoint, style, tokenizer, tmp_path
     elif style == "gguf":
         convert(str(path), str(tmp_path / "m.gguf"))
         source = ModelSource("gguf", str(tmp_path / "m.gguf"))
-        if name == "llama-yarn":  # llama.cpp's YaRN keys are not mapped onto transformers' arithmetic
+        if name.endswith("yarn"):  # llama.cpp's YaRN keys are not mapped onto transformers' arithmetic
             with pytest.raises(ValueError, match="m.gguf: RoPE scaling type 'yarn'"):
                 load_model(source)
             return
