@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tokenloom import EngineConfig, SamplingParams
+from tokenloom.config import SpeculativeConfig
 from tokenloom.engine.speculation import (
     Acceptance,
     NgramProposer,
     SpeculationPolicy,
-    SpeculativeConfig,
     StepCost,
 )
 from tokenloom.model.sampler import Sampler, choice_generator
@@ -57,7 +57,7 @@ def test_bad_speculative_config_is_a_value_error_naming_the_key(value, named):
 
 
 def test_a_draft_row_stays_with_the_decode_kernels():
-    from tokenloom.engine.speculation import MAX_SPECULATIVE_TOKENS
+    from tokenloom.config import MAX_SPECULATIVE_TOKENS
     from tokenloom.runner import SHORT_CHUNK
 
     assert 1 + MAX_SPECULATIVE_TOKENS < SHORT_CHUNK
