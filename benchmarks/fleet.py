@@ -219,7 +219,7 @@ def simulator_check(raw: Path, rows: dict, rate: float) -> dict:
     (client TTFT minus the replicas') from the other runs. Its hit rate and TTFT against the measured."""
     from tokenloom.cli import build_parser
     from tokenloom.config import engine_config_from_args
-    from tokenloom.sim.cost_model import fit_linear, with_spread
+    from tokenloom.engine.cost_model import fit_linear, with_spread
     from tokenloom.sim.fleet import simulate_fleet
     from tokenloom.sim.fleet_report import compare_with_real, dataset_workload
     from tokenloom.sim.step_log import read_step_logs

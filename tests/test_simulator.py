@@ -13,16 +13,9 @@ import pytest
 from tokenloom.bench.replay import Replay, replay
 from tokenloom.bench.workload import WorkloadRequest, make_workload
 from tokenloom.config import EngineConfig
+from tokenloom.engine.cost_model import LinearCostModel, StepFeatures, fit_linear, nnls
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.cost_model import (
-    LinearCostModel,
-    StepFeatures,
-    fit_linear,
-    load_cost_model,
-    nnls,
-    preset,
-    save_cost_model,
-)
+from tokenloom.sim.cost_model import load_cost_model, preset, save_cost_model
 from tokenloom.sim.simulator import build_sim_engine, simulate
 
 
@@ -280,7 +273,7 @@ def _cli(argv: list[str]) -> int:
 
 
 def test_a_measured_spread_scales_step_times_and_survives_json(tmp_path):
-    from tokenloom.sim.cost_model import with_spread
+    from tokenloom.engine.cost_model import with_spread
 
     model = const_model(0.010)
     f = StepFeatures(tokens=1, sampled=1, seqs=1)

@@ -19,8 +19,8 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from ..engine.cost_model import StepFeatures, step_features
 from ..engine.llm_engine import LLMEngine, StepStats
-from .cost_model import StepFeatures, step_features
 
 
 def replica_path(path: str, tag: str) -> str:
