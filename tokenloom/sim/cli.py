@@ -102,7 +102,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .cost_model import save_cost_model
 
     if args.from_steps:
-        from .step_log import read_step_logs
+        from ..engine.step_log import read_step_logs
 
         samples = read_step_logs(args.from_steps)
         model = with_spread(fit_linear(samples, source=f"tokenloom calibrate --from-steps: {len(samples)} served "
