@@ -127,7 +127,7 @@ def overhead(raw: Path, rounds: int, intervals: list[str]) -> dict:
     Odd rounds run the setups in reverse order (ABBA), so that a drift within a round does not always
     favour the setup that goes first.
     `intervals`: more Ray setups, with these --stream-batching-interval-ms."""
-    from tokenloom.sim.step_log import read_step_records
+    from tokenloom.engine.step_log import read_step_records
 
     setups = {**OVERHEAD_SETUPS, **{f"ray-1-replica-{ms}ms": [*RAY, "--stream-batching-interval-ms", ms]
                                     for ms in intervals}}
@@ -220,10 +220,10 @@ def simulator_check(raw: Path, rows: dict, rate: float) -> dict:
     (client TTFT minus the replicas') from the other runs. Its hit rate and TTFT against the measured."""
     from tokenloom.cli import build_parser
     from tokenloom.config import engine_config_from_args
-    from tokenloom.sim.cost_model import fit_linear, with_spread
+    from tokenloom.engine.cost_model import fit_linear, with_spread
+    from tokenloom.engine.step_log import read_step_logs
     from tokenloom.sim.fleet import simulate_fleet
     from tokenloom.sim.fleet_report import compare_with_real, dataset_workload
-    from tokenloom.sim.step_log import read_step_logs
 
     config = engine_config_from_args(build_parser().parse_args(["serve"]))
     workload = dataset_workload(str(raw / "shared_prefix.jsonl"), 128, rate)

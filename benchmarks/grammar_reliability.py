@@ -23,7 +23,8 @@ from grammar_shapes import gbnf_wide, lark_chain, ref_chain
 
 from tokenloom import EngineConfig, SamplingParams
 from tokenloom.engine.llm_engine import LLMEngine
-from tokenloom.structured_outputs import GrammarCompiler, StructuredOutputsParams
+from tokenloom.sampling_params import StructuredOutputsParams
+from tokenloom.structured_output.grammar import GrammarCompiler
 
 
 def rss_mb() -> float:

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.engine.speculation import NgramProposer, SpeculativeConfig
+from tokenloom.config import SpeculativeConfig
+from tokenloom.engine.speculation import NgramProposer
 from tokenloom.model.kernels import cpu_flags
 from tokenloom.model.sampler import verify
 

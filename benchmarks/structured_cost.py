@@ -22,7 +22,7 @@ import time
 from tokenloom import EngineConfig, SamplingParams
 from tokenloom.engine.constraints import RequestConstraints
 from tokenloom.engine.llm_engine import LLMEngine
-from tokenloom.structured_outputs import GrammarState
+from tokenloom.structured_output.grammar import GrammarState
 
 SCHEMA = {
     "type": "object",

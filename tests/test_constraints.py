@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from tokenloom import SamplingParams
-from tokenloom.structured_outputs import StructuredOutputsParams
+from tokenloom.sampling_params import StructuredOutputsParams
 
 PROMPT = "The weather today is"
 

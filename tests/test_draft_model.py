@@ -12,9 +12,10 @@ import pytest
 from conftest import TINY, assert_engine_clean
 
 from tokenloom import LLM, EngineConfig, SamplingParams
+from tokenloom.config import SpeculativeConfig
 from tokenloom.engine.draft_model import DraftModelProposer
 from tokenloom.engine.llm_engine import LLMEngine
-from tokenloom.engine.speculation import Acceptance, SpeculationPolicy, SpeculativeConfig
+from tokenloom.engine.speculation import Acceptance, SpeculationPolicy
 from tokenloom.model.loader import random_model
 from tokenloom.step import Sequence
 

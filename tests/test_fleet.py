@@ -21,7 +21,7 @@ from conftest_fleet import FleetProcess, ServeRunFleet, replica_pids, replica_to
 from conftest_server import scrape, wait_for
 
 from tokenloom import SamplingParams
-from tokenloom.sim.step_log import read_step_logs, replica_path
+from tokenloom.engine.step_log import read_step_logs, replica_path
 
 pytestmark = pytest.mark.slow
 

@@ -20,9 +20,9 @@ from grammar_shapes import (
 )
 
 from tokenloom.engine.constraints import BadWords
-from tokenloom.grammar_limits import GrammarLimits, grammar_shape, regex_depth, schema_shape
-from tokenloom.sampling_params import SamplingParams
-from tokenloom.structured_outputs import GrammarCompiler, GrammarError, StructuredOutputsParams
+from tokenloom.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenloom.structured_output.grammar import GrammarCompiler, GrammarError
+from tokenloom.structured_output.limits import GrammarLimits, grammar_shape, regex_depth, schema_shape
 
 VOCAB = 49152
 LOOSE = GrammarLimits(max_grammar_depth=10**6, max_grammar_rules=10**6, max_grammar_bytes=10**8)
@@ -225,7 +225,7 @@ def test_a_mask_over_its_time_fails_its_request_alone(make_engine, tokenizer):
 def test_a_grammar_failing_mid_generation_ends_in_error_not_stop(make_engine, tokenizer, monkeypatch):
     """llguidance failing after a few tokens (as LexerTooComplex does) is the request's error: never
     finish_reason "stop" with text the grammar did not accept."""
-    from tokenloom.structured_outputs import GrammarState
+    from tokenloom.structured_output.grammar import GrammarState
 
     engine = make_engine()
     accept = GrammarState.accept

@@ -10,8 +10,8 @@ from conftest import assert_engine_clean
 
 from tokenloom.bench.workload import WorkloadRequest, make_workload, shared_prefix_workload
 from tokenloom.config import EngineConfig
+from tokenloom.engine.cost_model import LinearCostModel
 from tokenloom.fleet.routing import POLICIES, make_policy
-from tokenloom.sim.cost_model import LinearCostModel
 from tokenloom.sim.fleet import Disaggregation, FleetSim, build_replicas, kv_bytes_per_token, simulate_fleet
 from tokenloom.sim.fleet_report import check_against_real, compare_with_real
 from tokenloom.sim.simulator import simulate

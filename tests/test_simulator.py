@@ -13,16 +13,9 @@ import pytest
 from tokenloom.bench.replay import Replay, replay
 from tokenloom.bench.workload import WorkloadRequest, make_workload
 from tokenloom.config import EngineConfig
+from tokenloom.engine.cost_model import LinearCostModel, StepFeatures, fit_linear, nnls
 from tokenloom.sampling_params import SamplingParams
-from tokenloom.sim.cost_model import (
-    LinearCostModel,
-    StepFeatures,
-    fit_linear,
-    load_cost_model,
-    nnls,
-    preset,
-    save_cost_model,
-)
+from tokenloom.sim.cost_model import load_cost_model, preset, save_cost_model
 from tokenloom.sim.simulator import build_sim_engine, simulate
 
 
@@ -216,7 +209,7 @@ def test_calibrate_on_tiny_model_then_simulate(make_engine, tokenizer):
 def test_served_steps_recorded_then_fitted(make_engine, tmp_path):
     """`--record-steps` on the tiny model: every step that ran tokens is a line, and `calibrate --from-steps`
     fits a model on them that predicts those steps' times."""
-    from tokenloom.sim.step_log import StepLog, read_step_logs
+    from tokenloom.engine.step_log import StepLog, read_step_logs
 
     engine = make_engine(num_kv_blocks=512)
     log = StepLog(engine, str(tmp_path / "steps.jsonl"))
@@ -240,7 +233,7 @@ def test_served_steps_recorded_then_fitted(make_engine, tmp_path):
 
 
 def test_a_busy_step_lasts_until_the_next_one_starts():
-    from tokenloom.sim.step_log import busy_step_times
+    from tokenloom.engine.step_log import busy_step_times
 
     f = StepFeatures(tokens=1, sampled=1, seqs=1)
     records = [{"start": 0.0, "end": 1.0, "busy_after": True, "features": f},
@@ -250,7 +243,7 @@ def test_a_busy_step_lasts_until_the_next_one_starts():
 
 
 def test_a_step_log_that_is_not_one_is_named(tmp_path):
-    from tokenloom.sim.step_log import read_step_logs
+    from tokenloom.engine.step_log import read_step_logs
 
     bad = tmp_path / "steps.jsonl"
     bad.write_text('{"start": 0, "end": 1, "busy_after": false, "features": {"tokens": 1}}\n{"start": 2}\n')
@@ -264,7 +257,7 @@ def test_a_step_log_that_is_not_one_is_named(tmp_path):
 
 
 def test_a_step_log_that_cannot_be_written_is_named(make_engine, tmp_path):
-    from tokenloom.sim.step_log import StepLog
+    from tokenloom.engine.step_log import StepLog
 
     engine = make_engine()
     with pytest.raises(ValueError, match=r"--record-steps: cannot write .*no-such-dir"):
@@ -280,7 +273,7 @@ def _cli(argv: list[str]) -> int:
 
 
 def test_a_measured_spread_scales_step_times_and_survives_json(tmp_path):
-    from tokenloom.sim.cost_model import with_spread
+    from tokenloom.engine.cost_model import with_spread
 
     model = const_model(0.010)
     f = StepFeatures(tokens=1, sampled=1, seqs=1)

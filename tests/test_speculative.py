@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tokenloom import EngineConfig, SamplingParams
+from tokenloom.config import SpeculativeConfig
 from tokenloom.engine.speculation import (
     Acceptance,
     NgramProposer,
     SpeculationPolicy,
-    SpeculativeConfig,
     StepCost,
 )
 from tokenloom.model.sampler import Sampler, choice_generator
@@ -57,7 +57,7 @@ def test_bad_speculative_config_is_a_value_error_naming_the_key(value, named):
 
 
 def test_a_draft_row_stays_with_the_decode_kernels():
-    from tokenloom.engine.speculation import MAX_SPECULATIVE_TOKENS
+    from tokenloom.config import MAX_SPECULATIVE_TOKENS
     from tokenloom.runner import SHORT_CHUNK
 
     assert 1 + MAX_SPECULATIVE_TOKENS < SHORT_CHUNK
@@ -308,7 +308,7 @@ def test_drafts_take_only_what_the_step_leaves(make_engine):
 
 def test_structured_output_drafts_go_through_the_grammar(make_llm):
     """A regex the drafts can follow for a while: the grammar's masks after each draft decide."""
-    from tokenloom.structured_outputs import StructuredOutputsParams
+    from tokenloom.sampling_params import StructuredOutputsParams
 
     params = SamplingParams(temperature=0, max_tokens=40,
                             structured_outputs=StructuredOutputsParams(regex="(ab|cd){3,12}x"))
@@ -320,7 +320,7 @@ def test_structured_output_drafts_go_through_the_grammar(make_llm):
 
 
 def test_a_grammar_refuses_drafts_it_does_not_admit(make_llm):
-    from tokenloom.structured_outputs import StructuredOutputsParams
+    from tokenloom.sampling_params import StructuredOutputsParams
 
     params = SamplingParams(temperature=0, max_tokens=20,
                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
@@ -334,7 +334,8 @@ def test_a_grammar_refuses_drafts_it_does_not_admit(make_llm):
 def test_grammar_lookahead_drops_refused_drafts_and_leaves_the_state_as_it_was(make_engine):
     """Drafts past what the grammar admits (a third 'ab' where only 'x' may come) are cut; the masks
     after the admitted ones are computed and rolled back, and the matcher is not left failed."""
-    from tokenloom.structured_outputs import StructuredOutputsParams, bitmask_words
+    from tokenloom.sampling_params import StructuredOutputsParams
+    from tokenloom.structured_output.grammar import bitmask_words
 
     engine = make_engine()
     state = engine.grammars.matcher(StructuredOutputsParams(regex="(ab){2}x"))

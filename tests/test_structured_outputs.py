@@ -8,12 +8,8 @@ import os
 import pytest
 import torch
 
-from tokenloom.structured_outputs import (
-    GrammarCompiler,
-    StructuredOutputsParams,
-    bitmask_words,
-    unpack_bitmask,
-)
+from tokenloom.sampling_params import StructuredOutputsParams
+from tokenloom.structured_output.grammar import GrammarCompiler, bitmask_words, unpack_bitmask
 
 SCHEMAS = os.path.join(os.path.dirname(__file__), "data", "json_schemas.json")
 VOCAB = 49152

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from tokenloom import SamplingParams
-from tokenloom.structured_outputs import StructuredOutputsParams
+from tokenloom.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 SCHEMAS = os.path.join(os.path.dirname(__file__), "data", "json_schemas.json")

@@ -59,6 +59,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """`tokenloom serve`: the server's flags (tokenloom/server) and the fleet's (tokenloom/fleet)."""
+    from .fleet.flags import add_fleet_args
+    from .server.cli import add_serve_parser as add_server_parser
+
+    p = add_server_parser(subparsers)
+    add_fleet_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """One server process, or a fleet of engine replicas on Ray Serve when the fleet flags ask for one
+    (only then is Ray imported: one process never needs it)."""
+    from .fleet.flags import wants_fleet
+    from .server.cli import cmd_serve as serve
+
+    if not wants_fleet(args):
+        return serve(args)
+    from .fleet.app import start_fleet, stop_fleet
+
+    return serve(args, fleet=(start_fleet, stop_fleet))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenloom", description="LLM serving with continuous batching")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,7 +126,6 @@ def _optional_commands():
     """Subcommands that live in their own packages (server, bench lab, simulator)."""
     from .bench.serve_cli import add_bench_parser
     from .lab.cli import add_lab_parser
-    from .server.cli import add_serve_parser
     from .server.dashboard_replay import add_replay_parser
     from .sim.cli import add_calibrate_parser, add_simulate_parser
     from .sim.fleet_cli import add_simulate_fleet_parser

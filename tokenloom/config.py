@@ -7,10 +7,9 @@ bad command line fails at start-up instead of deep inside a step.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
-
-from .engine.speculation import SpeculativeConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -26,6 +25,65 @@ FORWARD_PATH_FIELDS = ("model", "dtype", "quantization", "kv_cache_dtype", "devi
 # is a scheduling choice of the server's.
 SERVING_FORWARD_DEFAULTS = {"quantization": "auto"}
 SERVING_DEFAULTS = {**SERVING_FORWARD_DEFAULTS, "stall_free_factor": 1.5}
+
+
+# A row of 1 + k tokens must stay below runner.SHORT_CHUNK (16), so its tokens take the decode rows'
+# kernels (int4) and not the long-prompt ones (dense bf16): the same arithmetic as without drafts.
+MAX_SPECULATIVE_TOKENS = 14
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` keys (tokenloom adds `adaptive`)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None  # a draft model (method "draft_model")
+    adaptive: bool = True  # False: always propose every draft found (vLLM's behaviour), for measurements
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the command line's JSON text, the offline `LLM`'s dict, or None (off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config: not JSON ({exc.msg})") from None
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config: must be a JSON object")  # noqa: TRY004 - a config error, by name
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        value = dict(value)
+        if "model" in value and "method" not in value:
+            value["method"] = "draft_model"
+        return cls(**value).validate()
+
+    def validate(self) -> SpeculativeConfig:
+        def fail(key: str, why: str) -> None:
+            raise ValueError(f"speculative_config.{key}: {why} (got {getattr(self, key)!r})")
+
+        if self.method not in ("ngram", "draft_model"):
+            fail("method", "must be 'ngram' or 'draft_model'")
+        for key, lo, hi in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS),
+                            ("prompt_lookup_max", 1, 64), ("prompt_lookup_min", 1, 64)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                fail(key, f"must be an integer in [{lo}, {hi}]")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            fail("prompt_lookup_min", f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
+        if not isinstance(self.adaptive, bool):
+            fail("adaptive", "must be true or false")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model.strip()):
+            fail("model", "method 'draft_model' needs the draft model: a GGUF file, an HF directory or a catalog name")
+        if self.method == "ngram" and self.model is not None:
+            fail("model", "a draft model goes with method 'draft_model' (prompt lookup has none)")
+        return self
 
 
 @dataclass

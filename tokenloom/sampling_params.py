@@ -8,10 +8,12 @@ raises ValueError naming the field, which the server turns into an HTTP 400.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from .structured_outputs import StructuredOutputsParams
+from .structured_output.limits import DEFAULT_LIMITS, exceeds, json_depth, json_text_depth
 
 _GREEDY_EPS = 1e-5
 INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
@@ -35,6 +37,86 @@ _TOP_K_OFF = (None, 0, -1)
 # Fields whose None means "the default" (for max_tokens, seed, logprobs, ... None is a value).
 _NONE_IS_DEFAULT = ("n", "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "min_tokens", "priority")
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one of the fields is set (vLLM's names)."""
+
+    json: str | dict | None = None  # a JSON schema, as an object or its text
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None  # EBNF/GBNF (`root ::= ...`) or Lark (`start: ...`)
+    json_object: bool = False  # any JSON object (OpenAI's response_format {"type": "json_object"})
+
+    def __post_init__(self) -> None:
+        chosen = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError(
+                f"structured_outputs: set exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} (got {', '.join(chosen) or 'none'})"
+            )
+        if self.json is not None:
+            schema = self.json
+            # Depth first, without recursion: `json.loads` / `json.dumps` of a value nested 100,000 deep
+            # raise RecursionError (a 500), and llguidance's own JSON parser stops at 128 anyway.
+            depth = json_text_depth(schema) if isinstance(schema, str) else json_depth(schema)
+            if depth > DEFAULT_LIMITS.max_grammar_depth:
+                raise exceeds("json", "a nesting depth of", depth, "max_grammar_depth", DEFAULT_LIMITS.max_grammar_depth)
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("structured_outputs.json: a JSON schema must be an object")
+            # Canonical text (keys keep their order: properties are generated in the schema's order),
+            # so the same schema sent as an object or as text, spaced any way, compiles once.
+            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice
+            ):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}: must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}")
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    @property
+    def spec(self):
+        """What the grammar is, as given: the schema's canonical text, the regex, the grammar, the choices."""
+        return True if self.kind == "json_object" else getattr(self, self.kind)
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        """The grammar's identity, from the request's own text: looked up before any conversion."""
+        spec = self.spec
+        return self.kind, "\x00".join(spec) if self.kind == "choice" else str(spec)
+
+    def to_llguidance(self) -> str:
+        """The llguidance grammar text (in this process: for trusted grammars and tests; the server
+        converts in the grammar worker). ValueError naming the field when it cannot be built."""
+        from .structured_output.worker import llguidance_grammar  # imports llguidance: only when called
+
+        try:
+            return llguidance_grammar(self.kind, self.spec)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.{self.kind}: {e}") from None
 
 
 @dataclass

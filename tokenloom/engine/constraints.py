@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..model.tokenizer import TokenizerWrapper
 from ..sampling_params import SamplingParams
 from ..step import RowConstraint, Sequence
-from ..structured_outputs import FixedMask, GrammarCompiler, GrammarState
+from ..structured_output.grammar import FixedMask, GrammarCompiler, GrammarState
 from ..token_sets import TokenBias, TokenSet
 
 

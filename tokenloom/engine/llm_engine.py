@@ -46,7 +46,7 @@ from ..request_checks import check_request
 from ..runner import ModelRunner
 from ..sampling_params import SamplingParams
 from ..step import RowConstraint, Runner, Sequence, SequenceStatus, StepPlan, StepResult, StepShape
-from ..structured_outputs import GrammarCompiler, GrammarError
+from ..structured_output.grammar import GrammarCompiler, GrammarError
 from .constraints import RequestConstraints
 from .draft_model import DraftModelProposer
 from .kv_cache import KVCacheManager, kv_cache_size

@@ -2,7 +2,7 @@
 sequences decode, steered by what this engine's own steps measure.
 
 Two measured things, updated after every step:
-- the decode-only step time: a linear model (sim/cost_model.py's `fit_linear`, the simulator's) of the
+- the decode-only step time: a linear model (cost_model.py's `fit_linear`, the simulator's too) of the
   steps that carried no prefill, on the sequences decoded and the context tokens they read; it
   predicts what any step's decodes alone would cost, also while every step carries a prefill slice;
 - the prefill allowance (tokens a step may add beside decodes): after each step that carried
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..sim.cost_model import LinearCostModel, fit_linear, step_features
 from ..step import StepShape
+from .cost_model import LinearCostModel, fit_linear, step_features
 
 DECODE_FEATURES = ("seqs", "kv_read")
 

@@ -323,6 +323,6 @@ class _IngressModel:
 
     @cached_property  # first read on the event loop (the routes pass `grammars.compile` to a thread)
     def grammars(self):
-        from ..structured_outputs import GrammarCompiler
+        from ..structured_output.grammar import GrammarCompiler
 
         return GrammarCompiler(self._tokenizer, self.model_config.vocab_size)

@@ -30,9 +30,9 @@ import os
 import time
 from contextlib import aclosing
 
+from ..engine.step_log import replica_path
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from ..sim.step_log import replica_path
 from .board import REPORT_PERIOD_S
 from .outbox import Outbox
 from .prefix_summary import PrefixSummary

@@ -23,7 +23,7 @@ from .. import faults
 from ..outputs import TokenLogprobs
 from ..sampling_params import SamplingParams
 from ..step import RowConstraint
-from ..structured_outputs import bitmask_words, unpack_bitmask
+from ..structured_output.grammar import bitmask_words, unpack_bitmask
 from ..token_sets import allowed_mask, bias_tensors
 from . import vocab_select
 

@@ -1,4 +1,5 @@
-"""`python -m tokenloom.server [serve] ...`: the serve command without the rest of the CLI."""
+"""`python -m tokenloom.server [serve] ...`: the serve command, one process, without the rest of the CLI (a fleet,
+`--data-parallel-size N`, is `tokenloom serve`'s: tokenloom/cli.py)."""
 
 from __future__ import annotations
 

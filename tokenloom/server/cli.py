@@ -1,4 +1,5 @@
 """`tokenloom serve`: load the engine, start the AsyncLLM thread and uvicorn, exit 0 on SIGTERM/Ctrl-C.
+The fleet flags (fleet/flags.py) are added, and a fleet chosen, by the top-level CLI (tokenloom/cli.py).
 
 On SIGTERM or Ctrl-C uvicorn stops accepting connections, waits up to --shutdown-timeout for the
 in-flight responses, then the app's lifespan stops the engine thread. uvicorn re-raises a captured
@@ -11,9 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
-import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -21,15 +20,9 @@ import threading
 
 import uvicorn
 
-from ..fleet.routing import POLICIES
-
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_QUEUE_LEN = 1024  # waiting sequences; beyond it new requests get 503 + Retry-After
 DEFAULT_READ_TIMEOUT = 30.0
-# Ray Serve LLM's default for its stream_batching_interval_ms: a few tokens per streamed item at a
-# single stream's speed here, and the first and last output are never held (fleet/stream_batching.py).
-DEFAULT_STREAM_BATCHING_INTERVAL_MS = 50.0
-MAX_STREAM_BATCHING_INTERVAL_MS = 10_000.0  # beyond that a stream is no longer a stream
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -83,33 +76,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "fleet the replica is taken out of rotation and replaced)")
     p.add_argument("--disable-dashboard", action="store_true",
                    help="no /dashboard page and stream (404); the page is behind --api-key like the API")
-    p.add_argument("--dashboard-max-viewers", type=_positive_int, default=16,
+    p.add_argument("--dashboard-max-viewers", type=positive_int, default=16,
                    help="dashboard streams open at once; beyond it 503 + Retry-After (default: 16)")
     p.add_argument("--dashboard-show-text", action="store_true",
                    help="show prompts and outputs on the dashboard (default: request ids, counts and times only)")
-    fleet = p.add_argument_group("fleet (Ray Serve; needs `pip install tokenloom[ray]`)")
-    fleet.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
-                       help="engine replicas behind this endpoint, each with its own cores and KV cache, as Ray "
-                            "Serve replicas on a local Ray cluster (default 1: one process, no Ray)")
-    fleet.add_argument("--data-parallel-backend", choices=("ray",), default=None,
-                       help="ray: run through Ray Serve even with one replica (default: Ray from 2 replicas)")
-    fleet.add_argument("--routing-policy", choices=POLICIES, default="prefix-aware",
-                       help="which replica gets a request: prefix-aware (where its prompt's longest prefix is "
-                            "cached, unless that replica is much busier), least-loaded or round-robin")
-    fleet.add_argument("--prefill-replicas", type=int, default=0,
-                       help="disaggregated prefill: this many more replicas only compute prompts' K/V and hand it "
-                            "to the --data-parallel-size decode replicas (default 0: every replica does both)")
-    fleet.add_argument("--autoscaling-config", type=_json_object, default=None,
-                       help="Ray Serve's autoscaling_config as JSON (e.g. '{\"min_replicas\": 1, "
-                            "\"max_replicas\": 2, \"target_ongoing_requests\": 16}'); replaces "
-                            "--data-parallel-size's fixed count")
-    fleet.add_argument("--stream-batching-interval-ms", type=_stream_batching_interval, metavar="MS",
-                       default=DEFAULT_STREAM_BATCHING_INTERVAL_MS,
-                       help="a replica streams each request at most once per this many milliseconds, the tokens "
-                            "made meanwhile together (Ray costs CPU per streamed item); the first and the last "
-                            "output go at once; 0: every engine step (default: "
-                            f"{DEFAULT_STREAM_BATCHING_INTERVAL_MS:g}, as Ray Serve LLM's "
-                            "stream_batching_interval_ms); one process without a fleet streams every step")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -125,28 +95,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
-
-
-def _stream_batching_interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 <= value <= MAX_STREAM_BATCHING_INTERVAL_MS):
-        raise argparse.ArgumentTypeError(
-            f"must be a number of milliseconds from 0 to {MAX_STREAM_BATCHING_INTERVAL_MS:g}, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
@@ -176,7 +125,10 @@ def _bind(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
+    """One server process; `fleet` (given by the top-level CLI, tokenloom/cli.py, when the flags ask for
+    one) is `(start, stop)`: `start(args, config)` returns the front app of a fleet of engine replicas,
+    served here in place of one engine, and `stop()` ends the fleet."""
     from ..config import engine_config_from_args
     from ..model import catalog
     from .app import build_app
@@ -193,15 +145,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not config.enable_lora:
         raise ValueError("--lora-modules: adapters need --enable-lora")
-    fleet = (args.data_parallel_size > 1 or args.data_parallel_backend == "ray" or args.autoscaling_config
-             or args.prefill_replicas)
     # Everything that can fail in a second fails before the model loads: the source, then the port.
     to_pull = catalog.missing_pull(config.model)
     draft_to_pull = catalog.missing_pull(config.draft_model, "speculative_config.model")
     sockets = _bind(args.host, args.port)
-    if fleet:  # engine replicas on Ray Serve (imports Ray, which one process never needs)
-        from ..fleet.app import start_fleet, stop_fleet
-
+    if fleet is not None:
+        start_fleet, stop_fleet = fleet
         try:
             return _serve(args, start_fleet(args, config), sockets, "a fleet")
         finally:

@@ -51,7 +51,7 @@ def load_served_engine(args: argparse.Namespace, config, lora_modules=()) -> Ser
     for lora in lora_modules:  # a bad adapter stops the start, named, rather than failing its first request
         engine.adapters.load(lora)
     if args.record_steps:
-        from ..sim.step_log import StepLog
+        from ..engine.step_log import StepLog
 
         StepLog(engine, args.record_steps)
     names = args.served_model_name or [default_served_name(config.model, path)]

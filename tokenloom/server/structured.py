@@ -20,8 +20,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
-from ..grammar_limits import DEFAULT_LIMITS, json_depth
-from ..structured_outputs import StructuredOutputsParams
+from ..sampling_params import StructuredOutputsParams
+from ..structured_output.limits import DEFAULT_LIMITS, json_depth
 from .errors import APIError
 from .protocol import ChatCompletionRequest, _SamplingFields
 from .tool_template import template_renders_tools, template_writes_hermes_calls

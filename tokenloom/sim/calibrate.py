@@ -21,10 +21,10 @@ import time
 import torch
 
 from ..bench.workload import random_prompt_ids
+from ..engine.cost_model import LinearCostModel, StepFeatures, fit_linear, step_features
 from ..engine.llm_engine import LLMEngine
 from ..model.plan import plan_line
 from ..sampling_params import SamplingParams
-from .cost_model import LinearCostModel, StepFeatures, fit_linear, step_features
 
 # (batch, prompt_len, output_len): decode batches from 1 to 64 at short and long contexts, prefill
 # chunks up to the full budget, and their mixes at the prefill/decode boundary.
@@ -106,5 +106,5 @@ def calibration_record(model: LinearCostModel, engine: LLMEngine, quick: bool) -
         "forward_plan": plan_line(engine.model),
         "grid": QUICK_GRID if quick else [*GRID, STAGGERED],
         "created": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "formula": "step_s = intercept + sum(coef[f] * feature f); features in tokenloom/sim/cost_model.py",
+        "formula": "step_s = intercept + sum(coef[f] * feature f); features in tokenloom/engine/cost_model.py",
     }

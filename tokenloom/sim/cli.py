@@ -98,17 +98,18 @@ def add_simulate_parser(subparsers) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from .cost_model import fit_linear, save_cost_model, with_spread
+    from ..engine.cost_model import fit_linear, with_spread
+    from .cost_model import save_cost_model
 
     if args.from_steps:
-        from .step_log import read_step_logs
+        from ..engine.step_log import read_step_logs
 
         samples = read_step_logs(args.from_steps)
         model = with_spread(fit_linear(samples, source=f"tokenloom calibrate --from-steps: {len(samples)} served "
                                                         "steps"), samples)
         save_cost_model(model, args.out, {"from_steps": args.from_steps,
                                           "formula": "step_s = intercept + sum(coef[f] * feature f); features "
-                                                     "in tokenloom/sim/cost_model.py"})
+                                                     "in tokenloom/engine/cost_model.py"})
     else:
         from ..config import engine_config_from_args
         from ..engine.llm_engine import LLMEngine

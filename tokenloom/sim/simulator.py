@@ -19,11 +19,12 @@ import torch
 from ..bench.replay import ReplayResult, VirtualClock, replay
 from ..bench.workload import WorkloadRequest
 from ..config import EngineConfig
+from ..engine.cost_model import StepFeatures, step_features
 from ..engine.llm_engine import LLMEngine
 from ..engine.snapshot_recording import SnapshotRecording
 from ..model.config import ModelConfig
 from ..step import Runner, StepPlan, StepResult, samples
-from .cost_model import MODELS, CostModel, StepFeatures, step_features
+from .cost_model import MODELS, CostModel
 
 SIM_TOKEN_ID = 1000  # an ordinary token every simulated sequence "generates"
 

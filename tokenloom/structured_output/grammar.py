@@ -1,15 +1,15 @@
 """Structured outputs: grammars that constrain sampling, compiled once, off the engine thread, in isolation.
 
-A request asks for one of vLLM's `structured_outputs` kinds (a JSON schema, any JSON object, a regex,
+A request asks for one of vLLM's `structured_outputs` kinds (`StructuredOutputsParams`, in sampling_params.py) (a JSON schema, any JSON object, a regex,
 a choice among strings, or a grammar in EBNF/GBNF or Lark); OpenAI's `response_format` and tool
 calls are mapped onto them by the server. `GrammarCompiler.compile` looks the request's grammar up
 by its own text (`cache_key`, before any conversion), so a second request with the same grammar
 compiles nothing and gets a copy of the cached matcher (microseconds). On a miss:
 
-1. `grammar_limits.check_static`: size, depth and rule count, in pure Python (a 400 naming the limit);
-2. the grammar worker, a child process (`grammar_worker.py`), converts and compiles it and builds its
+1. `limits.check_static`: size, depth and rule count, in pure Python (a 400 naming the limit);
+2. the grammar worker, a child process (`worker.py`), converts and compiles it and builds its
    first masks, measuring CPU time, memory and a fresh sequence's first-mask cost; a crash or a
-   timeout there fails this request alone and the worker is replaced (`grammar_sandbox.py`);
+   timeout there fails this request alone and the worker is replaced (`sandbox.py`);
 3. the measured costs are held to their limits, and the server compiles the proven llguidance grammar
    on its own low-priority thread with a stack larger than the worker's.
 
@@ -29,26 +29,27 @@ become forced tokens that jump-forward appends without a forward each.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 import torch
 
-from .grammar_limits import DEFAULT_LIMITS, GrammarLimits, check_static, exceeds, json_depth, json_text_depth
-from .grammar_sandbox import GrammarSandbox
-from .grammar_worker import WORKER_STACK_BYTES, first_line, llguidance_grammar, parser_limits
+from .limits import DEFAULT_LIMITS, GrammarLimits, check_static, exceeds
+from .sandbox import GrammarSandbox
+from .worker import WORKER_STACK_BYTES, first_line, parser_limits
+
+if TYPE_CHECKING:
+    from ..sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("tokenloom.grammar")
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # The server's compile thread: four times the worker's stack, so what compiled there compiles here.
 _COMPILE_STACK_BYTES = 4 * WORKER_STACK_BYTES
 _MAX_REFUSED = 4096  # digests of refused grammars remembered (32 bytes each)
@@ -60,82 +61,6 @@ class GrammarError(RuntimeError):
 
 
 SERVER_COPY_FACTOR = 2  # server memory per byte the worker measures for a grammar (see GrammarCompiler)
-
-@dataclass(frozen=True)
-class StructuredOutputsParams:
-    """Exactly one of the fields is set (vLLM's names)."""
-
-    json: str | dict | None = None  # a JSON schema, as an object or its text
-    regex: str | None = None
-    choice: tuple[str, ...] | list[str] | None = None
-    grammar: str | None = None  # EBNF/GBNF (`root ::= ...`) or Lark (`start: ...`)
-    json_object: bool = False  # any JSON object (OpenAI's response_format {"type": "json_object"})
-
-    def __post_init__(self) -> None:
-        chosen = [k for k in _KINDS if getattr(self, k) not in (None, False)]
-        if len(chosen) != 1:
-            raise ValueError(
-                f"structured_outputs: set exactly one of {', '.join(_KINDS)} (got {', '.join(chosen) or 'none'})"
-            )
-        if self.json is not None:
-            schema = self.json
-            # Depth first, without recursion: `json.loads` / `json.dumps` of a value nested 100,000 deep
-            # raise RecursionError (a 500), and llguidance's own JSON parser stops at 128 anyway.
-            depth = json_text_depth(schema) if isinstance(schema, str) else json_depth(schema)
-            if depth > DEFAULT_LIMITS.max_grammar_depth:
-                raise exceeds("json", "a nesting depth of", depth, "max_grammar_depth", DEFAULT_LIMITS.max_grammar_depth)
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"structured_outputs.json: not valid JSON ({e})") from None
-            if not isinstance(schema, dict | bool):
-                raise ValueError("structured_outputs.json: a JSON schema must be an object")
-            # Canonical text (keys keep their order: properties are generated in the schema's order),
-            # so the same schema sent as an object or as text, spaced any way, compiles once.
-            object.__setattr__(self, "json", json.dumps(schema, separators=(",", ":")))
-        if self.choice is not None:
-            if not isinstance(self.choice, list | tuple) or not self.choice or not all(
-                isinstance(c, str) and c for c in self.choice
-            ):
-                raise ValueError("structured_outputs.choice: must be a non-empty list of non-empty strings")
-            object.__setattr__(self, "choice", tuple(self.choice))
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name}: must be a non-empty string")
-
-    @property
-    def kind(self) -> str:
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"structured_outputs: unknown field(s) {', '.join(unknown)}")
-        return cls(**{k: v for k, v in d.items() if v is not None})
-
-    @property
-    def spec(self):
-        """What the grammar is, as given: the schema's canonical text, the regex, the grammar, the choices."""
-        return True if self.kind == "json_object" else getattr(self, self.kind)
-
-    @property
-    def cache_key(self) -> tuple[str, str]:
-        """The grammar's identity, from the request's own text: looked up before any conversion."""
-        spec = self.spec
-        return self.kind, "\x00".join(spec) if self.kind == "choice" else str(spec)
-
-    def to_llguidance(self) -> str:
-        """The llguidance grammar text (in this process: for trusted grammars and tests; the server
-        converts in the grammar worker). ValueError naming the field when it cannot be built."""
-        try:
-            return llguidance_grammar(self.kind, self.spec)
-        except ValueError as e:
-            raise ValueError(f"structured_outputs.{self.kind}: {e}") from None
-
 
 @dataclass
 class CompiledGrammar:

@@ -10,7 +10,7 @@ names it (the server's 400). Two kinds of checks:
   goes) and its rule count (rules of a grammar, subschemas of a JSON schema, options of a choice).
   A chain of 3,000 rules or 1,200 `$ref`s, which overflows the native compiler's stack, is refused
   here by its depth before any compiler sees it.
-- Measured, by the grammar worker (`grammar_worker.py`): compile time (CPU seconds), the memory the
+- Measured, by the grammar worker (`worker.py`): compile time (CPU seconds), the memory the
   compiled grammar holds, and the first token mask of a fresh sequence, which every sequence pays on
   the engine thread. No syntactic rule predicts those (`(a{2000}){1000}` is 16 bytes), so they are
   measured where a runaway costs nothing.

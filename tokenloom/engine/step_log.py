@@ -18,9 +18,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..engine.llm_engine import LLMEngine, StepStats
 from .cost_model import StepFeatures, step_features
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine, StepStats
 
 
 def replica_path(path: str, tag: str) -> str:

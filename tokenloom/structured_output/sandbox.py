@@ -1,4 +1,4 @@
-"""The server's side of the grammar worker (`grammar_worker.py`): one child process, one job at a time.
+"""The server's side of the grammar worker (`worker.py`): one child process, one job at a time.
 
 `GrammarSandbox.run(kind, spec, limits, timeout)` sends a grammar to the worker and returns its
 report. When the worker dies on a grammar (signal 11 from a stack overflow, an abort, the OOM
@@ -19,8 +19,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import grammar_worker
-from .grammar_worker import write_frame
+from . import worker
+from .worker import write_frame
 
 logger = logging.getLogger("tokenloom.grammar")
 
@@ -61,7 +61,7 @@ class GrammarSandbox:
             return self._proc
         if self._proc is not None:
             self.num_restarts += 1
-        self._proc = subprocess.Popen([sys.executable, grammar_worker.__file__], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen([sys.executable, worker.__file__], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, close_fds=True)
         write_frame(self._proc.stdin, {"tokenizer_json": self._tokenizer_json(), **self._setup})
         if not isinstance(reply := self._read(self._proc, _START_TIMEOUT_S), dict):
