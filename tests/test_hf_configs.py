@@ -191,3 +191,41 @@ def test_an_unknown_architecture_is_refused_naming_it(tmp_path):
     path = write_llama(tmp_path, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
     with pytest.raises(ValueError, match="unsupported architectures.*Qwen3MoeForCausalLM"):
         load_model(ModelSource("hf", str(path)))
+
+
+# --- the fast paths on the new architectures ------------------------------------------------------------
+
+# Qwen3-0.6B's heads (head_dim 128) and Llama-3.2-1B's (head_dim 64), each on the paged C attention.
+FAST = {"qwen3": FAMILIES["qwen3"],
+        "llama3": ("LlamaConfig", FAMILIES["llama3"][1] | {"hidden_size": 256, "head_dim": 64})}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("name", list(FAST))
+def test_fast_paths_stay_close_to_float32(tmp_path, name, qtype):
+    """The GGUF's blocks on the int4 / int5 / int8 kernels against the same blocks dequantized and run in
+    float32, teacher-forced over 2,048 positions of random tokens (4 layers)."""
+    from test_fast_paths import teacher_forced_logprobs
+
+    cls, fields = FAST[name]
+    config = getattr(transformers, cls)(**(COMMON | fields | {"num_hidden_layers": 4, "intermediate_size": 384,
+                                                                "max_position_embeddings": 4096}))
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    convert(str(tmp_path / "hf"), str(tmp_path / "m.gguf"), qtype)
+    source = ModelSource("gguf", str(tmp_path / "m.gguf"))
+    ids = torch.randint(3, VOCAB, (2048,), generator=torch.Generator().manual_seed(1))
+    ref = teacher_forced_logprobs(load_model(source), ids)
+    fast_model = load_model(source, quantization="auto")
+    line = fast_model.plan.line()
+    assert f"(from {4 * 7} {qtype})" in line and "attention paged-c" in line, line  # the kernels as planned
+    fast = teacher_forced_logprobs(fast_model, ids)
+    top1 = (ref.argmax(-1) == fast.argmax(-1)).float().mean().item()
+    kl = (ref.exp() * (ref - fast)).sum(-1).mean().item()
+    print(f"{name} {qtype}: top-1 {top1:.4f}, KL {kl:.2e} over {ids.numel()} positions; {line}")
+    assert kl <= 0.02 and top1 >= 0.95, (top1, kl)  # a wrong kernel lands far below both
+    if top1 < 0.98:
+        # Random weights give near-flat distributions (top probability ~5e-5): the int8 activations'
+        # rounding flips near-ties that a trained model's peaked ones do not have (float16 KV alone: 99.8%).
+        pytest.xfail(f"top-1 {top1:.4f} < 0.98 on random weights' near-ties (KL {kl:.1e})")
