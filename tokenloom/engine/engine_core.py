@@ -3,10 +3,9 @@
 step() = (speculative drafts, engine/speculation.py) → schedule → per-row constraints → (swap copies)
 → forward → sample (verifying drafts) → `_advance` each sequence (the one place a step moves a sequence
 on: computed tokens, accepted drafts and the new token, its text, every stop decision in `_check_stop`)
-→ the outputs of the requests that changed (engine/output_processor.py) → the step's stats
-(engine/stats.py). Every way a sequence ends (stop, length, abort) goes through `_finish`, which calls
-the scheduler's one release path, so no KV block can leak. A request's LoRA adapter stays pinned in
-`adapters` until it goes.
+→ the outputs of the requests that changed (engine/output_processor.py) → the step's stats. Every way a
+sequence ends (stop, length, abort) goes through `_finish`, the scheduler's one release path: no KV
+block can leak. A request's LoRA adapter stays pinned until it goes.
 
 Fault isolation (no request can take the engine down):
 - An exception while handling one request (its sampler row, detokenization, logprobs, output
@@ -61,9 +60,7 @@ class EngineCore:
         self.heap, self.clock = heap, clock
         self.requests: dict[str, RequestState] = {}
         self.fault_stats = FaultStats()
-        self.num_generation_tokens = 0
-        self.num_prompt_tokens = 0
-        self.num_steps = 0
+        self.num_generation_tokens = self.num_prompt_tokens = self.num_steps = 0
 
     # -- requests --------------------------------------------------------------------------------
 

@@ -15,20 +15,12 @@ The engine is built of parts (engine/builder.py wires them; this class is their 
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
-import torch
-
 from ..config import EngineConfig
-from ..model.config import ModelConfig
 from ..model.lora import LoRARequest
-from ..model.tokenizer import TokenizerWrapper
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from ..step import Runner
 from ..structured_outputs import GrammarCompiler
-from .builder import EngineParts, build_engine
+from .builder import build_engine
 from .engine_core import MAX_CONSECUTIVE_FORWARD_FAILURES, EngineFatalError
 from .request_state import RequestState, max_tokens
 from .stats import EngineStats, FaultStats, StepStats
@@ -45,24 +37,13 @@ __all__ = [
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        config: EngineConfig | None = None,
-        *,
-        model: torch.nn.Module | None = None,
-        tokenizer: TokenizerWrapper | None = None,
-        runner: Runner | None = None,
-        model_config: ModelConfig | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        draft_model: torch.nn.Module | None = None,
-    ):
-        """Pass `model`/`tokenizer` to run an already-built model (tests use a random-weight one), and
-        `draft_model` for a speculative config's draft model (it shares the tokenizer).
-        The simulator passes a `runner` (a cost model in place of the forward) with the `model_config`
-        it pretends to run, and a virtual `clock`."""
-        self.parts: EngineParts = build_engine(config, model=model, tokenizer=tokenizer, runner=runner,
-                                               model_config=model_config, clock=clock, draft_model=draft_model)
-        p = self.parts
+    def __init__(self, config: EngineConfig | None = None, **given):
+        """The engine of `config`, built by `build_engine` (engine/builder.py); `given` are the objects
+        it uses instead of building them: `model`/`tokenizer` to run an already-built model (tests use a
+        random-weight one), `draft_model` for a speculative config's draft model (it shares the
+        tokenizer); the simulator passes a `runner` (a cost model in place of the forward) with the
+        `model_config` it pretends to run, and a virtual `clock`."""
+        self.parts = p = build_engine(config, **given)
         self.config, self.clock, self.model, self.tokenizer, self.model_config = (
             p.config, p.clock, p.model, p.tokenizer, p.model_config)
         self.kv, self.stall_free, self.scheduler, self.runner = p.kv, p.stall_free, p.scheduler, p.runner
