@@ -195,7 +195,7 @@ def test_a_token_the_grammar_refuses_is_a_grammar_error(compiler, tokenizer):
 
 def _engine_with(make_engine, tokenizer, limits: GrammarLimits):
     engine = make_engine()
-    engine._grammars = GrammarCompiler(tokenizer, engine.model_config.vocab_size, limits)
+    engine.inputs._grammars = GrammarCompiler(tokenizer, engine.model_config.vocab_size, limits)
     return engine
 
 
@@ -219,7 +219,7 @@ def test_a_mask_over_its_time_fails_its_request_alone(make_engine, tokenizer):
         assert bad.error and "max_mask_ms_per_step" in bad.error and "internal error" not in bad.error
         assert {c.finish_reason for c in bad.outputs} == {"error"}
     finally:
-        engine._grammars.close()
+        engine.inputs._grammars.close()
 
 
 def test_a_grammar_failing_mid_generation_ends_in_error_not_stop(make_engine, tokenizer, monkeypatch):
@@ -270,8 +270,8 @@ def test_constraints_are_built_once_and_shared_by_the_rows(make_engine):
     gets the same prebuilt objects (the per-row, per-step rebuild cost seconds with n=64)."""
     engine = make_engine()
     rows = []
-    original = engine._row_constraints
-    engine._row_constraints = lambda seq: (made := original(seq), rows.extend(made))[0]
+    original = engine.core._row_constraints
+    engine.core._row_constraints = lambda seq: (made := original(seq), rows.extend(made))[0]
     words = [f"word{i} " * 12 for i in range(150)]
     engine.add_request("r", "Hello", SamplingParams(n=16, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True,
                                                     allowed_token_ids=list(range(40_000)), logit_bias={5: 3.0},

@@ -80,18 +80,18 @@ def test_request_that_can_never_fit_is_refused(make_engine):
 def test_decode_steps_trim_the_heap_once_a_second(make_engine, monkeypatch):
     """Freed pages go back to the OS after long prompt steps and, for decode-only stretches, once a
     TRIM_EVERY_S: a streaming server otherwise crept up between prompts."""
-    from tokenloom.engine import llm_engine
+    from tokenloom.engine import heap_policy
 
     trims = []
-    monkeypatch.setattr(llm_engine, "trim_heap", lambda: trims.append(time.monotonic()))
+    monkeypatch.setattr(heap_policy, "trim_heap", lambda: trims.append(time.monotonic()))
     engine = make_engine()
     engine.add_request("r", "Hello there", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     engine.step()  # the prompt
     trims.clear()
-    engine._last_trim_at = time.monotonic()  # as if a trim just ran
+    engine.heap.last_trim_at = time.monotonic()  # as if a trim just ran
     engine.step()
     assert trims == [], "a decode step trimmed within a second of the last trim"
-    engine._last_trim_at = time.monotonic() - llm_engine.TRIM_EVERY_S
+    engine.heap.last_trim_at = time.monotonic() - heap_policy.TRIM_EVERY_S
     engine.step()
     assert len(trims) == 1, "a decode step a second after the last trim did not trim"
     while engine.has_unfinished_requests():
