@@ -31,7 +31,7 @@ from ..config import EngineConfig
 from ..model.tokenizer import TokenizerWrapper
 from ..outputs import RequestOutput
 from ..step import RowConstraint, Runner, Sequence, SequenceStatus, StepPlan, StepResult
-from ..structured_outputs import GrammarError
+from ..structured_output.grammar import GrammarError
 from . import fault_sites
 from .heap_policy import HeapPolicy
 from .kv_cache import KVCacheManager

@@ -18,7 +18,7 @@ from ..model.tokenizer import IncrementalDetokenizer, TokenizerWrapper
 from ..request_checks import check_request
 from ..sampling_params import SamplingParams
 from ..step import Sequence
-from ..structured_outputs import GrammarCompiler
+from ..structured_output.grammar import GrammarCompiler
 from .constraints import RequestConstraints
 from .kv_cache import KVCacheManager
 from .lora_manager import AdapterManager
