@@ -42,3 +42,18 @@ def test_chat_template_renders_with_default_system_prompt(tokenizer):
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="messages"):
         tokenizer.apply_chat_template([{"content": "no role"}])
+
+
+def test_an_hf_directory_stops_at_generation_config_eos_ids(tmp_path, tokenizer):
+    """Llama 3.x lists its turn ends in generation_config.json (128001, 128008, 128009): each one stops."""
+    from tokenloom.model.tokenizer import TokenizerWrapper
+
+    (tmp_path / "tokenizer.json").write_text(tokenizer.tokenizer.to_str())
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [7, 11, true, -1, "x"]}')
+    wrapper = TokenizerWrapper.from_hf_dir(str(tmp_path))
+    im_end = tokenizer.tokenizer.token_to_id("<|im_end|>")
+    assert {im_end, 7, 11} <= set(wrapper.eos_token_ids) and -1 not in wrapper.eos_token_ids
+    assert True not in [i for i in wrapper.eos_token_ids if isinstance(i, bool)]
+    (tmp_path / "generation_config.json").write_text("[1, 2]")  # valid JSON, not an object: ignored
+    assert 7 not in TokenizerWrapper.from_hf_dir(str(tmp_path)).eos_token_ids

@@ -20,6 +20,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
+# Tokens that end a chat turn (besides the file's own EOS): Qwen's, Llama 3's (end of turn, end of a
+# tool-calling message) and Gemma's. Generation stops at any of them, as the models' own configs say.
+TURN_ENDS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>")
 _GGUF_NORMAL = 1  # tokenizer.ggml.token_type values
 _GGUF_CONTROL = 3  # control (special) tokens
 _GGUF_USER_DEFINED = 4
@@ -78,8 +81,7 @@ class TokenizerWrapper:
         bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
         eos_ids = [int(eos)] if eos is not None else []
         # The end-of-text token also ends generation for chat models trained with a separate turn end.
-        eos_ids += [tokens.index(t) for t in ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>")
-                    if t in tokens]
+        eos_ids += [tokens.index(t) for t in TURN_ENDS if t in tokens]
         return cls(
             tok,
             eos_ids,
@@ -104,7 +106,8 @@ class TokenizerWrapper:
             return tok.token_to_id(value) if value else None
 
         eos = [i for i in (token_id("eos_token"),) if i is not None]
-        eos += [i for t in ("<|endoftext|>", "<|im_end|>") if (i := tok.token_to_id(t)) is not None]
+        eos += [i for t in TURN_ENDS if (i := tok.token_to_id(t)) is not None]
+        eos += _generation_config_eos(path)
         return cls(tok, eos, bos_token_id=token_id("bos_token"), chat_template=cfg.get("chat_template"))
 
     # -- use -----------------------------------------------------------------------------------
@@ -122,7 +125,10 @@ class TokenizerWrapper:
         """The token's text as the OpenAI API shows it in logprobs (bytes decoded, not 'Ġ' form)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            template_kwargs: dict | None = None) -> str:
+        """`template_kwargs`: further variables for the template (e.g. Qwen3's `enable_thinking`), checked
+        by the caller; they never replace the ones set here."""
         if self._template is None:
             raise ValueError("messages: this model has no chat template; use a completion prompt instead")
         for i, m in enumerate(messages):
@@ -130,6 +136,7 @@ class TokenizerWrapper:
                 raise ValueError(f"messages[{i}] must be an object with a 'role'")
         special = self.tokenizer.id_to_token
         return self._template.render(
+            **(template_kwargs or {}),
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=special(self.bos_token_id) if self.bos_token_id is not None else "",
@@ -196,6 +203,17 @@ def same_tokenizer(a: TokenizerWrapper, b: TokenizerWrapper) -> bool:
     """Do the two map every token string to the same id (a draft model's ids must mean the target's)?"""
     return a.vocab_size == b.vocab_size and a.tokenizer.get_vocab(with_added_tokens=True) == b.tokenizer.get_vocab(
         with_added_tokens=True)
+
+
+def _generation_config_eos(path: str) -> list[int]:
+    """generation_config.json's eos_token_id (an id or a list: Llama 3.x's 128001, 128008, 128009)."""
+    try:
+        with open(os.path.join(path, "generation_config.json")) as f:
+            value = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    ids = value if isinstance(value, list) else [value]
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
 
 
 def load_tokenizer(model_path: str) -> TokenizerWrapper:

@@ -145,7 +145,8 @@ def build_app(
             raise APIError(400, "prompt: give exactly one of 'prompt' or 'messages'", param="prompt")
         if body.messages is not None:
             _, tokens = await render_prompt_ids(state, ChatCompletionRequest(
-                messages=body.messages, add_generation_prompt=body.add_generation_prompt),
+                messages=body.messages, add_generation_prompt=body.add_generation_prompt,
+                chat_template_kwargs=body.chat_template_kwargs),
                 add_special_tokens=body.add_special_tokens)
         else:
             tokens = await state.encode(body.prompt, "prompt", body.add_special_tokens)

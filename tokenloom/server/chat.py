@@ -9,6 +9,7 @@ role-only message sent at once would report a TTFT that never happened.
 from __future__ import annotations
 
 from . import convert
+from .chat_text import check_template_kwargs
 from .errors import APIError
 from .generation import GenerationView
 from .protocol import ChatCompletionRequest
@@ -28,12 +29,13 @@ def render_prompt(state: ServerState, req: ChatCompletionRequest, tools: ToolCho
     template_tools = tools.template_tools if tools is not None else None
     if template_tools is not None:
         encoder, wrapper = encoder_with_tools(encoder, template_tools), wrapper_with_tools(wrapper, template_tools)
+    template_kwargs = check_template_kwargs(req.chat_template_kwargs)
     try:
         if state.trust_chat_messages:
-            return wrapper.apply_chat_template(messages, req.add_generation_prompt), None
+            return wrapper.apply_chat_template(messages, req.add_generation_prompt, template_kwargs), None
         refuse_spelled_controls(encoder.control_texts, template_tools or [], messages)
         encoder.check_messages(messages)
-        text, spans = encoder.render(messages, req.add_generation_prompt)
+        text, spans = encoder.render(messages, req.add_generation_prompt, template_kwargs)
     except (ValueError, APIError):
         raise
     except Exception as exc:  # jinja errors: the messages do not fit the template

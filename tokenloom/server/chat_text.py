@@ -20,6 +20,7 @@ Roles: OpenAI's (`OPENAI_ROLES`) plus any role the template itself compares agai
 from __future__ import annotations
 
 import bisect
+import math
 import re
 import secrets
 from functools import cached_property
@@ -34,6 +35,28 @@ _ROLE_TESTS = re.compile(r"""role['"\]]*\s*(?:==|!=|in)\s*(\[[^\]]*\]|\([^)]*\)|
                          r"""|['"]([\w-]+)['"]\s*(?:==|!=)\s*[\w.\[\]'"]*role""")
 _QUOTED = re.compile(r"""['"]([\w-]+)['"]""")
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a message's `name`
+TEMPLATE_VARIABLE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,63}$")
+TEMPLATE_OWN = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "raise_exception"})
+MAX_TEMPLATE_KWARGS = 16
+
+
+def check_template_kwargs(kwargs: dict | None) -> dict:
+    """A request's `chat_template_kwargs` (vLLM's; Qwen3's `enable_thinking`): switches, so booleans,
+    numbers and null only. Text would reach the prompt outside every message's content span, where
+    control tokens take effect (the injection chat_text exists to stop); the template's own variables
+    are not the request's to replace."""
+    if not kwargs:
+        return {}
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise APIError(400, f"chat_template_kwargs: at most {MAX_TEMPLATE_KWARGS} entries", param="chat_template_kwargs")
+    for key, value in kwargs.items():
+        field = f"chat_template_kwargs.{key[:64]}"
+        if not TEMPLATE_VARIABLE.match(key) or key in TEMPLATE_OWN:
+            raise APIError(400, f"{field}: a name of letters, digits and _ that the template does not set itself",
+                           param="chat_template_kwargs")
+        if not (value is None or isinstance(value, bool | int) or (isinstance(value, float) and math.isfinite(value))):
+            raise APIError(400, f"{field}: must be a boolean, a finite number or null", param=field)
+    return kwargs
 
 
 def template_roles(template: str | None) -> frozenset[str]:
@@ -72,14 +95,15 @@ class ChatEncoder:
                 raise APIError(400, f"messages[{i}].name: 1 to 64 characters of a-z, A-Z, 0-9, _ and -",
                                param=f"messages[{i}].name")
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> tuple[str, list[tuple[int, int]] | None]:
+    def render(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict | None = None
+               ) -> tuple[str, list[tuple[int, int]] | None]:
         """The rendered prompt and the (start, end) spans of every message's content in it; spans are
         None when the template does not render the content verbatim."""
-        text = self.wrapper.apply_chat_template(messages, add_generation_prompt)
+        text = self.wrapper.apply_chat_template(messages, add_generation_prompt, template_kwargs)
         nonce = f"{secrets.randbelow(10**18):018d}"  # digits: what a template would rewrite least
         marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} if isinstance(m.get("content"), str) else m
                   for i, m in enumerate(messages)]
-        rendered = self.wrapper.apply_chat_template(marked, add_generation_prompt)
+        rendered = self.wrapper.apply_chat_template(marked, add_generation_prompt, template_kwargs)
         marker = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
         pieces, spans, pos, at = [], [], 0, 0
         for m in marker.finditer(rendered):

@@ -158,6 +158,8 @@ class ChatCompletionRequest(_SamplingFields):
     audio: dict[str, Any] | None = Field(None, description="Not supported")
     tool_choice: Text | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Further variables for the chat template, e.g. {\"enable_thinking\": false} (vLLM's)")
 
 
 class TokenizeRequest(_Body):
@@ -166,6 +168,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):
