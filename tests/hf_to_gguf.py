@@ -15,7 +15,8 @@ import numpy as np
 from safetensors.numpy import load_file
 
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+             "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+FUSED = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # Phi-3's, kept fused
 NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -105,9 +106,13 @@ def convert(hf_dir: str, path: str, qtype: str | None = None) -> None:
                 if t is not None:
                     add = add_matrix if kind == "weight" else w.add_tensor
                     add(f"{b}attn_{part}.{kind}", permute(t, n) if rope_permuted and n else t)
+        for theirs, ours in FUSED.items():
+            if f"{hp}{theirs}.weight" in sd:
+                add_matrix(f"{b}{ours}.weight", sd[f"{hp}{theirs}.weight"])
         add_matrix(b + "attn_output.weight", sd[hp + "self_attn.o_proj.weight"])
         for theirs, ours in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
-            add_matrix(f"{b}{ours}.weight", sd[f"{hp}mlp.{theirs}.weight"])
+            if f"{hp}mlp.{theirs}.weight" in sd:
+                add_matrix(f"{b}{ours}.weight", sd[f"{hp}mlp.{theirs}.weight"])
         for theirs, ours in (GEMMA_NORMS if gemma else NORMS).items():
             if f"{hp}{theirs}.weight" in sd:
                 w.add_tensor(f"{b}{ours}.weight", norm(sd[f"{hp}{theirs}.weight"]))

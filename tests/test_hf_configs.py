@@ -56,6 +56,7 @@ FAMILIES = {
                     tie_word_embeddings=True, rope_parameters=rope("default", 1e6)),
     "qwen3-untied-yarn": family("Qwen3Config", head_dim=32, rope_parameters=rope(
         "yarn", 1e6, factor=4.0, original_max_position_embeddings=ORIGINAL)),
+    "phi3": family("Phi3Config", rope_parameters=rope("default", 2e4), sliding_window=16, pad_token_id=0),
     "gemma3": family("Gemma3TextConfig", num_hidden_layers=6, head_dim=32, sliding_window=8, query_pre_attn_scalar=32,
                      tie_word_embeddings=True,
                      rope_parameters={"full_attention": rope("linear", 2e5, factor=4.0),
@@ -78,10 +79,12 @@ def checkpoint(request, tmp_path_factory):
     config._attn_implementation = "eager"
     torch.manual_seed(1234)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():  # random norms too, so the multiplier (and Gemma's minus-one) matters
+    with torch.no_grad():
         for n, p in model.named_parameters():
-            if "norm" in n:
+            if "norm" in n:  # random norms too, so the multiplier (and Gemma's minus-one) matters
                 p.copy_(p + 0.1 * torch.randn_like(p))
+            elif any(k in n for k in ("q_proj", "k_proj", "qkv_proj")):
+                p.mul_(8.0)  # peaked attention, so each position's RoPE angle decides what a query sees
     path = tmp_path_factory.mktemp(name) / "v5"
     model.save_pretrained(path)
     return name, [hf_greedy(model, p, 32) for p in prompts()], path
@@ -176,7 +179,7 @@ def write_llama(tmp_path, **changes):
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor=0.5"),
     ({"rope_parameters": None, "rope_scaling": {"type": "su", "factor": 2.0}, "rope_theta": 1e4},
-     "unknown rope_type 'su'"),
+     "rope_type 'su' is not supported: it is longrope"),
     ({"mlp_bias": True}, "mlp_bias=True is not supported for Llama"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),

@@ -289,7 +289,7 @@ def _read_gguf(path: str, blocks: dict | None = None
         return [q, k]
 
     # Each shared projection: the file's tensors it is made of, and how (fused ones concatenated).
-    projections = {
+    projections = FUSED_GGUF_PROJECTIONS if arch.fused_projections else {
         "self_attn.qkv_proj": (("attn_q", "attn_k", "attn_v"),
                                lambda get, b: torch.cat([*q_and_k(get, b, "weight"), get(b + "attn_v.weight")])),
         "self_attn.o_proj": (("attn_output",), lambda get, b: get(b + "attn_output.weight")),
@@ -324,6 +324,15 @@ def _read_gguf(path: str, blocks: dict | None = None
         raise ValueError(f"{path}: tensors tokenloom's {arch.name} does not use: {unknown[:5]}"
                          f"{' ...' if len(unknown) > 5 else ''} (refused rather than run without them)")
     return config, state, source_types
+
+
+# Phi-3's projections as llama.cpp stores them: already fused, gate before up in ffn_up (no RoPE permutation).
+FUSED_GGUF_PROJECTIONS = {
+    "self_attn.qkv_proj": (("attn_qkv",), lambda get, b: get(b + "attn_qkv.weight")),
+    "self_attn.o_proj": (("attn_output",), lambda get, b: get(b + "attn_output.weight")),
+    "mlp.gate_up_proj": (("ffn_up",), lambda get, b: get(b + "ffn_up.weight")),
+    "mlp.down_proj": (("ffn_down",), lambda get, b: get(b + "ffn_down.weight")),
+}
 
 
 def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -375,11 +384,15 @@ def _read_hf_dir(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Count
     for i in range(config.num_layers):
         p = f"layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        state[a + "qkv_proj.weight"] = torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"])
+        if arch.fused_projections:
+            state[a + "qkv_proj.weight"], state[m + "gate_up_proj.weight"] = get(a + "qkv_proj.weight"), get(
+                m + "gate_up_proj.weight")
+        else:
+            state[a + "qkv_proj.weight"] = torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"])
+            state[m + "gate_up_proj.weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
         if config.attention_bias:
             state[a + "qkv_proj.bias"] = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"])
         state[a + "o_proj.weight"] = get(a + "o_proj.weight")
-        state[m + "gate_up_proj.weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
         state[m + "down_proj.weight"] = get(m + "down_proj.weight")
         for theirs, ours in arch.hf_layer_norms.items():
             state[f"{p}{ours}.weight"] = norm(f"{p}{theirs}.weight")

@@ -5,10 +5,10 @@ layers themselves are shared (model/decoder.py). A name not here is refused, nev
 
 from __future__ import annotations
 
-from . import gemma3, llama, qwen2, qwen3
+from . import gemma3, llama, phi3, qwen2, qwen3
 from .base import Architecture, GGUFMetadata
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (llama.ARCH, qwen2.ARCH, qwen3.ARCH, gemma3.ARCH)}
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (llama.ARCH, qwen2.ARCH, qwen3.ARCH, gemma3.ARCH, phi3.ARCH)}
 
 
 def for_gguf(name: str | None, path: str) -> Architecture:

@@ -87,3 +87,5 @@ class Architecture:
     # Hugging Face checkpoints store each RMSNorm weight minus this (Gemma: 1; GGUF stores the multiplier).
     hf_norm_offset: float = 0.0
     hf_layer_norms: dict[str, str] = field(default_factory=lambda: dict(LLAMA_HF_NORMS))
+    # Q/K/V stored as one qkv tensor and gate/up as one (Phi-3; GGUF: attn_qkv, and ffn_up holding both).
+    fused_projections: bool = False

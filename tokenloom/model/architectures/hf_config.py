@@ -25,6 +25,7 @@ WHY_NOT = {  # rope types transformers knows that tokenloom refuses, and why
     "dynamic": "its frequencies depend on the running sequence's length (a position's angles would "
                "depend on the batch)",
     "longrope": "its short/long factors switch on the running sequence's length",
+    "su": "it is longrope (its old name), whose factors switch on the running sequence's length",
 }
 
 # config.json keys that change the arithmetic, with the values that leave it as the shared layers do
