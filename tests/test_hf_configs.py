@@ -232,3 +232,27 @@ def test_fast_paths_stay_close_to_float32(tmp_path, name, qtype):
         # Random weights give near-flat distributions (top probability ~5e-5): the int8 activations'
         # rounding flips near-ties that a trained model's peaked ones do not have (float16 KV alone: 99.8%).
         pytest.xfail(f"top-1 {top1:.4f} < 0.98 on random weights' near-ties (KL {kl:.1e})")
+
+
+def test_llama3_scaling_past_the_original_context(tokenizer, tmp_path):
+    """Llama 3.2's own RoPE table (θ 500k, factor 32, original context 8,192) at positions up to ~9.2k."""
+    config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 128, "head_dim": 64, "num_attention_heads": 2,
+                                                   "num_key_value_heads": 1, "max_position_embeddings": 131072}),
+                                      rope_parameters=rope("llama3", 5e5, factor=32.0, low_freq_factor=1.0,
+                                                           high_freq_factor=4.0, original_max_position_embeddings=8192))
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "q_proj" in n or "k_proj" in n:
+                p.mul_(8.0)
+    model.save_pretrained(tmp_path / "hf")
+    prompt = torch.randint(3, VOCAB, (9000,), generator=torch.Generator().manual_seed(5)).tolist()
+    expected = hf_greedy(model, prompt, 8)
+    loaded = load_model(ModelSource("hf", str(tmp_path / "hf")))
+    engine = LLMEngine(EngineConfig(max_model_len=9216, num_kv_blocks=600, block_size=16), model=loaded,
+                       tokenizer=tokenizer)
+    out = LLM(engine=engine).generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8,
+                                                                                  ignore_eos=True), use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == expected
