@@ -29,7 +29,7 @@ else
     OUT=${OUT:-benchmarks/results/peers-avx2-native}
 fi
 # MODEL: a catalog name (tokenloom pull NAME) served by every peer from the same GGUF file; results in
-# <OUT>-<MODEL>/. Unset: the bundled SmolLM2.
+# <OUT>-<MODEL>/. Unset: the bundled SmolLM2. MODEL_FILE: a GGUF path served under the name MODEL instead.
 MODEL=${MODEL:-}
 [[ -n $MODEL ]] && OUT=$OUT-$MODEL
 RAW=${RAW:-benchmarks/runs/$(basename "$OUT")}
@@ -40,7 +40,10 @@ TOKENLOOM_ENV=()
 if [[ $ISA == avx2 ]]; then
     TOKENLOOM_ENV=(TOKENLOOM_MAX_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)
 fi
-if [[ -n $MODEL ]]; then
+if [[ -n ${MODEL_FILE:-} ]]; then  # a GGUF file of one's own (benchmarks/shaped_checkpoint.py), named MODEL
+    GGUF=$MODEL_FILE
+    ALIAS=${MODEL:?MODEL names the file given as MODEL_FILE}
+elif [[ -n $MODEL ]]; then
     GGUF=$(.venv/bin/python -c "import sys; from tokenloom.model import catalog; print(catalog.pull(sys.argv[1], progress=False))" "$MODEL")
     ALIAS=$MODEL
 else
@@ -100,7 +103,7 @@ for server in $PEERS; do
     sleep 2
 done
 
-ISA=$ISA MODEL=$MODEL .venv/bin/python - "$OUT" "$RAW" $PEERS <<'PY'
+ISA=$ISA MODEL=$MODEL MODEL_FILE=${MODEL_FILE:-} .venv/bin/python - "$OUT" "$RAW" $PEERS <<'PY'
 import json, os, sys, platform
 out, raw, servers = sys.argv[1], sys.argv[2], sys.argv[3:]
 flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]
@@ -122,7 +125,9 @@ for peer in ("llama", "vllm", "vllm-fp32"):
 isa = os.environ.get("ISA", "native")
 model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
 model_env = os.environ.get("MODEL", "")
-summary = {"command": ("ISA=avx2 " if isa == "avx2" else "") + (f"MODEL={model_env} " if model_env else "")
+model_file = os.environ.get("MODEL_FILE", "")
+summary = {"command": ("ISA=avx2 " if isa == "avx2" else "") + (f"MODEL_FILE={model_file} " if model_file else "")
+           + (f"MODEL={model_env} " if model_env else "")
            + "PEERS='" + " ".join(servers) + "' bash benchmarks/peers.sh", "model": model_env or "smollm2-135m",
            "isa": isa, "cpu_model": model, "cpu_flags": flags,
            "machine": platform.machine(), "servers": rows}

@@ -63,18 +63,20 @@ def build_app(
     metrics_open: bool = False,
     client_priority: ClientPriorityRange | None = None,
     trust_chat_messages: bool = False,
+    reasoning_parser: str | None = None,
     lora_modules: list[LoRARequest] | None = None,
     allow_runtime_lora_updating: bool = False,
     dashboard: DashboardOptions | None = None,
 ) -> FastAPI:
     """`metrics_token`/`metrics_open`: who reads /metrics (tenancy.MetricsAccess); `client_priority`:
     the `priority` values a client may send; `trust_chat_messages`: chat message content may
-    spell control tokens that take effect (off: content is text, see chat_text.py); `dashboard`: the
+    spell control tokens that take effect (off: content is text, see chat_text.py); `reasoning_parser`:
+    thinking blocks as `reasoning_content` (reasoning.py); `dashboard`: the
     live view's options (dashboard.py; on by default)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     state = ServerState(async_llm, names or ["tokenloom"], model_path, metrics,
                         client_priority=client_priority or ClientPriorityRange(),
-                        trust_chat_messages=trust_chat_messages)
+                        trust_chat_messages=trust_chat_messages, reasoning_parser=reasoning_parser)
     state.loras = {r.lora_name: r for r in lora_modules or ()}
     metrics_access = MetricsAccess(api_key, metrics_token, metrics_open)
 

@@ -13,6 +13,7 @@ from .chat_text import check_template_kwargs
 from .errors import APIError
 from .generation import GenerationView
 from .protocol import ChatCompletionRequest
+from .reasoning import Split, StreamingReasoningSplitter, split_reasoning
 from .state import INLINE_CHARS, ServerState
 from .streams import ChoiceDelta
 from .structured import ToolChoice, tool_choice
@@ -67,27 +68,37 @@ class _ChatView(GenerationView):
 
     tools: ToolChoice | None = None
     _parsers: dict[int, StreamingToolCallParser]  # "auto", streaming: one per choice
+    _thinking: dict[int, StreamingReasoningSplitter]  # --reasoning-parser, streaming: one per choice
 
     async def engine_inputs(self):
         self.tools = tool_choice(self.req, self.tok.chat_template)
         params = convert.chat_params(self.req, self.tools)
         _, ids = await render_prompt_ids(self.state, self.req, self.tools)
-        self._parsers = {}
+        self._parsers, self._thinking = {}, {}
         return params, [ids]
+
+    def _split(self, d: ChoiceDelta, streaming: bool) -> Split:
+        """The delta's text as reasoning and content (all content without --reasoning-parser)."""
+        if self.state.reasoning_parser is None:
+            return Split(None, d.text)
+        if not streaming:
+            return split_reasoning(d.text)
+        splitter = self._thinking.setdefault(d.index, StreamingReasoningSplitter())
+        return splitter.feed(d.text, final=d.choice.finish_reason is not None)
 
     def render(self, d: ChoiceDelta, streaming: bool) -> dict:
         if self.tools is not None and self.tools.auto:
             return self._render_auto_stream(d) if streaming else self._render_auto_whole(d)
         if self.tools is not None:
             return self._render_tool_calls(d, streaming)
-        if d.first:
-            message = {"role": "assistant", "content": d.text}
+        split = self._split(d, streaming)
+        if d.first or not streaming:
+            message = {"role": "assistant", "content": split.content}
         else:
-            message = {"content": d.text} if d.text else {}
-        logprobs = None
-        if d.logprobs is not None:
-            logprobs = convert.chat_logprobs(self.tok, d.token_ids, d.logprobs, self.req.top_logprobs or 0)
-        return {"delta" if streaming else "message": message, "logprobs": logprobs}
+            message = {"content": split.content} if split.content else {}
+        if self.state.reasoning_parser and (split.reasoning or not streaming):
+            message["reasoning_content"] = split.reasoning
+        return {"delta" if streaming else "message": message, "logprobs": self._logprobs(d)}
 
     def _logprobs(self, d: ChoiceDelta) -> dict | None:
         if d.logprobs is None:
@@ -96,8 +107,11 @@ class _ChatView(GenerationView):
 
     def _render_auto_whole(self, d: ChoiceDelta) -> dict:
         """"auto": the model's `<tool_call>` blocks become `tool_calls`, the text before them `content`."""
-        parsed = parse_tool_calls(d.text)
+        split = self._split(d, streaming=False)
+        parsed = parse_tool_calls(split.content or "")
         message: dict = {"role": "assistant", "content": parsed.content}
+        if self.state.reasoning_parser:
+            message["reasoning_content"] = split.reasoning
         out = {"message": message, "logprobs": self._logprobs(d)}
         if parsed.calls:
             message["tool_calls"] = [{"id": new_call_id(), "type": "function",
@@ -108,7 +122,10 @@ class _ChatView(GenerationView):
     def _render_auto_stream(self, d: ChoiceDelta) -> dict:
         """"auto", streamed: content deltas until a `<tool_call>` starts, then tool-call deltas."""
         parser = self._parsers.setdefault(d.index, StreamingToolCallParser())
-        delta = parser.feed(d.text, final=d.choice.finish_reason is not None)
+        split = self._split(d, streaming=True)
+        delta = parser.feed(split.content or "", final=d.choice.finish_reason is not None)
+        if split.reasoning:
+            delta["reasoning_content"] = split.reasoning
         if d.first:
             delta = {"role": "assistant", "content": delta.pop("content", None), **delta}
         out = {"delta": delta, "logprobs": self._logprobs(d)}

@@ -20,6 +20,8 @@ import threading
 
 import uvicorn
 
+from .reasoning import REASONING_PARSERS
+
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_MAX_QUEUE_LEN = 1024  # waiting sequences; beyond it new requests get 503 + Retry-After
 DEFAULT_READ_TIMEOUT = 30.0
@@ -51,6 +53,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--trust-chat-messages", action="store_true",
                    help="chat message content may spell control tokens (e.g. <|im_end|>) that take effect, and any "
                         "role goes; default: content is tokenized as text and roles are OpenAI's or the template's")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="a thinking model's <think>...</think> block becomes the chat message's reasoning_content "
+                        "(vLLM's flag; default: it stays in content)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use as `model`; /v1/models lists them (default: a catalog name as "
                         "given, else the file's name without .gguf and its quantization suffix)")

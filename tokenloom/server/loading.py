@@ -69,4 +69,5 @@ def app_options(args: argparse.Namespace) -> dict:
     return {"api_key": args.api_key, "max_request_body_bytes": args.max_request_body_bytes,
             "shutdown_timeout": args.shutdown_timeout, "metrics_token": args.metrics_token,
             "metrics_open": args.metrics_open, "trust_chat_messages": args.trust_chat_messages,
+            "reasoning_parser": args.reasoning_parser,
             "client_priority": ClientPriorityRange(args.min_client_priority, args.max_client_priority)}

@@ -35,6 +35,7 @@ class ServerState:
     shutting_down: bool = False
     client_priority: ClientPriorityRange = field(default_factory=ClientPriorityRange)
     trust_chat_messages: bool = False  # content may spell control tokens, any role (operator's choice)
+    reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": <think> blocks as reasoning_content
     loras: dict[str, LoRARequest] = field(default_factory=dict)  # adapters served by name (--lora-modules)
     _executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(_EXECUTOR_THREADS, thread_name_prefix="tokenloom-text"))

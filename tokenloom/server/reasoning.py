@@ -1,0 +1,73 @@
+"""`--reasoning-parser qwen3` (vLLM's flag): a thinking model's `<think>…</think>` block becomes the
+message's `reasoning_content`, what follows it the `content` (DeepSeek's and vLLM's field name).
+
+One rule for whole responses and streams alike, so both give the same split: an answer that begins
+with `<think>` (after whitespace) is reasoning up to `</think>`, or up to its end if the answer was cut
+before the block closed (a stream cannot take back what it sent as reasoning); any other answer is all
+content. With `enable_thinking: false` Qwen3's template writes an empty block into the prompt and the
+answer is plain content.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+THINK_START, THINK_END = "<think>", "</think>"
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # both mark their thoughts the same way
+
+
+@dataclass
+class Split:
+    reasoning: str | None
+    content: str | None
+
+
+def split_reasoning(text: str) -> Split:
+    body = text.lstrip()
+    if not body.startswith(THINK_START):
+        return Split(None, text)
+    thought, closed, rest = body[len(THINK_START):].partition(THINK_END)
+    return Split(thought, rest or None) if closed else Split(thought, None)
+
+
+def _held_back(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag` (kept until the next text)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class StreamingReasoningSplitter:
+    """The same split as `split_reasoning`, fed one delta at a time. Work per delta is bounded by the
+    delta and a tag's length: only the held-back tail is scanned again."""
+
+    def __init__(self):
+        self._mode = "start"  # "start" (before the first text), "reasoning", "content"
+        self._pending = ""  # text not sent yet: what could still be part of a tag
+
+    def feed(self, text: str, final: bool = False) -> Split:
+        pending, self._pending = self._pending + text, ""
+        reasoning: list[str] = []
+        content: list[str] = []
+        if self._mode == "start":
+            body = pending.lstrip()
+            if body.startswith(THINK_START):
+                self._mode, pending = "reasoning", body[len(THINK_START):]
+            elif THINK_START.startswith(body) and not final:
+                self._pending = pending  # whitespace or a partial "<think" so far
+                return Split(None, None)
+            else:
+                self._mode = "content"
+        if self._mode == "reasoning":
+            thought, closed, rest = pending.partition(THINK_END)
+            if closed:
+                reasoning.append(thought)
+                self._mode, pending = "content", rest
+            else:
+                keep = 0 if final else _held_back(thought, THINK_END)
+                reasoning.append(thought[: len(thought) - keep])
+                self._pending, pending = thought[len(thought) - keep:], ""
+        if self._mode == "content" and pending:
+            content.append(pending)
+        return Split("".join(reasoning) or None, "".join(content) or None)
