@@ -74,19 +74,10 @@ class CLayerOps(TorchLayerOps):
     lora_dtype = torch.bfloat16
 
     def __init__(self, lib: ctypes.CDLL):
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        """`lib`: csrc/layer_ops.c as kernels.load gives it (its functions typed from csrc/kernels.h)."""
         self._rms_norm, self._rope, self._silu_mul = lib.rms_norm_f32, lib.rope_f32, lib.silu_mul_f32
-        self._rms_norm.argtypes = [p, p, i64, i64, ctypes.c_float, p]
-        self._rope.argtypes = [p, i64, i64, i64, i64, p, p]
-        self._silu_mul.argtypes = [p, i64, i64, p]
-        self._rms_norm.restype = self._rope.restype = self._silu_mul.restype = None
         self._lora_add = lib.lora_add_bf16
-        self._lora_add.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
-        self._lora_add.restype = ctypes.c_int
         self._write = {torch.float32: lib.write_kv_f32, torch.float16: lib.write_kv_f16}
-        for fn in self._write.values():
-            fn.argtypes = [p, i64, p, i64, i64, i64, p, i64, p, p]
-            fn.restype = ctypes.c_int
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if (x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != torch.float32
@@ -158,81 +149,5 @@ def layer_ops_for(dtype: torch.dtype, want: bool) -> TorchLayerOps:
     return TORCH_OPS
 
 
-# Run in a child before loading (model/kernels.py): one small case of each op against a direct computation.
-_CHECK = r"""
-import ctypes, math, random, struct, sys
-lib = ctypes.CDLL(sys.argv[1])
-p, i64 = ctypes.c_void_p, ctypes.c_int64
-lib.rms_norm_f32.argtypes = [p, p, i64, i64, ctypes.c_float, p]
-lib.rope_f32.argtypes = [p, i64, i64, i64, i64, p, p]
-lib.write_kv_f16.argtypes = [p, i64, p, i64, i64, i64, p, i64, p, p]
-rng = random.Random(0)
-F = lambda v: (ctypes.c_float * len(v))(*v)
-R, D = 3, 20
-x = [rng.uniform(-2, 2) for _ in range(R * D)]
-w = [rng.uniform(0.5, 1.5) for _ in range(D)]
-out = (ctypes.c_float * (R * D))()
-lib.rms_norm_f32(F(x), F(w), R, D, ctypes.c_float(1e-5), out)
-for r in range(R):
-    inv = 1 / math.sqrt(sum(v * v for v in x[r * D:(r + 1) * D]) / D + 1e-5)
-    for i in range(D):
-        assert abs(out[r * D + i] - w[i] * x[r * D + i] * inv) < 1e-5, ("rms_norm", r, i)
-HD, H, STRIDE = 20, 2, 50
-qk = [struct.unpack("<f", struct.pack("<f", rng.uniform(-1, 1)))[0] for _ in range(R * STRIDE)]  # float32 values
-cos = [rng.uniform(-1, 1) for _ in range(R * HD)]
-sin = [rng.uniform(-1, 1) for _ in range(R * HD)]
-buf = F(qk)
-lib.rope_f32(buf, R, STRIDE, H, HD, F(cos), F(sin))
-for r in range(R):
-    for h in range(H):
-        a = r * STRIDE + h * HD
-        for i in range(HD):
-            rot = -qk[a + i + HD // 2] if i < HD // 2 else qk[a + i - HD // 2]
-            assert abs(buf[a + i] - (qk[a + i] * cos[r * HD + i] + rot * sin[r * HD + i])) < 1e-5, ("rope", r, h, i)
-for i in range(R * STRIDE):
-    if i % STRIDE >= H * HD:
-        assert buf[i] == qk[i], "rope wrote outside its heads"
-lib.silu_mul_f32.argtypes = [p, i64, i64, p]
-gu = [rng.uniform(-30, 30) for _ in range(R * 2 * D)]
-out = (ctypes.c_float * (R * D))()
-lib.silu_mul_f32(F(gu), R, D, out)
-f32 = lambda v: struct.unpack("<f", struct.pack("<f", v))[0]
-for r in range(R):
-    for i in range(D):
-        g, u = f32(gu[r * 2 * D + i]), f32(gu[r * 2 * D + D + i])
-        ref = g / (1 + math.exp(-g)) * u
-        assert abs(out[r * D + i] - ref) < 1e-5 * (1 + abs(ref)), ("silu_mul", r, i, out[r * D + i], ref)
-W, SLOTS = 12, 5
-k, v = F([rng.uniform(-3, 3) for _ in range(R * STRIDE)]), F([rng.uniform(-3, 3) for _ in range(R * STRIDE)])
-slots = (ctypes.c_int64 * R)(4, 0, 2)
-kc, vc = (ctypes.c_uint16 * (SLOTS * W))(), (ctypes.c_uint16 * (SLOTS * W))()
-assert lib.write_kv_f16(k, STRIDE, v, STRIDE, R, W, slots, SLOTS, kc, vc) == 0
-half = lambda bits: struct.unpack("<e", struct.pack("<H", bits))[0]
-for r in range(R):
-    for i in range(W):
-        assert half(kc[slots[r] * W + i]) == struct.unpack("<e", struct.pack("<e", k[r * STRIDE + i]))[0], ("kv", r, i)
-        assert half(vc[slots[r] * W + i]) == struct.unpack("<e", struct.pack("<e", v[r * STRIDE + i]))[0], ("kv", r, i)
-assert lib.write_kv_f16(k, STRIDE, v, STRIDE, R, W, (ctypes.c_int64 * R)(0, 5, 1), SLOTS, kc, vc) == 1
-lib.lora_add_bf16.argtypes = [p, i64, i64, p, p, p, i64, i64, p]
-K, N, RANK, ADAPTERS = 20, 24, 3, 2
-bf16_bits = lambda v: struct.unpack("<I", struct.pack("<f", v))[0] >> 16  # truncated: exact as bfloat16
-from_bits = lambda h: struct.unpack("<f", struct.pack("<I", h << 16))[0]
-x = [rng.uniform(-1, 1) for _ in range(R * K)]
-a_bits = [bf16_bits(rng.uniform(-1, 1)) for _ in range(ADAPTERS * K * RANK)]
-b_bits = [bf16_bits(rng.uniform(-1, 1)) for _ in range(ADAPTERS * RANK * N)]
-a, b = [from_bits(h) for h in a_bits], [from_bits(h) for h in b_bits]
-y0 = [rng.uniform(-1, 1) for _ in range(R * N)]
-slot = (ctypes.c_int64 * R)(1, -1, 0)
-y = F(y0)
-A, B = (ctypes.c_uint16 * len(a_bits))(*a_bits), (ctypes.c_uint16 * len(b_bits))(*b_bits)
-assert lib.lora_add_bf16(F(x), R, K, slot, A, B, RANK, N, y) == 0
-for r in range(R):
-    s = slot[r]
-    t = [sum(x[r * K + i] * a[(s * K + i) * RANK + j] for i in range(K)) for j in range(RANK)]
-    for c in range(N):
-        ref = y0[r * N + c] + (sum(t[j] * b[(s * RANK + j) * N + c] for j in range(RANK)) if s >= 0 else 0)
-        assert abs(y[r * N + c] - ref) < 1e-4 * (1 + abs(ref)), ("lora_add", r, c, y[r * N + c], ref)
-assert lib.lora_add_bf16(F(x), R, K, slot, A, B, 513, N, y) == 1
-"""
-
-SPEC = kernels.KernelSpec("layer_ops", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"), _CHECK)
+SPEC = kernels.KernelSpec("layer_ops", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
+                         check="layer_ops")  # csrc/checks/layer_ops.c

@@ -77,10 +77,6 @@ class PagedDecodeAttention:
         self._fns512 = {} if lib512 is None else {
             torch.float32: lib512.paged_decode_attention_avx512_f32,
             torch.float16: lib512.paged_decode_attention_avx512_f16}
-        for fn in [*self._fns.values(), *self._fns512.values()]:
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
-                ctypes.c_float, ctypes.c_void_p]
         if self._fns512:
             self.name = "paged-c-avx512"
 
@@ -140,43 +136,9 @@ def load_kernel() -> ctypes.CDLL | None:
     return kernels.load(SPEC)
 
 
-# Run in a child: load the library and compare one small case with a direct computation (no torch, so it
-# starts fast). A SIGILL or a wrong answer fails the child, and the parent never loads the library.
-_CHECK = r"""
-import ctypes, math, random, struct, sys
-lib = ctypes.CDLL(sys.argv[1])
-rng = random.Random(0)
-H, KVH, D, BS, NB, CTX = 4, 2, 32, 4, 3, 10
-tables = [(i + 2) % NB for i in range(NB)]  # logical block i lives in physical block tables[i]
-rand = lambda n: [rng.uniform(-1, 1) for _ in range(n)]
-q, k, v = (ctypes.c_float * (H * D))(*rand(H * D)), rand(NB * BS * KVH * D), rand(NB * BS * KVH * D)
-half = lambda x: struct.unpack("<e", struct.pack("<e", x))[0]
-half_bits = lambda x: struct.unpack("<H", struct.pack("<e", x))[0]
-f32 = lambda x: struct.unpack("<f", struct.pack("<f", x))[0]
-# Each cache type: the kernel's name, its element, how a value is stored, what it reads back.
-for name, cache, store, stored in [("paged_decode_attention_f32", ctypes.c_float, f32, f32),
-                                   ("paged_decode_attention_f16", ctypes.c_uint16, half_bits, half)]:
-    fn = getattr(lib, name)
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p]
-    kc, vc = (cache * len(k))(*map(store, k)), (cache * len(v))(*map(store, v))
-    kr, vr = [stored(x) for x in k], [stored(x) for x in v]
-    out = (ctypes.c_float * (H * D))()
-    t = (ctypes.c_int64 * NB)(*tables); lens = (ctypes.c_int64 * 1)(CTX)
-    assert fn(q, kc, vc, t, NB, lens, 1, H, KVH, D, BS, ctypes.c_float(0.25), out) == 0, name
-    for h in range(H):
-        kvh = h // (H // KVH)
-        slot = lambda p: tables[p // BS] * BS + p % BS
-        s = [0.25 * sum(q[h * D + i] * kr[(slot(p) * KVH + kvh) * D + i] for i in range(D)) for p in range(CTX)]
-        m = max(s); w = [math.exp(x - m) for x in s]; z = sum(w)
-        for i in range(D):
-            ref = sum(w[p] / z * vr[(slot(p) * KVH + kvh) * D + i] for p in range(CTX))
-            assert abs(out[h * D + i] - ref) < 1e-5, (name, h, i, out[h * D + i], ref)
-"""
-
-SPEC = kernels.KernelSpec("paged_attention", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"), _CHECK)
-# The same check through the AVX-512 entry point (head_dim 64, 2 query heads per KV head).
-SPEC_AVX512 = kernels.KernelSpec(
-    "paged_attention_avx512", frozenset({"avx512f", "f16c"}), ("-mavx512f", "-mf16c"),
-    _CHECK.replace("paged_decode_attention_f", "paged_decode_attention_avx512_f").replace(
-        "H, KVH, D, BS, NB, CTX = 4, 2, 32, 4, 3, 10", "H, KVH, D, BS, NB, CTX = 4, 2, 64, 4, 6, 21"))
+# csrc/checks/paged_attention.c: one decode query over a float and a half cache against a direct computation.
+SPEC = kernels.KernelSpec("paged_attention", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
+                          check="paged_attention")
+# The same check through the AVX-512 entry points (head_dim 64, 2 query heads per KV head).
+SPEC_AVX512 = kernels.KernelSpec("paged_attention_avx512", frozenset({"avx512f", "f16c"}), ("-mavx512f", "-mf16c"),
+                                 check="paged_attention", check_flags=("-DAVX512",))

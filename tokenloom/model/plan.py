@@ -46,7 +46,8 @@ def _dtype(t: torch.dtype | None) -> str:
 def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> ForwardPlan:
     """Describe the model as loaded (`source_types`: the file's block format of every projection weight)."""
     from .gguf_tensors import StoredRows
-    from .linear import Int4Linear, Int8Linear, RescoredHead
+    from .quant.head import RescoredHead
+    from .quant.modules import Int4Linear, Int8Linear
 
     cfg = model.config
     kinds: Counter = Counter()
