@@ -5,8 +5,8 @@ stream, and layers of the Llama / Qwen2 shape (pre-norm, SwiGLU, every layer att
 context). Rows under LoRA adapters add their products through the same C kernel the Python layers
 call (layer_ops.c's lora_add_bf16). The loop calls the kernels the Python layers would call, in their
 order, on the same values, so a step's output is bit for bit the same (tests/test_decoder_loop.py);
-what goes is the Python between ~400 kernel calls a step (3.2 of 6.9 ms at one row, 5.4 of 25.7 ms at
-32). Any other step (long prefill chunks, the torch ops, a changed model) runs the layers in Python.
+what goes is the Python between ~400 kernel calls a step (about half a one-row step:
+benchmarks/results/peers-*/). Any other step (long prefill chunks, the torch ops, a changed model) runs the layers in Python.
 """
 
 from __future__ import annotations

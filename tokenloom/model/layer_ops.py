@@ -3,7 +3,7 @@ product), behind one interface chosen once at load, as decode attention is:
 
 - `TorchLayerOps`: torch ops, the float32 reference path (token-exact against transformers).
 - `CLayerOps`: csrc/layer_ops.c, one C call each for float32 activations. At batch 1 a step runs ~150
-  of these ops and torch spends 5-10 us dispatching each; the C calls take about 1 us. Falls back to
+  of these ops and torch spends several times a C call's time dispatching each. Falls back to
   the torch op for anything else (other dtypes, strides it was not written for).
 
 Every op works row by row: a row's result does not depend on the rest of the batch.

@@ -148,11 +148,11 @@ def quantize_model(model: DecoderModel, method: str, blocks: dict[str, torch.Ten
                    weights: dict | None = None) -> DecoderModel:
     """Swap the decoder's linear layers for `method` ("int4" | "int8"). `blocks` maps a weight name
     (e.g. "layers.0.mlp.gate_up_proj.weight") to its 4- or 5-bit blocks as the file stores them (5-bit:
-    Q5_0, on the C kernels' int5; without them, int8 grouped); int4 layers
-    without blocks are quantized from the dense weight, or, with `wider_as_int8` (a GGUF whose weight
-    came in a wider format: re-quantizing Q6_K/Q8_0 to 4 bits costs Qwen2.5-0.5B 9% of its top-1
-    agreement), to int8 with a scale per group of 32 (per column cost Gemma 3 2.5%). `dense_prefill` (int4): prefill rows use the weights dequantized
-    to bfloat16. The LM head (tied embedding) stays dense, or lm_head="int8" (plain) / "rescored".
+    Q5_0, on the C kernels' int5; without them, int8 grouped); int4 layers without blocks are quantized
+    from the dense weight, or, with `wider_as_int8` (a GGUF whose weight came in a wider format:
+    re-quantizing Q6_K/Q8_0 to 4 bits costs top-1 agreement, checked in tests/test_architectures.py),
+    to int8 with a scale per group of 32 (a scale per column costs more). `dense_prefill` (int4):
+    prefill rows use the weights dequantized to bfloat16. The LM head (tied embedding) stays dense, or lm_head="int8" (plain) / "rescored".
     `weights` (the loader's deferred ones): a builder of each projection's float32 weight, whose module
     is still on the meta device, and "lm_head.weight", the head's (a tensor or `StoredRows`)."""
     blocks = blocks or {}

@@ -92,7 +92,7 @@ def _output_buffer(rows: int, n: int) -> torch.Tensor:
     """A float32 [rows, n] output. A large one (the LM head's logits: 600 KB a row on a 151k vocabulary)
     comes from an allocation rounded up to a multiple of OUTPUT_ROWS_STEP rows: a batch of 31 rows, then
     33, then 32 reuses the block the last one freed, where blocks of every size fragmented glibc's heap
-    (measured on Qwen2.5-0.5B at 32 streams: +16 MB resident per new size)."""
+    (the servers' resident memory at 32 streams: benchmarks/results/peers-*/)."""
     if rows * n * 4 < LARGE_OUTPUT_BYTES:
         return torch.empty(rows, n, dtype=torch.float32)
     padded = -(-rows // OUTPUT_ROWS_STEP) * OUTPUT_ROWS_STEP

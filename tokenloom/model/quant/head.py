@@ -21,8 +21,8 @@ class RescoredHead(nn.Module):
     """The LM head in a few bits for the whole vocabulary, then each row's `top` best candidates
     recomputed exactly from the float32 weight (`weight`, shared with the embedding; `StoredRows` reads
     those rows from the file). The scan is the head's biggest read of a decode step: in int4 (on the C
-    kernels: `int4_head`) it is half int8's bytes, 72 MB instead of 136 for Qwen2.5's 151k rows. On
-    its own an int8 head flips ~4% of near-tie argmaxes on natural text, int4 more; rescored, the
+    kernels: `int4_head`) it is half int8's bytes. On its own a few-bit head flips near-tie argmaxes
+    on natural text (int4 more than int8); rescored, the
     argmax is the float32 head's whenever it is among the scan's top `top` (the gap it must bridge is
     the scan's rounding noise), and the other logits are the scan's, within its error."""
 
@@ -55,8 +55,8 @@ class RescoredHead(nn.Module):
                 and approx.out_features >= self.top + 2)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """Each row's argmax of `forward(x)` (the first on a tie), without its [rows, vocab] logits (18.5 MB
-        on 32 rows of a 151k vocabulary): the C kernels' `int4_top` scans the vocabulary keeping each
+        """Each row's argmax of `forward(x)` (the first on a tie), without its [rows, vocab] logits (600 KB a
+        row of a 151k vocabulary): the C kernels' `int4_top` scans the vocabulary keeping each
         row's top + 2 largest values. Those decide alone when the top-th and the next two differ: the
         candidates are then the one top set `forward` rescores, and the best other id is one too, so the
         argmax is the better of the best rescored candidate and that id's scan value. A row where they
@@ -86,10 +86,9 @@ class RescoredHead(nn.Module):
 def int4_head(weight: torch.Tensor | StoredRows, kernel: QuantGemm, rows: int = 2048) -> Int4Linear | None:
     """The head's scan as Int4Linear on the C kernels, quantized `rows` rows at a time (no float32 copy
     of a whole vocabulary), the chunks' packed buffers stacked (the kernels' layout is in blocks of 16
-    rows); None where a chunk's rows do not fill the kernels' blocks. In Q4_1's codes: symmetric ones
-    (Q4_0's, 8 MB less for a 151k vocabulary) still ranked Qwen2.5-0.5B's float32 argmax within the
-    top 5, but the scan's values are the logits outside the rescored few, and Gemma 3's KL against
-    float32 rose past 0.02 (0.025 over 2,500 positions)."""
+    rows); None where a chunk's rows do not fill the kernels' blocks. In Q4_1's codes, not symmetric
+    ones (Q4_0's, a little smaller): the scan's values are the logits outside the rescored few, and
+    symmetric codes raised Gemma 3's KL against float32 past what the tests allow (test_architectures)."""
     chunks = weight.chunks(rows) if isinstance(weight, StoredRows) else weight.split(rows)
     parts = []
     for chunk in chunks:

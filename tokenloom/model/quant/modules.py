@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 
 def onednn_packed(w: torch.Tensor) -> torch.Tensor:
     """`w` in oneDNN's own blocked layout (as torch.compile's freezing does), for long prefill chunks:
-    the matmul then stops re-laying out the weight on every call (a 128-token prefill's matmuls
-    39.4 -> 37.2 ms, the same bits). The plain weight where this torch has no oneDNN."""
+    the matmul then stops re-laying out the weight on every call (faster, the same bits:
+    benchmarks/forward_levers.py). The plain weight where this torch has no oneDNN."""
     try:
         return torch.ops.mkldnn._reorder_linear_weight(w, 128)  # 128: the row count it is tuned for
     except (AttributeError, RuntimeError) as exc:

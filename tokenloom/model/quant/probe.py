@@ -21,8 +21,8 @@ logger = logging.getLogger(__name__)
 @functools.cache
 def detect() -> dict:
     """What runs here, found by running tiny ops (never assumed from the CPU model): the C kernels, and
-    only where they do not pass, torch's own quantized ops (`torch_quant_ops`: their first calls left
-    5 MB in a loaded Qwen2.5-0.5B that never calls them again); plus torch's ISA choice and CPU flags."""
+    only where they do not pass, torch's own quantized ops (`torch_quant_ops`: their first calls leave
+    memory behind in a process that never calls them again); plus torch's ISA choice and CPU flags."""
     flags = set(cpu_flags())
     found: dict = {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -38,7 +38,7 @@ def detect() -> dict:
                x @ dequantize_blocks(blocks).t())
         found["int8_c"] = found["int4_c"]  # one library: its check ran the int8 kernels too
     # The C kernels read a quarter of float32's bytes and passed their check: int4 whatever a timing says
-    # (a timing taken while the machine is busy measured them 30x slower than they are). Torch's own int4
+    # (a timing taken while the machine is busy can measure them many times slower). Torch's own int4
     # op takes bf16 activations; where bf16 is emulated it can lose to float32, so without the C kernels
     # "auto" takes int4 only where a decode-sized matmul measured faster than float32 here.
     if found.get("int4_c"):
