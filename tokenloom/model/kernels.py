@@ -132,6 +132,29 @@ def cpu_flags() -> list[str]:
     return sorted(flags)
 
 
+@dataclass(frozen=True)
+class CPU:
+    """The machine as the forward plan (model/plan.py) sees it: its flags, and whether the C kernels may be
+    built here. A test passes a CPU without some flags to read the plan's reasons."""
+
+    flags: frozenset[str]
+    c_kernels: bool = True  # TOKENLOOM_C_KERNELS=0: torch's ops everywhere
+
+    @classmethod
+    def here(cls) -> CPU:
+        return cls(frozenset(cpu_flags()), os.environ.get("TOKENLOOM_C_KERNELS", "1") != "0")
+
+    def library(self, spec: KernelSpec) -> tuple[ctypes.CDLL | None, str | None]:
+        """(`spec`'s library, built and checked, None), or (None, why it cannot run here)."""
+        if not self.c_kernels:
+            return None, "the C kernels are off (TOKENLOOM_C_KERNELS=0)"
+        missing = spec.cpu_flags - self.flags
+        if missing:
+            return None, f"this CPU lacks {' '.join(sorted(missing))}"
+        lib = load(spec)
+        return (lib, None) if lib is not None else (None, f"csrc/{spec.name}.c did not build or pass its check")
+
+
 def cache_dir() -> Path:
     base = os.environ.get("TOKENLOOM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenloom")

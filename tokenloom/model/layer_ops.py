@@ -140,13 +140,36 @@ class CLayerOps(TorchLayerOps):
 LORA_MAX_RANK = 512  # csrc/layer_ops.c's bound on a LoRA stack's rank
 
 
-def layer_ops_for(dtype: torch.dtype, want: bool) -> TorchLayerOps:
-    """The C ops when asked for, the activations are float32 and the library builds and checks; else torch."""
-    if want and dtype == torch.float32:
-        lib = kernels.load(SPEC)
-        if lib is not None:
-            return CLayerOps(lib)
-    return TORCH_OPS
+# --- the plan's strategies (model/plan.py asks each in turn, the first that can implement runs) --------
+
+
+class CLayerOpsStrategy:
+    name = CLayerOps.name
+
+    def can_implement(self, needs, cpu: kernels.CPU) -> tuple[bool, str | None]:
+        """`needs`: plan.ForwardNeeds (the residual stream's dtype, whether the exact path was asked for)."""
+        if needs.exact:
+            return False, needs.exact
+        if needs.dtype != torch.float32:
+            return False, f"a {str(needs.dtype).removeprefix('torch.')} residual stream (the C ops take float32)"
+        lib, reason = cpu.library(SPEC)
+        return lib is not None, reason
+
+    def build(self, needs, cpu: kernels.CPU) -> CLayerOps:
+        return CLayerOps(cpu.library(SPEC)[0])
+
+
+class TorchLayerOpsStrategy:
+    name = TorchLayerOps.name
+
+    def can_implement(self, needs, cpu: kernels.CPU) -> tuple[bool, str | None]:
+        return True, None
+
+    def build(self, needs, cpu: kernels.CPU) -> TorchLayerOps:
+        return TORCH_OPS
+
+
+STRATEGIES = (CLayerOpsStrategy(), TorchLayerOpsStrategy())  # in order of preference
 
 
 SPEC = kernels.KernelSpec("layer_ops", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),

