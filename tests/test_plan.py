@@ -21,6 +21,7 @@ from tokenloom.model.plan import (
     kv_cache_dtype_for,
     plan_forward,
 )
+from tokenloom.model.quant import probe
 
 HERE = CPU.here()
 AVX2_ONLY = CPU(HERE.flags - {f for f in HERE.flags if f.startswith(("avx512", "amx"))})
@@ -119,3 +120,38 @@ def test_plan_forward_decides_before_the_model_is_built_and_says_why_in_its_line
     line = fast.line()
     assert "attention torch (not paged-c-avx512, paged-c: this CPU lacks avx2 f16c fma)" in line, line
     assert "layer ops torch (not c: this CPU lacks avx2 f16c fma)" in line, line
+
+
+def projections(cpu: CPU = HERE, **changes) -> Choice:
+    return first_that_runs(probe.STRATEGIES, needs(**changes), cpu)
+
+
+def test_projection_kernels_refuse_cpus_without_their_flags_and_the_exact_path():
+    avx2 = projections(AVX2_ONLY)
+    if probe.gemm.quant_gemm_avx2() is not None:
+        assert avx2.name == "c-avx2" and avx2.impl is probe.gemm.quant_gemm_avx2()
+        assert reasons(avx2)["c-avx512"].startswith("this CPU lacks avx512"), avx2
+    none = projections(NO_SIMD)
+    assert none.name == "torch" and none.impl is None
+    assert reasons(none) == {"c-avx512": "this CPU lacks avx2 avx512_bf16 avx512_vnni avx512bw avx512f avx512vl f16c fma",
+                             "c-avx2": "this CPU lacks avx2 f16c fma"}
+    assert reasons(projections(exact=EXACT_PATH)) == {"c-avx512": EXACT_PATH, "c-avx2": EXACT_PATH}
+
+
+@needs_avx2_lib
+def test_a_load_on_an_avx2_cpu_runs_and_names_the_avx2_kernels(monkeypatch):
+    """TOKENLOOM_MAX_ISA=avx2 hides AVX-512 from the plan: each choice falls back, says why in the line,
+    and the model runs what the line names."""
+    from tokenloom.model.loader import ModelSource, bundled_model_path, load_model
+    from tokenloom.model.quant.modules import Int4Linear, Int8Linear
+
+    if probe.gemm.quant_gemm_avx2() is None:
+        pytest.skip("no AVX2 int4 kernels here")
+    monkeypatch.setenv("TOKENLOOM_MAX_ISA", "avx2")
+    model = load_model(ModelSource.resolve(bundled_model_path()), quantization="int4")
+    line = model.plan.line()
+    assert "weights int4 (c-avx2 kernels; not c-avx512: this CPU lacks avx512" in line, line
+    assert "attention paged-c (not paged-c-avx512: this CPU lacks avx512f); layer ops c;" in line, line
+    assert "decoder loop on" in line, line
+    assert model.decode_attention.name == "paged-c" and model.layer_ops.name == "c"
+    assert all(m.kernel is probe.gemm.quant_gemm_avx2() for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)))

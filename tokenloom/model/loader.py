@@ -101,9 +101,9 @@ def load_model(
         # prefill chunks (quantize_model's dense_prefill) costs 1.5x the file's size in memory for little
         # (benchmarks/forward_levers.py measures it)
         quantize_model(model, method, blocks, lm_head="rescored", weights=deferred,
-                       wider_as_int8=source.kind == "gguf")
+                       wider_as_int8=source.kind == "gguf", kernel=plan.projections.impl)
     elif method != "none":
-        quantize_model(model, method)
+        quantize_model(model, method, kernel=plan.projections.impl)
     del blocks
     if deferred:
         model.lm_head = None  # its exact rows are the rescored head's (model.logits_proj)
@@ -137,7 +137,7 @@ def use_c_kernels(model: DecoderModel, dtype: torch.dtype) -> str | None:
 
 def quantize_model(model: DecoderModel, method: str, blocks: dict[str, torch.Tensor] | None = None,
                    lm_head: str = "dense", dense_prefill: bool = False, wider_as_int8: bool = False,
-                   weights: dict | None = None) -> DecoderModel:
+                   weights: dict | None = None, kernel: gemm.QuantGemm | str | None = "detect") -> DecoderModel:
     """Swap the decoder's linear layers for `method` ("int4" | "int8"). `blocks` maps a weight name
     (e.g. "layers.0.mlp.gate_up_proj.weight") to its 4- or 5-bit blocks as the file stores them (5-bit:
     Q5_0, on the C kernels' int5; without them, int8 grouped); int4 layers without blocks are quantized
@@ -146,12 +146,13 @@ def quantize_model(model: DecoderModel, method: str, blocks: dict[str, torch.Ten
     to int8 with a scale per group of 32 (a scale per column costs more). `dense_prefill` (int4):
     prefill rows use the weights dequantized to bfloat16. The LM head (tied embedding) stays dense, or lm_head="int8" (plain) / "rescored".
     `weights` (the loader's deferred ones): a builder of each projection's float32 weight, whose module
-    is still on the meta device, and "lm_head.weight", the head's (a tensor or `StoredRows`)."""
+    is still on the meta device, and "lm_head.weight", the head's (a tensor or `StoredRows`). `kernel`: the
+    C kernels the plan chose (None: torch's ops); "detect": the fastest that runs here (a model built by hand)."""
     blocks = blocks or {}
     weights = dict(weights or {})
     dtype = torch.bfloat16  # the dtype torch's int4/int8 ops are vectorised for
-    # The C kernels only if they also gave the right answer in this process (detect()).
-    kernel = gemm.quant_gemm() if probe.detect().get("int4_c") else None
+    if kernel == "detect":  # the C kernels only if they also gave the right answer in this process (detect())
+        kernel = gemm.quant_gemm() if probe.detect().get("int4_c") else None
     # One projection at a time, holding no reference to the ones replaced: each float32 weight is freed as
     # its quantized form is built (a list of the modules kept every float32 weight alive to the end).
     names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and name != "lm_head"]

@@ -6,9 +6,10 @@ A choice is made by strategies, asked in order of preference: each answers `can_
 (ok, reason)` for the model's shapes and dtypes (`ForwardNeeds`) on this CPU (`kernels.CPU`: its flags,
 and the C libraries that build and pass their checks), and the first that can builds the implementation
 the loader hands the model (`build`); the ones before it leave their reasons in the plan and its line.
-Today the plan decides the weight format, the KV cache dtype, the layer ops and the attention kernel;
-the projections' and the LM head's kernels and the decoder loop are still settled as the model is
-loaded, and `resolve_plan` describes them."""
+Today the plan decides the weight format and the projections' kernel library, the KV cache dtype, the
+layer ops and the attention kernel; a projection whose shape the kernels do not take, the LM head's
+format and the decoder loop are still settled as the model is loaded, and `resolve_plan` describes
+them."""
 
 from __future__ import annotations
 
@@ -72,16 +73,17 @@ class Choice:
     impl: object = field(default=None, compare=False, repr=False)
 
     def __str__(self) -> str:
-        if not self.refused:
-            return self.name
-        parts: list[list] = []  # strategies refused for one reason share it: "not a, b: why"
+        return f"{self.name} ({self.refusals()})" if self.refused else self.name
+
+    def refusals(self) -> str:
+        """"not a, b: why; not c: why" (strategies refused for one reason share it)."""
+        parts: list[list] = []
         for strategy, reason in self.refused:
             if parts and parts[-1][1] == reason:
                 parts[-1][0].append(strategy)
             else:
                 parts.append([[strategy], reason])
-        said = "; not ".join(", ".join(names) + f": {why}" for names, why in parts)
-        return f"{self.name} (not {said})"
+        return "; ".join("not " + ", ".join(names) + f": {why}" for names, why in parts)
 
 
 def first_that_runs(strategies, needs: ForwardNeeds, cpu: CPU) -> Choice:
@@ -105,6 +107,7 @@ class ForwardPlan:
     kv_cache: str
     attention: Choice  # decode rows and prompt tokens through the paged cache
     layer_ops: Choice  # RMSNorm, RoPE, KV write, gated activation
+    projections: Choice = Choice("dense")  # the quantized projections' kernels (impl: a QuantGemm, None: torch's)
     attention_note: str = ""  # how sliding-window layers read the cache
     # Described as the model is loaded (`resolve_plan`):
     weights: str = ""  # the projections' format and kernel
@@ -123,8 +126,9 @@ class ForwardPlan:
 def plan_forward(engine_config: EngineConfig, model_config: ModelConfig, cpu: CPU | None = None) -> ForwardPlan:
     """Decide how `model_config`'s forward runs under `engine_config` (its quantization, dtype and KV cache
     dtype) on `cpu` (this machine by default), before the model is built: the weight format (what runs
-    here: `probe.choose`), the KV cache dtype, the layer ops and the attention kernel, each the first of
-    its strategies that can implement the model's needs, with the reasons of the ones before it."""
+    here: `probe.choose`) and the projections' kernels, the KV cache dtype, the layer ops and the
+    attention kernel, each the first of its strategies that can implement the model's needs, with the
+    reasons of the ones before it."""
     cpu = cpu or CPU.here()
     asked = engine_config.quantization
     method, dtype = ("none", engine_config.dtype) if asked in (None, "none") else probe.choose(asked, engine_config.dtype)
@@ -133,7 +137,8 @@ def plan_forward(engine_config: EngineConfig, model_config: ModelConfig, cpu: CP
     return ForwardPlan(
         architecture=model_config.architecture, quantization=method, residual=dtype, kv_cache=kv,
         attention=first_that_runs(paged_attention.STRATEGIES, needs, cpu),
-        layer_ops=first_that_runs(layer_ops.STRATEGIES, needs, cpu), attention_note=_sliding_note(model_config))
+        layer_ops=first_that_runs(layer_ops.STRATEGIES, needs, cpu), attention_note=_sliding_note(model_config),
+        projections=first_that_runs(probe.STRATEGIES, needs, cpu) if method != "none" else Choice("dense"))
 
 
 def _sliding_note(config: ModelConfig) -> str:
@@ -181,8 +186,9 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None, planned:
             elif isinstance(proj, (Int4Linear, Int8Linear)):
                 kernel_names.add("torch")
     weights = ", ".join(f"{kind} x{n}" if len(kinds) > 1 else kind for kind, n in kinds.most_common())
+    refused = planned.projections.refusals() if planned is not None and planned.projections.refused else ""
     if kernel_names:
-        weights += f" ({', '.join(sorted(kernel_names))} kernels)"
+        weights += f" ({', '.join(sorted(kernel_names))} kernels{'; ' + refused if refused else ''})"
     long_prompts = " / ".join(sorted(long_kinds))
     head = model.logits_proj
     if isinstance(head, RescoredHead):

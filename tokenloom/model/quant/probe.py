@@ -33,9 +33,7 @@ def detect() -> dict:
     kernel = gemm.quant_gemm()
     found["int4_kernel"] = kernel.name if kernel is not None else "torch"
     if kernel is not None:
-        x, _, blocks = _probe_case()
-        _probe(found, "int4_c", lambda: Int4Linear(blocks, torch.bfloat16, kernel=kernel)(x),
-               x @ dequantize_blocks(blocks).t())
+        found |= kernel_runs(kernel)
         found["int8_c"] = found["int4_c"]  # one library: its check ran the int8 kernels too
     # The C kernels read a quarter of float32's bytes and passed their check: int4 whatever a timing says
     # (a timing taken while the machine is busy can measure them many times slower). Torch's own int4
@@ -47,6 +45,16 @@ def detect() -> dict:
         found |= torch_quant_ops()
         found["int4_speedup_b1"] = _int4_speedup(None) if found["int4_bf16"] else 0.0
         found["fast_int4"] = found["int4_speedup_b1"] > 1.2
+    return found
+
+
+@functools.cache
+def kernel_runs(kernel: gemm.QuantGemm) -> dict:
+    """{"int4_c": does an int4 layer on `kernel` give the right answer in this process} (and
+    "int4_c_error" where it raised)."""
+    found: dict = {}
+    x, _, blocks = _probe_case()
+    _probe(found, "int4_c", lambda: Int4Linear(blocks, torch.bfloat16, kernel=kernel)(x), x @ dequantize_blocks(blocks).t())
     return found
 
 
@@ -119,3 +127,42 @@ def choose(quantization: str | None, dtype: str) -> tuple[str, str]:
         return "none", dtype
     return method, dtype
 
+
+# --- the plan's strategies for the projections' kernels (model/plan.py asks each in turn) --------------
+
+
+class CKernelStrategy:
+    """A quant_gemm library: where this CPU has its flags, it builds and passes its check, and an int4
+    layer on it gives the right answer in this process."""
+
+    def __init__(self, name: str, spec, kernel):
+        self.name, self._spec, self._kernel = name, spec, kernel
+
+    def can_implement(self, needs, cpu) -> tuple[bool, str | None]:
+        """`needs`: plan.ForwardNeeds; `cpu`: kernels.CPU."""
+        if needs.exact:
+            return False, needs.exact
+        lib, reason = cpu.library(self._spec)
+        if lib is None:
+            return False, reason
+        runs = kernel_runs(self._kernel())
+        return runs["int4_c"], None if runs["int4_c"] else f"an int4 layer on it is wrong here ({runs.get('int4_c_error')})"
+
+    def build(self, needs, cpu) -> gemm.QuantGemm:
+        return self._kernel()
+
+
+class TorchGemmStrategy:
+    """torch's own int4 / int8 ops (`choose` has taken the format only where they run)."""
+
+    name = "torch"
+
+    def can_implement(self, needs, cpu) -> tuple[bool, str | None]:
+        return True, None
+
+    def build(self, needs, cpu) -> None:
+        return None  # the modules' kernel None: torch's op
+
+
+STRATEGIES = (CKernelStrategy("c-avx512", gemm.SPEC_AVX512, gemm.quant_gemm_avx512),
+              CKernelStrategy("c-avx2", gemm.SPEC_AVX2, gemm.quant_gemm_avx2), TorchGemmStrategy())
