@@ -97,6 +97,7 @@ def test_c_layer_ops_refuse_other_residual_dtypes_cpus_without_avx2_and_the_exac
 
     assert ops().name == "c" and isinstance(ops().impl, layer_ops.CLayerOps)
     for reason, choice in {"a bfloat16 residual stream (the C ops take float32)": ops(dtype=torch.bfloat16),
+                           "a bfloat16 KV cache (their KV write takes float32 or float16)": ops(kv_dtype=torch.bfloat16),
                            "this CPU lacks avx2 f16c fma": ops(NO_SIMD), EXACT_PATH: ops(exact=EXACT_PATH)}.items():
         assert choice.name == "torch" and reasons(choice) == {"c": reason}, (reason, choice)
         assert choice.impl is layer_ops.TORCH_OPS

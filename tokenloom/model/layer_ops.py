@@ -3,8 +3,10 @@ product), behind one interface chosen once at load, as decode attention is:
 
 - `TorchLayerOps`: torch ops, the float32 reference path (token-exact against transformers).
 - `CLayerOps`: csrc/layer_ops.c, one C call each for float32 activations. At batch 1 a step runs ~150
-  of these ops and torch spends several times a C call's time dispatching each. Falls back to
-  the torch op for anything else (other dtypes, strides it was not written for).
+  of these ops and torch spends several times a C call's time dispatching each. The plan
+  (model/plan.py) takes them only for a float32 residual stream over a float32 or float16 KV cache; a
+  call they were not written for (another dtype, strides) is an error, never a quiet torch op. GeGLU
+  (`gelu_tanh_mul`) has no C version: torch's, for both.
 
 Every op works row by row: a row's result does not depend on the rest of the batch.
 """
@@ -82,7 +84,7 @@ class CLayerOps(TorchLayerOps):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if (x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != torch.float32
                 or weight.shape != (x.shape[1],) or not weight.is_contiguous()):
-            return super().rms_norm(x, weight, eps)
+            _unfit("rms_norm", x, "float32 [rows, dim] with a contiguous float32 weight [dim]")
         x = x.contiguous()
         out = torch.empty_like(x)
         self._rms_norm(x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps, out.data_ptr())
@@ -93,13 +95,13 @@ class CLayerOps(TorchLayerOps):
         if (x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != head_dim
                 or any(t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != rows * head_dim
                        for t in (cos, sin))):
-            return super().rope(x, cos, sin)
+            _unfit("rope", x, "float32 [rows, heads, head_dim] (heads contiguous) and float32 tables")
         self._rope(x.data_ptr(), rows, x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
         return x
 
     def silu_mul(self, gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if gate_up.dtype != torch.float32 or gate_up.dim() != 2 or gate_up.shape[1] % 2:
-            return super().silu_mul(gate_up, out)
+            _unfit("silu_mul", gate_up, "float32 [rows, 2 * inter]")
         gate_up = gate_up.contiguous()
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = fitting(out, (rows, inter), torch.float32)
@@ -118,7 +120,8 @@ class CLayerOps(TorchLayerOps):
                 and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
                 and k_cache.shape == v_cache.shape and k_cache.shape[1:] == (kv_heads, head_dim))
         if not fits:
-            return super().write_kv(k, v, slots, k_cache, v_cache)
+            _unfit("write_kv", k, f"float32 K/V [rows, kv_heads, head_dim] into a float32 or float16 cache "
+                   f"(the cache: {k_cache.dtype} {tuple(k_cache.shape)})")
         slots = slots.contiguous()
         if fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), rows, kv_heads * head_dim, slots.data_ptr(),
               k_cache.shape[0], k_cache.data_ptr(), v_cache.data_ptr()):
@@ -140,6 +143,11 @@ class CLayerOps(TorchLayerOps):
 LORA_MAX_RANK = 512  # csrc/layer_ops.c's bound on a LoRA stack's rank
 
 
+def _unfit(op: str, x: torch.Tensor, takes: str) -> None:
+    raise ValueError(f"C layer ops: {op} takes {takes}, got {x.dtype} {tuple(x.shape)} strides {x.stride()} "
+                     "(the plan chose the C ops for this model: model/plan.py)")
+
+
 # --- the plan's strategies (model/plan.py asks each in turn, the first that can implement runs) --------
 
 
@@ -152,6 +160,8 @@ class CLayerOpsStrategy:
             return False, needs.exact
         if needs.dtype != torch.float32:
             return False, f"a {str(needs.dtype).removeprefix('torch.')} residual stream (the C ops take float32)"
+        if needs.kv_dtype not in (torch.float32, torch.float16):
+            return False, f"a {str(needs.kv_dtype).removeprefix('torch.')} KV cache (their KV write takes float32 or float16)"
         lib, reason = cpu.library(SPEC)
         return lib is not None, reason
 

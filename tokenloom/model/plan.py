@@ -97,8 +97,6 @@ def first_that_runs(strategies, needs: ForwardNeeds, cpu: CPU) -> Choice:
     raise ValueError(f"no implementation runs here: {refused}")  # the last strategies (torch's) always can
 
 
-
-
 @dataclass(frozen=True)
 class ForwardPlan:
     architecture: str
