@@ -156,3 +156,27 @@ def test_a_load_on_an_avx2_cpu_runs_and_names_the_avx2_kernels(monkeypatch):
     assert "decoder loop on" in line, line
     assert model.decode_attention.name == "paged-c" and model.layer_ops.name == "c"
     assert all(m.kernel is probe.gemm.quant_gemm_avx2() for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)))
+
+
+def test_a_projection_the_kernels_cannot_take_gets_torch_s_op_and_the_line_says_why():
+    from collections import Counter
+
+    from tokenloom.model.loader import quantize_model, random_model
+    from tokenloom.model.plan import resolve_plan
+    from tokenloom.model.quant.layouts import q4_1_from_dense
+    from tokenloom.model.quant.modules import Int4Linear, Int8Linear
+
+    kernel = probe.gemm.quant_gemm()
+    if kernel is None or not probe.torch_quant_ops()["int8_bf16"]:
+        pytest.skip("needs the C kernels and torch's int8 op here")
+    config = dataclasses.replace(CONFIG, num_heads=3, num_kv_heads=1, head_dim=40)  # QKV 200 outputs, o 120 inputs
+    with pytest.raises(ValueError, match="200 outputs, not a multiple of 16"):
+        Int4Linear(q4_1_from_dense(torch.randn(200, 128)), torch.bfloat16, kernel=kernel)
+    with pytest.raises(ValueError, match="200 outputs, not a multiple of 16"):
+        Int8Linear(torch.randn(200, 128), torch.bfloat16, kernel=kernel)
+    model = quantize_model(random_model(config), "int8", kernel=kernel)  # torch's int4 op cannot take it either
+    assert model.layers[0].self_attn.qkv_proj.kernel is None and model.layers[0].mlp.down_proj.kernel is kernel
+    planned = plan_forward(EngineConfig(quantization="int8"), config, HERE)
+    line = resolve_plan(model, Counter(), "-", planned).line()
+    assert (f"weights int8 ({kernel.name}, torch kernels; torch for qkv: 200 outputs, not a multiple of 16; "
+            "torch for o: 120 inputs, not a multiple of 32)") in line, line

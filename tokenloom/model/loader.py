@@ -159,33 +159,35 @@ def quantize_model(model: DecoderModel, method: str, blocks: dict[str, torch.Ten
     for name in names:
         module = model.get_submodule(name)
         dense = weights.pop(name + ".weight", None) or (lambda m=module: m.weight)
+        fits = kernel if gemm.why_not(module.out_features, module.in_features) is None else None  # else torch's op
         b = None
         if method == "int4":
             b = blocks.pop(name + ".weight", None)
             b = b() if callable(b) else b  # the loader hands the file's blocks over as builders
-            if b is not None and (kernel is None or b.shape[0] % 16) and b[..., 2:].max() > 15:
+            if b is not None and fits is None and b[..., 2:].max() > 15:
                 b, dense = None, (lambda blocks=b: dequantize_blocks(blocks))  # 5-bit codes: the C kernels only
             if b is None and wider_as_int8:
-                new: torch.nn.Module = Int8Linear(dense(), dtype, kernel, grouped=True, dense_prefill=dense_prefill)
+                new: torch.nn.Module = Int8Linear(dense(), dtype, fits, grouped=True, dense_prefill=dense_prefill)
             else:
-                new = Int4Linear(q4_1_from_dense(dense()) if b is None else b, dtype, dense_prefill, kernel)
+                new = Int4Linear(q4_1_from_dense(dense()) if b is None else b, dtype, dense_prefill, fits)
         elif method == "int8":
-            new = Int8Linear(dense(), dtype, kernel)
+            new = Int8Linear(dense(), dtype, fits)
         else:
             raise ValueError(method)
         new.bias = None if module.bias is None else module.bias.detach().float().contiguous()
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
-        del module, dense, b, new
+        del module, dense, b, new, fits
         trim_heap()  # the float32 temporaries' pages back to the OS now, not after the last projection
     head = weights.pop("lm_head.weight", None)
     if head is None:
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    head_kernel = kernel if gemm.why_not(*head.shape) is None else None
     if lm_head == "int8":
-        model.logits_proj = Int8Linear(head, dtype, kernel)
+        model.logits_proj = Int8Linear(head, dtype, head_kernel)
     elif lm_head == "rescored":
         scan = int4_head(head, kernel) if kernel is not None else None
-        model.logits_proj = RescoredHead(scan if scan is not None else Int8Linear(head, dtype, kernel), head)
+        model.logits_proj = RescoredHead(scan if scan is not None else Int8Linear(head, dtype, head_kernel), head)
     elif lm_head != "dense" or isinstance(head, StoredRows):
         raise ValueError(f"lm_head: {lm_head!r}" + (" (a head left in the file needs int8 or rescored)"
                                                      if lm_head == "dense" else ""))

@@ -163,6 +163,7 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None, planned:
     """`planned` (`plan_forward`'s, None for a model built without one: its modules as they are) with what
     was loaded described (`source_types`: the file's block format of every projection weight)."""
     from .gguf_tensors import StoredRows
+    from .quant.gemm import why_not
     from .quant.head import RescoredHead
     from .quant.modules import Int4Linear, Int8Linear
 
@@ -170,8 +171,15 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None, planned:
     kinds: Counter = Counter()
     long_kinds: set[str] = set()
     kernel_names: set[str] = set()
+    on_torch: dict[str, str] = {}  # projections the planned C kernels do not take: why
+    planned_kernel = planned.projections.impl if planned is not None else None
     for layer in model.layers:
-        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for name, proj in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                           ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+            quantized = isinstance(proj, (Int4Linear, Int8Linear))
+            if quantized and proj.kernel is None and planned_kernel is not None and (
+                    why := why_not(proj.out_features, proj.in_features)):
+                on_torch[name] = why
             if isinstance(proj, (Int4Linear, Int8Linear)):
                 kind = f"int{proj.bits}" if isinstance(proj, Int4Linear) else "int8 grouped" if proj.grouped else "int8"
                 kinds[kind] += 1
@@ -184,9 +192,10 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None, planned:
             elif isinstance(proj, (Int4Linear, Int8Linear)):
                 kernel_names.add("torch")
     weights = ", ".join(f"{kind} x{n}" if len(kinds) > 1 else kind for kind, n in kinds.most_common())
-    refused = planned.projections.refusals() if planned is not None and planned.projections.refused else ""
+    said = [planned.projections.refusals()] if planned is not None and planned.projections.refused else []
+    said += [f"torch for {name}: {why}" for name, why in on_torch.items()]
     if kernel_names:
-        weights += f" ({', '.join(sorted(kernel_names))} kernels{'; ' + refused if refused else ''})"
+        weights += f" ({'; '.join([', '.join(sorted(kernel_names)) + ' kernels', *said])})"
     long_prompts = " / ".join(sorted(long_kinds))
     head = model.logits_proj
     if isinstance(head, RescoredHead):

@@ -18,6 +18,17 @@ from .formats import GROUP
 from .layouts import pack_avx2_layout, pack_c_layout, pack_int8_c_layout, pack_int8_quads
 
 
+def why_not(out_features: int, in_features: int) -> str | None:
+    """Why the C kernels cannot take a weight of this shape (None: they can): they run blocks of 16
+    outputs over groups of GROUP inputs. The loader gives such a weight torch's op instead, and the plan's
+    line says so."""
+    if out_features % 16:
+        return f"{out_features} outputs, not a multiple of 16"
+    if in_features % GROUP:
+        return f"{in_features} inputs, not a multiple of {GROUP}"
+    return None
+
+
 class QuantGemm:
     """ctypes front of csrc/quant_gemm.c (AVX-512) or csrc/quant_gemm_avx2.c (AVX2 + FMA): float32
     x [M, K] -> float32 [M, N] over int4 or int8 weights."""

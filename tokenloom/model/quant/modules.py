@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .formats import GROUP
-from .gemm import QuantGemm
+from .gemm import QuantGemm, why_not
 from .layouts import dequantize_blocks, pack_int4, pack_int8_c_layout, quantize_int8, quantize_int8_grouped
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class Int4Linear(SplitRowsLinear):
         `dense_prefill`: also keep the weights dequantized to `dtype` for long prefill chunks."""
         super().__init__()
         self.out_features, self.in_features = blocks.shape[0], blocks.shape[1] * GROUP
-        self.kernel = kernel if self.out_features % 16 == 0 else None
+        self.kernel = _fitting(kernel, self)
         if self.kernel is not None:
             codes, fifth, scales, offsets = self.kernel.pack_int4(blocks)
             self.register_buffer("codes", codes)
@@ -114,6 +114,15 @@ class Int4Linear(SplitRowsLinear):
                 f"bits={self.bits}, kernel={kernel}")
 
 
+def _fitting(kernel: QuantGemm | None, module: SplitRowsLinear) -> QuantGemm | None:
+    """`kernel`, where it takes the module's shape; else a ValueError (the caller gives such a weight
+    torch's op, `gemm.why_not`), never a quiet torch op."""
+    reason = None if kernel is None else why_not(module.out_features, module.in_features)
+    if reason is not None:
+        raise ValueError(f"{type(module).__name__}: the C kernels cannot take {reason}")
+    return kernel
+
+
 def _with_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The projection's bias added in place (the output is this call's own tensor)."""
     return out if bias is None else out.add_(bias.to(out.dtype))
@@ -127,7 +136,7 @@ class Int8Linear(SplitRowsLinear):
         LM head, rescored anyway). `dense_prefill`: also keep `weight` in `dtype` for long prefill chunks."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.kernel = kernel if self.out_features % 16 == 0 and self.in_features % 32 == 0 else None
+        self.kernel = _fitting(kernel, self)
         self.grouped = grouped and self.kernel is not None
         q, scale = quantize_int8_grouped(weight) if self.grouped else quantize_int8(weight)
         if self.kernel is not None:
