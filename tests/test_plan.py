@@ -180,3 +180,23 @@ def test_a_projection_the_kernels_cannot_take_gets_torch_s_op_and_the_line_says_
     line = resolve_plan(model, Counter(), "-", planned).line()
     assert (f"weights int8 ({kernel.name}, torch kernels; torch for qkv: 200 outputs, not a multiple of 16; "
             "torch for o: 120 inputs, not a multiple of 32)") in line, line
+
+
+def test_a_load_with_the_c_kernels_off_runs_torch_s_ops_and_says_so(monkeypatch):
+    """TOKENLOOM_C_KERNELS=0: every C strategy refuses with that reason, in the line, and the model holds
+    torch's implementations (the weights' format was chosen before, by what runs here)."""
+    from tokenloom.model.decoder_loop import why_no_decoder_loop
+    from tokenloom.model.loader import ModelSource, bundled_model_path, load_model
+    from tokenloom.model.quant.modules import Int4Linear, Int8Linear
+
+    if not probe.torch_quant_ops()["int8_bf16"]:
+        pytest.skip("torch's int8 op does not run here")
+    monkeypatch.setenv("TOKENLOOM_C_KERNELS", "0")
+    model = load_model(ModelSource.resolve(bundled_model_path()), quantization="int8")
+    off = "the C kernels are off (TOKENLOOM_C_KERNELS=0)"
+    line = model.plan.line()
+    assert f"weights int8 (torch kernels; not c-avx512, c-avx2: {off})" in line, line
+    assert f"attention torch (not paged-c-avx512, paged-c: {off}); layer ops torch (not c: {off})" in line, line
+    assert f"decoder loop off: {why_no_decoder_loop(model)}" in line, line
+    assert model.layer_ops is layer_ops.TORCH_OPS and model.decode_attention.name == "torch"
+    assert all(m.kernel is None for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)))
