@@ -22,9 +22,11 @@ import time
 
 import torch
 
-from tokenloom.model import linear
 from tokenloom.model.decoder import DecoderModel, ForwardBatch, PrefillSpan
+from tokenloom.model.kernels import cpu_flags
 from tokenloom.model.loader import ModelSource, load_model
+from tokenloom.model.quant.modules import Int8Linear
+from tokenloom.model.quant.probe import detect
 
 BLOCK = 16
 CTX = 256  # context of every decoding sequence
@@ -104,7 +106,7 @@ def main() -> None:
         load_s[name] = round(time.perf_counter() - t0, 2)
         print(f"loaded {name} in {load_s[name]} s ({variants[name].quantization})", flush=True)
     # int4 layers + int8 LM head: same int4 model with the head swapped in/out around its runs.
-    head8 = linear.Int8Linear(variants["int4"].embed_tokens.weight, torch.bfloat16)
+    head8 = Int8Linear(variants["int4"].embed_tokens.weight, torch.bfloat16)
 
     cases = {"decode_b1": decode_batch(1), "decode_b32": decode_batch(32), "prefill_512": prefill_batch(PREFILL)}
     caches = {dt: make_caches(variants["fp32"], 32 * CTX, dt) for dt in (torch.float32, torch.bfloat16)}
@@ -169,8 +171,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_model": _cpu_model(),
-        "detect": linear.detect(),
-        "cpu_flags": [f for f in linear.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))],
+        "detect": detect(),
+        "cpu_flags": [f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))],
         "decode_context": CTX,
         "repeats": args.repeats,
         "load_seconds": load_s,

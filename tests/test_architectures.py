@@ -21,9 +21,12 @@ import pytest
 import torch
 
 from tokenloom import LLM, SamplingParams
-from tokenloom.model import linear
 from tokenloom.model.config import FULL, SLIDING, ModelConfig
+from tokenloom.model.gguf_blocks import LOW_BIT_BLOCKS
 from tokenloom.model.loader import ModelSource, dequantize, load_model, random_model
+from tokenloom.model.quant.gemm import quant_gemm
+from tokenloom.model.quant.layouts import dequantize_blocks
+from tokenloom.model.quant.modules import Int8Linear
 from tokenloom.step import HOLE
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -270,8 +273,8 @@ def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
 def test_four_bit_gguf_blocks_reach_the_int4_kernels_as_stored(qtype):
     n, k = 32, 512
     data = random_blocks(qtype, n, k, seed=1)
-    blocks = linear.LOW_BIT_BLOCKS[qtype](data, (n, k))
-    assert torch.equal(linear.dequantize_blocks(blocks), dequantize(data, qtype, (n, k)))
+    blocks = LOW_BIT_BLOCKS[qtype](data, (n, k))
+    assert torch.equal(dequantize_blocks(blocks), dequantize(data, qtype, (n, k)))
     assert blocks[..., 2:].max() <= 15 and blocks[..., 2:].min() >= 0
 
 
@@ -281,9 +284,9 @@ def test_a_gguf_weight_stored_wider_than_4_bits_takes_int8(tmp_path):
     path = tmp_path / "q.gguf"
     write_gguf(path, model, QWEN2)
     fast = load_model(ModelSource("gguf", str(path)), quantization="int4")
-    assert isinstance(fast.layers[0].mlp.down_proj, linear.Int8Linear)
+    assert isinstance(fast.layers[0].mlp.down_proj, Int8Linear)
     assert "F32" in fast.plan.weight_sources
-    if linear.quant_gemm() is not None:  # int8 projections with biases run in the fused loop too
+    if quant_gemm() is not None:  # int8 projections with biases run in the fused loop too
         assert fast.plan.decoder_loop == "on", fast.plan.decoder_loop
     ids = [5, 17, 3, 88, 42, 9]
     assert int(logits_of(fast, ids).argmax()) == int(logits_of(model, ids).argmax())

@@ -11,12 +11,16 @@ from unittest import mock
 import pytest
 import torch
 
-from tokenloom.model import decoder_loop, kernels, linear
+from tokenloom.model import decoder_loop, kernels
 from tokenloom.model.decoder import ForwardBatch, ModelConfig, PrefillSpan
 from tokenloom.model.layer_ops import TORCH_OPS
-from tokenloom.model.loader import random_model, use_c_kernels
+from tokenloom.model.loader import quantize_model, random_model, use_c_kernels
+from tokenloom.model.quant import gemm
+from tokenloom.model.quant.gemm import quant_gemm, quant_gemm_avx2
+from tokenloom.model.quant.layouts import q4_1_from_dense
+from tokenloom.model.quant.modules import Int8Linear
 
-needs_loop = pytest.mark.skipif(kernels.load(decoder_loop.SPEC) is None or linear.quant_gemm() is None,
+needs_loop = pytest.mark.skipif(kernels.load(decoder_loop.SPEC) is None or quant_gemm() is None,
                                 reason="the decoder loop or the C kernels do not build or run here (logged)")
 # head_dim 64 and two query heads per KV head: the shapes the C attention kernels (both ISAs) take.
 CONFIG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=2,
@@ -31,13 +35,13 @@ def fast_model(kernel_family: str, kv_dtype: torch.dtype = torch.float16, qwen2:
     them, the wider formats int8)."""
     config = dataclasses.replace(CONFIG, architecture="qwen2", attention_bias=True) if qwen2 else CONFIG
     model = random_model(config, seed=1)
-    quant = linear.quant_gemm_avx2 if kernel_family == "avx2" else linear.quant_gemm
+    quant = quant_gemm_avx2 if kernel_family == "avx2" else quant_gemm
     if quant() is None:
         pytest.skip(f"no {kernel_family} int4 kernel here")
-    blocks = {f"layers.{i}.mlp.gate_up_proj.weight": linear.q4_1_from_dense(layer.mlp.gate_up_proj.weight)
+    blocks = {f"layers.{i}.mlp.gate_up_proj.weight": q4_1_from_dense(layer.mlp.gate_up_proj.weight)
               for i, layer in enumerate(model.layers)} if qwen2 else None
-    with mock.patch.object(linear, "quant_gemm", quant):
-        linear.quantize_model(model, "int4", blocks, lm_head="rescored", wider_as_int8=qwen2)
+    with mock.patch.object(gemm, "quant_gemm", quant):
+        quantize_model(model, "int4", blocks, lm_head="rescored", wider_as_int8=qwen2)
     model.kv_cache_dtype = kv_dtype
     use_c_kernels(model, torch.float32)
     assert model.decoder_loop is not None
@@ -84,7 +88,7 @@ def forward(model, ids, batch, cache, kv_dtype, loop: bool):
 def test_loop_is_bit_for_bit_the_python_layers(family, kv_dtype, qwen2):
     model = fast_model(family, kv_dtype, qwen2)
     if qwen2:
-        assert isinstance(model.layers[0].mlp.down_proj, linear.Int8Linear)
+        assert isinstance(model.layers[0].mlp.down_proj, Int8Linear)
         assert model.layers[0].self_attn.qkv_proj.bias is not None
     ids, batch, cache = decode_step()
     assert model.decoder_loop.applies(model, model.embed_tokens(ids), batch)

@@ -1,9 +1,10 @@
-"""The fast weight formats (model/linear.py): int4 packing is exact against the dequantized Q4_1
+"""The fast weight formats (model/quant/): int4 packing is exact against the dequantized Q4_1
 weights, the kernels are row-invariant, and on the real model each fast path stays close to float32
 (teacher-forced top-1 agreement and KL on natural text) and greedy decoding stays batch-invariant."""
 
 from __future__ import annotations
 
+import os
 from unittest import mock
 
 import numpy as np
@@ -11,22 +12,35 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenloom.model import linear, vocab_select
+from tokenloom.model import vocab_select
+from tokenloom.model.gguf_blocks import LOW_BIT_BLOCKS, q4_1_blocks, q5_0_blocks
 from tokenloom.model.gguf_tensors import StoredRows
-from tokenloom.model.loader import dequantize
+from tokenloom.model.loader import dequantize, quantize_model
+from tokenloom.model.quant import gemm
+from tokenloom.model.quant.formats import resolve_quantization
+from tokenloom.model.quant.gemm import LARGE_OUTPUT_BYTES, quant_gemm_avx2, quant_gemm_avx512
+from tokenloom.model.quant.head import RescoredHead, int4_head
+from tokenloom.model.quant.layouts import (
+    dequantize_blocks,
+    q4_1_from_dense,
+    quantize_int8,
+    quantize_int8_grouped,
+)
+from tokenloom.model.quant.modules import Int4Linear, Int8Linear
+from tokenloom.model.quant.probe import detect, torch_quant_ops
 
-CAP = linear.detect() | linear.torch_quant_ops()
+CAP = detect() | torch_quant_ops()
 needs_int4 = pytest.mark.skipif(not CAP["int4_bf16"], reason="int4 with bf16 activations does not run here")
 needs_int8 = pytest.mark.skipif(not CAP["int8_bf16"], reason="int8 with bf16 activations does not run here")
 # The int4 kernels that run here: torch's, and the project's C kernels (AVX-512 VNNI; AVX2 + FMA).
-needs_c = pytest.mark.skipif(linear.quant_gemm_avx512() is None, reason="no AVX-512 C kernel here")
-needs_c_avx2 = pytest.mark.skipif(linear.quant_gemm_avx2() is None, reason="no AVX2 C kernel here")
+needs_c = pytest.mark.skipif(quant_gemm_avx512() is None, reason="no AVX-512 C kernel here")
+needs_c_avx2 = pytest.mark.skipif(quant_gemm_avx2() is None, reason="no AVX2 C kernel here")
 C_KERNELS = [pytest.param("c", id="c", marks=needs_c), pytest.param("c-avx2", id="c-avx2", marks=needs_c_avx2)]
 INT4_KERNELS = [pytest.param(None, id="torch", marks=needs_int4), *C_KERNELS]
 
 
 def int4_kernel(name):
-    return {"c": linear.quant_gemm_avx512, "c-avx2": linear.quant_gemm_avx2}[name]() if name else None
+    return {"c": quant_gemm_avx512, "c-avx2": quant_gemm_avx2}[name]() if name else None
 
 
 def random_q4_1_bytes(n: int, k: int, seed: int = 0) -> bytes:
@@ -42,16 +56,16 @@ def random_q4_1_bytes(n: int, k: int, seed: int = 0) -> bytes:
 
 def test_q4_1_blocks_dequantize_like_the_loader():
     data = random_q4_1_bytes(48, 96)
-    blocks = linear.q4_1_blocks(data, (48, 96))
-    assert torch.equal(linear.dequantize_blocks(blocks), dequantize(data, "Q4_1", (48, 96)))
+    blocks = q4_1_blocks(data, (48, 96))
+    assert torch.equal(dequantize_blocks(blocks), dequantize(data, "Q4_1", (48, 96)))
 
 
 def test_int4_pack_is_bit_exact_with_float32_scales():
     """torch's op computes (q - 8) * scale + zero; with zero = m + 8d that is the Q4_1 weight d*q + m."""
     n, k = 64, 128
-    blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=1), (n, k))
-    w = linear.dequantize_blocks(blocks)
-    layer = linear.Int4Linear(blocks, torch.float32)
+    blocks = q4_1_blocks(random_q4_1_bytes(n, k, seed=1), (n, k))
+    w = dequantize_blocks(blocks)
+    layer = Int4Linear(blocks, torch.float32)
     assert torch.equal(layer(torch.eye(k)).t(), w)  # row i of eye @ W^T is column i of W^T
     x = torch.randn(5, k)
     torch.testing.assert_close(layer(x), x @ w.t(), rtol=1e-5, atol=1e-5)
@@ -60,9 +74,9 @@ def test_int4_pack_is_bit_exact_with_float32_scales():
 @pytest.mark.parametrize("kernel", INT4_KERNELS)
 def test_int4_bf16_close_and_row_invariant(kernel):
     n, k = 96, 192
-    blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=2), (n, k))
-    w = linear.dequantize_blocks(blocks)
-    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    blocks = q4_1_blocks(random_q4_1_bytes(n, k, seed=2), (n, k))
+    w = dequantize_blocks(blocks)
+    layer = Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     x = torch.randn(40, k).bfloat16()
     out = layer(x)
     ref = x.float() @ w.t()
@@ -78,12 +92,12 @@ def test_int4_c_kernel_matches_the_q4_1_weights(kernel, rows):
     weights in float64 the error is float32 accumulation noise; every tile shape (however the rows fall
     into tiles, columns % 48) gives the same bits."""
     n, k = 112, 96  # 7 column blocks: a full tile of 3, another, and one of 1
-    blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=5), (n, k))
-    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    blocks = q4_1_blocks(random_q4_1_bytes(n, k, seed=5), (n, k))
+    layer = Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     x = with_outliers(torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)))
     out = layer(x)
     xr = int8_groups(x)
-    ref = xr.double() @ linear.dequantize_blocks(blocks).double().t()
+    ref = xr.double() @ dequantize_blocks(blocks).double().t()
     assert out.dtype == torch.float32
     # Sums of 96 products reach |10|; their float32 rounding reached 1.2e-5 for 1 draw in 300 (measured).
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=5e-5)
@@ -101,9 +115,9 @@ def q5_0_bytes(n: int, k: int, seed: int = 0, qtype: str = "Q5_0") -> np.ndarray
 
 def test_q5_0_blocks_dequantize_like_the_loader():
     data = q5_0_bytes(48, 96)
-    blocks = linear.q5_0_blocks(data, (48, 96))
+    blocks = q5_0_blocks(data, (48, 96))
     assert blocks[..., 2:].max() > 15  # fifth bits in use
-    assert torch.equal(linear.dequantize_blocks(blocks), dequantize(data, "Q5_0", (48, 96)))
+    assert torch.equal(dequantize_blocks(blocks), dequantize(data, "Q5_0", (48, 96)))
 
 
 @pytest.mark.parametrize("kernel", C_KERNELS)
@@ -112,13 +126,13 @@ def test_int5_c_kernel_matches_the_q5_0_weights(kernel, rows):
     """Q5_0 straight into the kernels (int4's nibbles plus the fifth bits): against the dequantized weights
     the error is the activations' rounding only, and a row's bits do not depend on the other rows."""
     n, k = 112, 96
-    blocks = linear.q5_0_blocks(q5_0_bytes(n, k, seed=6), (n, k))
-    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    blocks = q5_0_blocks(q5_0_bytes(n, k, seed=6), (n, k))
+    layer = Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     assert layer.bits == 5
     x = with_outliers(torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)))
     out = layer(x)
     xr = int8_groups(x)
-    ref = xr.double() @ linear.dequantize_blocks(blocks).double().t()
+    ref = xr.double() @ dequantize_blocks(blocks).double().t()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out, torch.cat([layer(x[i : i + 1]) for i in range(rows)]))
 
@@ -129,22 +143,22 @@ def test_symmetric_codes_keep_no_offsets_and_give_the_same_bits(kernel, qtype):
     """Q4_0's and Q5_0's offset is -8d / -16d: the layer keeps none, and the kernel computing it gives the
     bits it gives reading it."""
     n, k = 112, 96
-    blocks = linear.LOW_BIT_BLOCKS[qtype](q5_0_bytes(n, k, seed=8, qtype=qtype), (n, k))
-    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    blocks = LOW_BIT_BLOCKS[qtype](q5_0_bytes(n, k, seed=8, qtype=qtype), (n, k))
+    layer = Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     assert layer.offsets is None and layer.bits == (5 if qtype == "Q5_0" else 4)
     x = torch.randn(9, k)
     stored = layer.scales * -(2 ** (layer.bits - 1))  # the same offsets, read from memory
     assert torch.equal(layer(x), layer.kernel.int4(x, layer.codes, layer.scales, stored, layer.fifth))
-    ref = x.double() @ linear.dequantize_blocks(blocks).double().t()
+    ref = x.double() @ dequantize_blocks(blocks).double().t()
     torch.testing.assert_close(layer(x).double(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_five_bit_blocks_are_refused_by_torchs_int4_op():
     """torch's int4 op cannot take 5-bit codes: refused by name, never truncated to 4 bits (quantize_model
     gives such a projection the grouped int8 layer where the C kernels do not run)."""
-    blocks = linear.q5_0_blocks(q5_0_bytes(32, 64, seed=7), (32, 64))
+    blocks = q5_0_blocks(q5_0_bytes(32, 64, seed=7), (32, 64))
     with pytest.raises(ValueError, match="5-bit codes need the C kernels"):
-        linear.Int4Linear(blocks, torch.bfloat16, kernel=None)
+        Int4Linear(blocks, torch.bfloat16, kernel=None)
 
 
 def int8_groups(x: torch.Tensor, outlier_ratio: float = 6.0) -> torch.Tensor:
@@ -184,12 +198,12 @@ def test_int8_groups_keep_their_outliers_in_float32(kernel, qtype):
     input on both; either way each row as it comes alone."""
     n, k = 48, 64
     data = random_q4_1_bytes(n, k, seed=4) if qtype == "Q4_1" else q5_0_bytes(n, k, seed=4)
-    blocks = linear.LOW_BIT_BLOCKS[qtype](data, (n, k))
-    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    blocks = LOW_BIT_BLOCKS[qtype](data, (n, k))
+    layer = Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     x = torch.randn(6, k, generator=torch.Generator().manual_seed(0))
     x[:5, 9] = torch.tensor([80.0, -55.0, 120.0, 60.0, -70.0])
     x[1, 40], x[2, 3], x[4, 63] = 90.0, -75.0, 65.0
-    w = linear.dequantize_blocks(blocks).double()
+    w = dequantize_blocks(blocks).double()
     out = layer(x).double()
     torch.testing.assert_close(out, int8_groups(x) @ w.t(), rtol=1e-5, atol=1e-4)
     for r in range(len(x)):
@@ -204,8 +218,8 @@ def test_int8_groups_keep_their_outliers_in_float32(kernel, qtype):
 def test_int4_kernel_keeps_non_finite_activations(kernel):
     """A NaN or an infinity reaches its own row's outputs, as through float32 matmuls; rows without one
     are untouched; an all-zero row gives zeros."""
-    blocks = linear.q4_1_blocks(random_q4_1_bytes(32, 64, seed=9), (32, 64))
-    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    blocks = q4_1_blocks(random_q4_1_bytes(32, 64, seed=9), (32, 64))
+    layer = Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     x = torch.randn(4, 64)
     x[1, 5], x[2, 40], x[3] = float("nan"), float("inf"), 0.0
     out = layer(x)
@@ -223,16 +237,16 @@ def test_avx512_and_avx2_int4_kernels_give_the_same_bits(qtype, rows):
     5 rows: AVX-512's one tile walks its rows' outliers, AVX2 (tiles of 4) adds them input by input."""
     n, k = 112, 160
     data = random_q4_1_bytes(n, k, seed=11) if qtype == "Q4_1" else q5_0_bytes(n, k, seed=11, qtype=qtype)
-    blocks = linear.LOW_BIT_BLOCKS[qtype](data, (n, k))
+    blocks = LOW_BIT_BLOCKS[qtype](data, (n, k))
     x = with_outliers(torch.randn(rows, k, generator=torch.Generator().manual_seed(3)))
-    outs = [linear.Int4Linear(blocks, torch.bfloat16, kernel=kernel)(x) for kernel in (int4_kernel("c"), int4_kernel("c-avx2"))]
+    outs = [Int4Linear(blocks, torch.bfloat16, kernel=kernel)(x) for kernel in (int4_kernel("c"), int4_kernel("c-avx2"))]
     assert torch.equal(*outs)
 
 
 @pytest.mark.parametrize("kernel", C_KERNELS)
 def test_c_gemm_refuses_activations_of_the_wrong_shape_or_dtype(kernel):
-    blocks = linear.q4_1_blocks(random_q4_1_bytes(32, 64, seed=8), (32, 64))
-    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    blocks = q4_1_blocks(random_q4_1_bytes(32, 64, seed=8), (32, 64))
+    layer = Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     for x in (torch.randn(2, 96), torch.randn(2, 64).double()):
         with pytest.raises(ValueError, match="quantized gemm"):
             layer.kernel.int4(x, layer.codes, layer.scales, layer.offsets)
@@ -243,15 +257,15 @@ def test_int4_decode_rows_and_prefill_rows_take_their_own_kernels(kernel):
     """Decode-like rows (the first `decode_like_rows`) go through int4 and give the same bits as alone;
     long prefill chunks go through the dense bfloat16 weights, with the same bits whatever comes first."""
     n, k = 96, 192
-    blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=3), (n, k))
-    int4_only = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
-    both = linear.Int4Linear(blocks, torch.bfloat16, dense_prefill=True, kernel=int4_kernel(kernel))
+    blocks = q4_1_blocks(random_q4_1_bytes(n, k, seed=3), (n, k))
+    int4_only = Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    both = Int4Linear(blocks, torch.bfloat16, dense_prefill=True, kernel=int4_kernel(kernel))
     x = torch.randn(30, k)  # float32 residual stream: cast around the kernels
     mixed = both(x, 7)
     assert mixed.dtype == torch.float32
     assert torch.equal(mixed[:7], int4_only(x[:7]))
     assert torch.equal(mixed[7:], both(x[7:], 0))
-    assert torch.equal(mixed[7:], F.linear(x[7:].bfloat16(), linear.dequantize_blocks(blocks).bfloat16()).float())
+    assert torch.equal(mixed[7:], F.linear(x[7:].bfloat16(), dequantize_blocks(blocks).bfloat16()).float())
     assert not torch.equal(both(x, 0)[:7], mixed[:7]), "the two kernels differ; the split must be by row kind"
 
 
@@ -260,8 +274,8 @@ def test_grouped_int8_decode_rows_and_prefill_rows_take_their_own_kernels(kernel
     """As int4's: the first rows through the grouped int8 kernel with their own bits, long chunks through
     the weight in bfloat16."""
     w = torch.randn(96, 192) * 0.1
-    both = linear.Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel), grouped=True, dense_prefill=True)
-    int8_only = linear.Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel), grouped=True)
+    both = Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel), grouped=True, dense_prefill=True)
+    int8_only = Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel), grouped=True)
     x = torch.randn(30, 192)
     mixed = both(x, 7)
     assert torch.equal(mixed[:7], int8_only(x[:7]))
@@ -279,8 +293,8 @@ def test_rescored_head_has_the_float32_argmax_and_is_row_invariant(kernel, scan)
     x = torch.randn(40, 64, generator=gen)
     k = int4_kernel(kernel)
     # int4: built 1024 rows at a time and stacked, as a 150k-row vocabulary is (5008 = 4 x 1024 + 912)
-    approx = linear.int4_head(w, k, rows=1024) if scan == "int4" else linear.Int8Linear(w, torch.bfloat16, k)
-    head = linear.RescoredHead(approx, w)
+    approx = int4_head(w, k, rows=1024) if scan == "int4" else Int8Linear(w, torch.bfloat16, k)
+    head = RescoredHead(approx, w)
     assert head.format == scan
     out, ref = head(x), x @ w.t()
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
@@ -290,13 +304,13 @@ def test_rescored_head_has_the_float32_argmax_and_is_row_invariant(kernel, scan)
     assert (out - ref).abs().max() <= noise * ref.abs().max()
     assert torch.equal(out, torch.cat([head(x[i : i + 1]) for i in range(40)]))
     if scan == "int4":  # the stacked chunks are the whole head's
-        whole = linear.Int4Linear(linear.q4_1_from_dense(w), torch.bfloat16, kernel=k)
+        whole = Int4Linear(q4_1_from_dense(w), torch.bfloat16, kernel=k)
         assert torch.equal(approx(x), whole(x))
 
 
 def test_q4_1_from_dense_round_trip():
     w = torch.randn(32, 64) * 0.1
-    err = (linear.dequantize_blocks(linear.q4_1_from_dense(w)) - w).abs()
+    err = (dequantize_blocks(q4_1_from_dense(w)) - w).abs()
     step = (w.view(32, 2, 32).amax(-1) - w.view(32, 2, 32).amin(-1)) / 15
     assert (err.view(32, 2, 32) <= step[..., None] * 0.51 + 1e-3).all()
 
@@ -310,10 +324,10 @@ def test_int4_top_keeps_each_rows_largest_outputs(kernel, codes, rows):
     k = int4_kernel(kernel)
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(4992, 64, generator=gen)
-    blocks = linear.q4_1_from_dense(w)
+    blocks = q4_1_from_dense(w)
     if codes == "q4_0":  # symmetric codes: no offsets kept, the kernels compute them
         blocks[..., 1] = -8 * blocks[..., 0]
-    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=k)
+    layer = Int4Linear(blocks, torch.bfloat16, kernel=k)
     assert (layer.offsets is None) == (codes == "q4_0")
     x = with_outliers(torch.randn(rows, 64, generator=gen))  # more rows than a tile: the outlier index
     full = layer(x)
@@ -337,7 +351,7 @@ def test_rescored_head_argmax_is_forwards_without_its_logits(kernel, top):
     w[4000:4100] = w[17]
     x = torch.randn(300, 64, generator=gen)
     x[:20] = w[17] * 3 + torch.randn(20, 64, generator=gen) * 0.1  # row 17 and its copies on top
-    head = linear.RescoredHead(linear.int4_head(w, int4_kernel(kernel), rows=1024), w, top=top)
+    head = RescoredHead(int4_head(w, int4_kernel(kernel), rows=1024), w, top=top)
     want = vocab_select.argmax(head(x))
     assert torch.equal(head.argmax(x), want)
     assert torch.equal(torch.cat([head.argmax(x[i : i + 1]) for i in range(0, 300, 37)]), want[::37])
@@ -348,7 +362,7 @@ def test_rescored_head_argmax_is_forwards_without_its_logits(kernel, top):
     # (forward rounds their scan) take forward's path too.
     x[5, 7] = float("nan")
     assert torch.equal(head.argmax(x), vocab_select.argmax(head(x)))
-    stored = linear.RescoredHead(head.approx, StoredRows(w.numpy(), "F32", tuple(w.shape)), top=top)
+    stored = RescoredHead(head.approx, StoredRows(w.numpy(), "F32", tuple(w.shape)), top=top)
     assert torch.equal(stored.argmax(x), vocab_select.argmax(stored(x)))  # a file-backed head: ids never -1
     xb = x[6:40].bfloat16()
     assert torch.equal(head.argmax(xb), vocab_select.argmax(head(xb)))
@@ -361,8 +375,8 @@ def test_int8_c_kernel_is_exact_on_its_activations(kernel, rows):
     group of 32 by the AVX2 one), each column's scale after the sum: float32 accumulation noise
     against float64."""
     w = torch.randn(112, 96) * 0.1
-    layer = linear.Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel))
-    q, scale = linear.quantize_int8(w)
+    layer = Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel))
+    q, scale = quantize_int8(w)
     x = torch.randn(rows, 96)
     out = layer(x)
     ref = ((x.bfloat16() if kernel == "c" else int16_groups(x)).double() @ q.double().t()) * scale.double()
@@ -378,8 +392,8 @@ def test_grouped_int8_c_kernel_is_exact_on_its_activations(kernel, rows):
     with one large group keeps the small groups' precision (a per-column scale would not)."""
     w = torch.randn(112, 96) * 0.1
     w[:, :32] *= 50  # the first group of every column is 50x the others
-    layer = linear.Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel), grouped=True)
-    q, scale = linear.quantize_int8_grouped(w)
+    layer = Int8Linear(w, torch.bfloat16, kernel=int4_kernel(kernel), grouped=True)
+    q, scale = quantize_int8_grouped(w)
     x = with_outliers(torch.randn(rows, 96))  # the AVX-512 kernel's int8 groups keep them in float32
     xr = (int8_groups(x) if kernel == "c" else int16_groups(x)).double()
     ref = (xr.reshape(rows, 1, 3, 32) * (q.double().reshape(1, 112, 3, 32) * scale.double()[None, :, :, None])).sum((2, 3))
@@ -392,7 +406,7 @@ def test_grouped_int8_c_kernel_is_exact_on_its_activations(kernel, rows):
 @pytest.mark.parametrize("kernel", C_KERNELS)
 def test_grouped_int8_kernel_keeps_non_finite_activations(kernel):
     """As int4's: a NaN or an infinity reaches its own row's outputs, the other rows untouched."""
-    layer = linear.Int8Linear(torch.randn(48, 64) * 0.1, torch.bfloat16, kernel=int4_kernel(kernel), grouped=True)
+    layer = Int8Linear(torch.randn(48, 64) * 0.1, torch.bfloat16, kernel=int4_kernel(kernel), grouped=True)
     x = torch.randn(4, 64)
     x[1, 5], x[2, 40], x[3] = float("nan"), float("inf"), 0.0
     out = layer(x)
@@ -403,7 +417,7 @@ def test_grouped_int8_kernel_keeps_non_finite_activations(kernel):
 @needs_int8
 def test_int8_close_and_row_invariant():
     w = torch.randn(80, 64) * 0.1
-    layer = linear.Int8Linear(w, torch.bfloat16)
+    layer = Int8Linear(w, torch.bfloat16)
     x = torch.randn(20, 64).bfloat16()
     out = layer(x)
     ref = x.float() @ w.t()
@@ -412,11 +426,11 @@ def test_int8_close_and_row_invariant():
 
 
 def test_quantization_names():
-    assert linear.resolve_quantization(None) == "none"
-    assert linear.resolve_quantization("q4") == "int4"
-    assert linear.resolve_quantization("INT8") == "int8"
+    assert resolve_quantization(None) == "none"
+    assert resolve_quantization("q4") == "int4"
+    assert resolve_quantization("INT8") == "int8"
     with pytest.raises(ValueError):
-        linear.resolve_quantization("int3")
+        resolve_quantization("int3")
 
 
 @needs_int4
@@ -426,9 +440,9 @@ def test_random_model_int4_runs_in_bfloat16():
 
     TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
 
-    model = linear.quantize_model(random_model(TINY, dtype="bfloat16"), "int4")
+    model = quantize_model(random_model(TINY, dtype="bfloat16"), "int4")
     assert next(model.parameters()).dtype == torch.bfloat16
-    assert isinstance(model.layers[0].mlp.down_proj, linear.Int4Linear)
+    assert isinstance(model.layers[0].mlp.down_proj, Int4Linear)
 
 
 @pytest.mark.parametrize("method", [
@@ -444,7 +458,7 @@ def test_long_chunks_pass_through_the_mlp_in_slices_with_the_same_bits(method):
     cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=1, num_heads=4, num_kv_heads=2)
     model = random_model(cfg)
     if method != "none":
-        model = linear.quantize_model(model, method)
+        model = quantize_model(model, method)
     mlp = model.layers[0].mlp
     x = torch.randn(2 * decoder.MLP_ROWS_PER_PASS + 37, 64, generator=torch.Generator().manual_seed(5))
     batch = mock.Mock(lora=None, decode_like_rows=x.shape[0])
@@ -467,13 +481,13 @@ def test_every_layers_mlp_writes_its_activations_into_the_models_one_pair_of_pas
     from tokenloom.model.loader import random_model
 
     cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2)
-    model = linear.quantize_model(random_model(cfg), "int4")
+    model = quantize_model(random_model(cfg), "int4")
     first, second = (layer.mlp for layer in model.layers)
     assert first.pass_buffers is second.pass_buffers
     x = torch.randn(decoder.MLP_ROWS_PER_PASS + 50, 64, generator=torch.Generator().manual_seed(9))
     batch = mock.Mock(lora=None, decode_like_rows=x.shape[0])
     made = []
-    with mock.patch.object(linear, "_output_buffer", side_effect=lambda rows, n: made.append(n) or torch.empty(rows, n)):
+    with mock.patch.object(gemm, "_output_buffer", side_effect=lambda rows, n: made.append(n) or torch.empty(rows, n)):
         outs = [mlp(x, batch) for mlp in (first, second)]
     assert made == []  # the gate_up and down projections alike: down writes into the output rows
     gate_up, act = first.pass_buffers.take(x[: decoder.MLP_ROWS_PER_PASS])
@@ -490,10 +504,10 @@ def test_large_gemm_outputs_come_from_whole_row_steps_and_keep_their_bits(kernel
     """An output of LARGE_OUTPUT_BYTES or more is a view of a buffer rounded up to OUTPUT_ROWS_STEP rows
     (so glibc reuses the blocks freed by batches of other sizes), contiguous and with each row's bits."""
     n, k = 8192, 64
-    blocks = linear.q4_1_blocks(random_q4_1_bytes(n, k, seed=6), (n, k))
-    layer = linear.Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
+    blocks = q4_1_blocks(random_q4_1_bytes(n, k, seed=6), (n, k))
+    layer = Int4Linear(blocks, torch.bfloat16, kernel=int4_kernel(kernel))
     x = torch.randn(33, k)
-    assert 33 * n * 4 >= linear.LARGE_OUTPUT_BYTES
+    assert 33 * n * 4 >= LARGE_OUTPUT_BYTES
     out = layer(x)
     assert out.shape == (33, n) and out.is_contiguous()
     assert out.untyped_storage().nbytes() == 48 * n * 4
@@ -558,15 +572,15 @@ def avx2_kernel(load):
     """The int4 model as an AVX2-only machine runs it: loaded with the AVX2 C kernels (their own int4
     layout) for every row and the head, no dense bfloat16 copy for long chunks. None where they do not
     run here."""
-    if linear.quant_gemm_avx2() is None:
+    if quant_gemm_avx2() is None:
         return None
-    with mock.patch.object(linear, "quant_gemm", linear.quant_gemm_avx2):
+    with mock.patch.dict(os.environ, {"TOKENLOOM_MAX_ISA": "avx2"}):  # the plan's CPU: no AVX-512
         model = load()
-    layers = [m for m in model.modules() if isinstance(m, (linear.Int4Linear, linear.Int8Linear))]
-    if any(m.kernel is not linear.quant_gemm_avx2() for m in layers):
+    layers = [m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    if any(m.kernel is not quant_gemm_avx2() for m in layers):
         return None
     for m in layers:
-        if isinstance(m, linear.Int4Linear):
+        if isinstance(m, Int4Linear):
             m.dense = None
     return model
 

@@ -98,9 +98,14 @@ def test_kv_write_refuses_a_slot_outside_the_cache(c_ops):
     assert not k_cache.any() and not v_cache.any()
 
 
-def test_other_dtypes_fall_back_to_torch(c_ops):
+def test_other_dtypes_are_an_error_not_a_quiet_torch_op(c_ops):
     x, w = torch.randn(3, 64).bfloat16(), torch.rand(64).bfloat16()
-    assert torch.equal(c_ops.rms_norm(x, w, 1e-5), TORCH.rms_norm(x, w, 1e-5))
+    with pytest.raises(ValueError, match="rms_norm takes float32"):
+        c_ops.rms_norm(x, w, 1e-5)
+    k = v = torch.randn(2, 3, 64)
+    caches = [torch.zeros(10, 3, 64, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(ValueError, match="write_kv takes"):
+        c_ops.write_kv(k, v, torch.tensor([0, 1]), *caches)
 
 
 def test_a_model_forward_with_c_ops_matches_the_torch_ops(tokenizer, monkeypatch):

@@ -136,13 +136,6 @@ def test_a_task_reads_through_its_longest_rows_table(which):
     torch.testing.assert_close(out, ref_impl(ref_impl.prepare(tables, lens, bs), q, k, v, 0.125), rtol=1e-5, atol=1e-5)
 
 
-def test_the_torch_path_is_used_where_the_kernel_does_not_apply():
-    assert isinstance(pa.decode_attention_for(torch.bfloat16, torch.float32, 64, 9, 3, want=True), pa.TorchDecodeAttention)
-    assert isinstance(pa.decode_attention_for(torch.float32, torch.float32, 48, 9, 3, want=True), pa.TorchDecodeAttention)
-    assert isinstance(pa.decode_attention_for(torch.float32, torch.float32, 64, 9, 3, want=False), pa.TorchDecodeAttention)
-    assert isinstance(pa.decode_attention_for(torch.float32, torch.bfloat16, 64, 9, 3, want=True), pa.TorchDecodeAttention)
-
-
 @needs_kernel
 def test_prompt_tokens_are_single_queries_through_the_kernel(tokenizer):
     """With the C kernel, every prompt token is a query with its own context length (the causal mask),

@@ -13,7 +13,10 @@ from typing import Literal, get_args, get_origin, get_type_hints
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
-QUANTIZATIONS = ("none", "auto", "int4", "q4", "q4_1", "int8", "q8")
+# The `quantization` names -> the weight format each loads ("auto": the fastest that runs here, chosen at
+# load): defined once, for the flags here and for the loader (model/quant/formats.py).
+QUANTIZATION_NAMES = {"none": "none", "int4": "int4", "q4": "int4", "q4_1": "int4", "int8": "int8", "q8": "int8"}
+QUANTIZATIONS = ("none", "auto", *(name for name in QUANTIZATION_NAMES if name != "none"))
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30  # 1 GiB: ~46k tokens of SmolLM2-135M KV in float32
 
 # The fields that decide how a forward runs: which weights in which format, the residual and KV cache

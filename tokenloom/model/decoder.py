@@ -8,7 +8,7 @@ single decode tokens together) plus a `ForwardBatch` saying where each token's K
 cache (`slot_mapping`) and which cache slots each sequence attends to. Decode tokens come first in the
 flat batch, then short prefill chunks, then long ones: the first `decode_like_rows` rows are few per
 sequence, the rest are long chunks, and a projection may send the two groups to different kernels
-(model/linear.py: int4 for the former, dense bfloat16 for the latter). Attention takes the first
+(model/quant/: int4 for the former, dense bfloat16 for the latter). Attention takes the first
 `num_decodes` rows one query at a time through the paged decode attention (decode tokens; every token
 when the C kernel runs) and the rest as prefill spans through SDPA. Nothing is padded. The LM head
 runs only on `logits_indices`.
@@ -93,7 +93,7 @@ class ForwardBatch:
 
 class Linear(nn.Linear):
     """A dense projection. Projections take the number of leading decode-like rows so that quantized
-    ones (model/linear.py) can run them and long prefill chunks through different kernels; a dense one
+    ones (model/quant/) can run them and long prefill chunks through different kernels; a dense one
     needs not."""
 
     rows_independent = False  # a row's bits may depend on how many rows share the matmul (oneDNN's blocking)
@@ -347,7 +347,7 @@ class DecoderModel(nn.Module):
         keys = dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers))
         self.ropes = nn.ModuleList(RotaryEmbedding(cfg.dim_per_head, *key) for key in keys)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
-        self.logits_proj: nn.Module | None = None  # a quantized LM head (model/linear.py), when chosen
+        self.logits_proj: nn.Module | None = None  # a quantized LM head (model/quant/head.py), when chosen
         self.decode_attention = TorchDecodeAttention()  # or the paged C kernel, chosen at load
         self.kv_cache_dtype: torch.dtype | None = None  # None: the activations' dtype; set at load
         self.layer_ops = TORCH_OPS  # or the C ones (model/layer_ops.py), chosen at load

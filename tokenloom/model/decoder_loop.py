@@ -5,8 +5,8 @@ stream, and layers of the Llama / Qwen2 shape (pre-norm, SwiGLU, every layer att
 context). Rows under LoRA adapters add their products through the same C kernel the Python layers
 call (layer_ops.c's lora_add_bf16). The loop calls the kernels the Python layers would call, in their
 order, on the same values, so a step's output is bit for bit the same (tests/test_decoder_loop.py);
-what goes is the Python between ~400 kernel calls a step (3.2 of 6.9 ms at one row, 5.4 of 25.7 ms at
-32). Any other step (long prefill chunks, the torch ops, a changed model) runs the layers in Python.
+what goes is the Python between ~400 kernel calls a step (about half a one-row step:
+benchmarks/results/peers-*/). Any other step (long prefill chunks, the torch ops, a changed model) runs the layers in Python.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from . import kernels
 from .config import SLIDING
 from .layer_ops import LORA_MAX_RANK, CLayerOps
-from .linear import Int4Linear, Int8Linear
 from .paged_attention import PagedDecodeAttention
+from .quant.modules import Int4Linear, Int8Linear
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -73,9 +73,7 @@ class DecoderLoop:
     """Built at load for a model whose layers all run the C kernels (`decoder_loop_for`)."""
 
     def __init__(self, lib: ctypes.CDLL, model) -> None:
-        self._run = lib.decoder_loop
-        self._run.argtypes = [_p, _p, _p, _p, _i64, _p, _p, _p, _p, _i64, _p, _i64]
-        self._run.restype = ctypes.c_int
+        self._run = lib.decoder_loop  # typed from csrc/kernels.h (kernels.load)
         cfg, layers = model.config, model.layers
         self.ops, self.attention = model.layer_ops, model.decode_attention  # what the loop was built from
         first = layers[0]
@@ -212,107 +210,5 @@ def decoder_loop_for(model) -> tuple[DecoderLoop | None, str | None]:
     return (DecoderLoop(lib, model), None) if lib is not None else (None, "its C library did not build or check")
 
 
-# Run in a child (model/kernels.py): two layers over stand-in kernels (Python callbacks: each norm
-# scales by its weight, each int4 gemm sums its input row times a per-weight number, the int8 one
-# (layer 1's down projection) twice that, the grouped int8 one (layer 0's down projection) three times,
-# the int5 one (layer 1's gate/up) four times, a LoRA product adds a constant to its rows,
-# the attention passes the queries through; layer 0's QKV has a bias), against the same arithmetic
-# done directly.
-_CHECK = r"""
-import ctypes, sys
-lib = ctypes.CDLL(sys.argv[1])
-p, i64, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-P = ctypes.POINTER
-val = lambda ptr, i: ctypes.cast(ptr, P(ctypes.c_float))[i]
-def store(ptr, i, v): ctypes.cast(ptr, P(ctypes.c_float))[i] = v
-def gemm(x, rows, k, codes, scales, offsets, n, y):
-    for r in range(rows):
-        s = sum(val(x, r * k + i) for i in range(k))
-        for j in range(n): store(y, r * n + j, s * val(codes, 0) + j)
-    return 0
-def norm(x, w, rows, dim, eps, out):
-    for i in range(rows * dim): store(out, i, val(x, i) * val(w, i % dim))
-def attention(q, kc, vc, tables, max_blocks, lens, rows, heads, kv_heads, head_dim, block_size, scale, out):
-    for i in range(rows * heads * head_dim): store(out, i, val(q, i) * scale)
-    return 0
-written = []
-def write_kv(k, ks, v, vs, rows, width, slots, num_slots, kc, vc):
-    written.append((rows, width, num_slots)); return 0
-def silu_mul(gu, rows, inter, out):
-    for r in range(rows):
-        for i in range(inter): store(out, r * inter + i, val(gu, r * 2 * inter + i) - val(gu, r * 2 * inter + inter + i))
-def gemm8(x, rows, k, codes, scales, n, y):
-    for r in range(rows):
-        s = sum(val(x, r * k + i) for i in range(k))
-        for j in range(n): store(y, r * n + j, 2 * s * val(codes, 0) + j)
-    return 0
-def gemm8g(x, rows, k, codes, scales, n, y):
-    for r in range(rows):
-        s = sum(val(x, r * k + i) for i in range(k))
-        for j in range(n): store(y, r * n + j, 3 * s * val(codes, 0) + j)
-    return 0
-lora_calls = []
-def lora_add(x, rows, k, slots, a, b, rank, n, y):  # adds a's first value to every output of a row under an adapter
-    lora_calls.append((k, rank, n))
-    for r in range(rows):
-        if ctypes.cast(slots, P(i64))[r] >= 0:
-            for j in range(n): store(y, r * n + j, val(y, r * n + j) + val(a, 0))
-    return 0
-def gemm5(x, rows, k, codes, fifth, scales, offsets, n, y):  # int5: four times the int4 stand-in
-    for r in range(rows):
-        s = sum(val(x, r * k + i) for i in range(k))
-        for j in range(n): store(y, r * n + j, 4 * s * val(codes, 0) + j)
-    return 0
-callbacks = [ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, p, i64, p)(gemm),
-             ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, p, p, i64, p)(gemm5),
-             ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, i64, p)(gemm8),
-             ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, i64, p)(gemm8g),
-             ctypes.CFUNCTYPE(None, p, p, i64, i64, f, p)(norm),
-             ctypes.CFUNCTYPE(None, p, i64, i64, i64, i64, p, p)(lambda *a: None),
-             ctypes.CFUNCTYPE(ctypes.c_int, p, i64, p, i64, i64, i64, p, i64, p, p)(write_kv),
-             ctypes.CFUNCTYPE(None, p, i64, i64, p)(silu_mul),
-             ctypes.CFUNCTYPE(ctypes.c_int, p, p, p, p, i64, p, i64, i64, i64, i64, i64, f, p)(attention),
-             ctypes.CFUNCTYPE(ctypes.c_int, p, i64, i64, p, p, p, i64, i64, p)(lora_add)]
-class Model(ctypes.Structure):
-    _fields_ = [(n, p) for n in "gemm gemm5 gemm8 gemm8g norm rope write silu attn lora".split()] + [(n, i64) for n in "L H I heads kvh hd slots".split()] + [("eps", f), ("scale", f)]
-ROWS, H, I, HEADS, KVH, HD, LAYERS = 2, 4, 3, 2, 1, 2, 2
-m = Model(*[ctypes.cast(c, p) for c in callbacks], LAYERS, H, I, HEADS, KVH, HD, 7, 1e-5, 0.5)
-F = lambda *v: (ctypes.c_float * len(v))(*v)
-weights = [F(1.0, 2.0, 0.5, 1.0), F(0.5, 0.5, 1.0, 2.0)] + [F(c) for c in (0.25, 0.5, 1.0, -0.125, 0.75, 0.5, 0.25, 1.0)]
-QKV, Q = (HEADS + 2 * KVH) * HD, HEADS * HD
-bias = F(*[0.125 * j - 0.5 for j in range(QKV)])
-# (layer, projection) through the int8 gemm (x2), the grouped one (x3) or int5 (x4); the rest int4 (x1)
-int8 = {(1, 3): 2, (0, 3): 3, (1, 2): 4}
-has_bias = {(0, 0)}
-weight = lambda l, j: [ctypes.addressof(weights[2 + 4 * l + j]), 0, 0, 0, ctypes.addressof(bias) if (l, j) in has_bias else 0, {2: 1, 3: 2, 4: 3}.get(int8.get((l, j)), 0)]
-layer = lambda l: [ctypes.addressof(weights[l])] * 2 + sum((weight(l, j) for j in range(4)), []) + [0, 0]
-layers = (p * (28 * LAYERS))(*(layer(0) + layer(1)))
-x0 = [0.5, -1.0, 2.0, 0.25, 1.5, 0.0, -0.5, 1.0]
-zeros = (i64 * 8)()
-# The LoRA step: row 1 under an adapter whose only projection is layer 1's o (its A's first value 0.75).
-lora_a, row_slots = F(0.75), (i64 * ROWS)(-1, 0)
-lora_weights = (i64 * (3 * 4 * LAYERS))()  # (a, b, rank) per layer and projection; b is never read here
-lora_weights[3 * 5:3 * 6] = [ctypes.addressof(lora_a), ctypes.addressof(lora_a), 4]  # layer 1, projection 1 (o)
-lora_step = (p * 2)(ctypes.addressof(row_slots), ctypes.addressof(lora_weights))
-for step in (None, lora_step):
-    x = list(x0)
-    buf = F(*x)
-    assert lib.decoder_loop(ctypes.byref(m), layers, step, buf, ROWS, F(*[1.0] * 4), F(*[0.0] * 4), zeros, zeros, 1, zeros, 16) == 0
-    for l in range(LAYERS):
-        c = [weights[2 + 4 * l + j][0] * int8.get((l, j), 1) for j in range(4)]
-        for r in range(ROWS):
-            row = x[r * H:(r + 1) * H]
-            qkv = [sum(v * weights[l][i] for i, v in enumerate(row)) * c[0] + j + (bias[j] if l == 0 else 0) for j in range(QKV)]
-            attended = [v * 0.5 for v in qkv[:Q]]
-            adapted = 0.75 if step is not None and l == 1 and r == 1 else 0
-            row = [v + sum(attended) * c[1] + j + adapted for j, v in enumerate(row)]
-            gu = [sum(v * weights[l][i] for i, v in enumerate(row)) * c[2] + j for j in range(2 * I)]
-            act = [gu[i] - gu[I + i] for i in range(I)]
-            x[r * H:(r + 1) * H] = [v + sum(act) * c[3] + j for j, v in enumerate(row)]
-    for i, v in enumerate(x):
-        assert abs(buf[i] - v) < 1e-4 * (1 + abs(v)), (step is not None, i, buf[i], v)
-assert lora_calls == [(Q, 4, H)], lora_calls  # once, for layer 1's o projection: k = q_size, n = hidden
-assert written == [(ROWS, KVH * HD, 7)] * 2 * LAYERS, written
-"""
-
-SPEC = kernels.KernelSpec("decoder_loop", frozenset(), (), _CHECK)
+# csrc/checks/decoder_loop.c: two layers over stand-in kernels against the same arithmetic done directly.
+SPEC = kernels.KernelSpec("decoder_loop", frozenset(), (), check="decoder_loop")

@@ -9,10 +9,10 @@ import os
 
 import torch
 
-from . import linear
 from .config import ModelConfig
 from .decoder import DecoderModel
 from .loader import ModelSource, bundled_model_path, forget_vocabulary, load_model, read_gguf_metadata
+from .quant import probe
 from .tokenizer import TokenizerWrapper, load_tokenizer
 
 logger = logging.getLogger("tokenloom.load")
@@ -42,7 +42,7 @@ def load(
                            kv_cache_dtype=kv_cache_dtype)
     finally:
         read_gguf_metadata.cache_clear()
-    cap = linear.detect() if quantization not in (None, "none") else None
+    cap = probe.detect() if quantization not in (None, "none") else None
     logger.info("%s (asked %s%s)", model.plan.line(), quantization or "none",
                 f"; torch CPU capability {cap['cpu_capability']}, bf16 {cap['avx512_bf16']}" if cap else "")
     return model, tokenizer, model.config

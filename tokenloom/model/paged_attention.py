@@ -10,8 +10,9 @@ one interface, chosen once at load:
   OpenMP task per (run of rows reading one context, KV head), so each K/V row is converted to float32
   once for the group's query heads and up to 8 of a prompt's tokens; csrc/paged_attention_avx512.c
   (head_dim 64, up to 4 query heads per KV head): the same tasks, each K/V row held in registers while
-  every query head of the group and row of the run uses it. At 32 sequences of ~300 tokens the gather and SDPA were 40% of a decode step. Built and checked at first use (model/kernels.py); unavailable (no
-  compiler, missing CPU flags, a failed check) -> the torch path, with the reason logged.
+  every query head of the group and row of the run uses it (the gather and SDPA grow with the batch's
+  longest context). Built and checked at first use (model/kernels.py); unavailable (no compiler,
+  missing CPU flags, a failed check) -> the torch path, with the reason logged.
 
 Both are per-query computations: a row's result does not depend on the rest of the batch.
 """
@@ -77,10 +78,6 @@ class PagedDecodeAttention:
         self._fns512 = {} if lib512 is None else {
             torch.float32: lib512.paged_decode_attention_avx512_f32,
             torch.float16: lib512.paged_decode_attention_avx512_f16}
-        for fn in [*self._fns.values(), *self._fns512.values()]:
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [
-                ctypes.c_float, ctypes.c_void_p]
         if self._fns512:
             self.name = "paged-c-avx512"
 
@@ -118,19 +115,64 @@ class PagedDecodeAttention:
         return out
 
 
-def supports(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
-    return (dtype == torch.float32 and kv_dtype in (torch.float32, torch.float16) and head_dim % 32 == 0
-            and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0)
+# --- the plan's strategies (model/plan.py asks each in turn, the first that can implement runs) --------
 
 
-def decode_attention_for(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, num_heads: int,
-                         num_kv_heads: int, want: bool):
-    """The kernel when asked for and usable for this model and cache, else the torch path."""
-    if want and supports(dtype, kv_dtype, head_dim, num_heads, num_kv_heads):
-        lib = load_kernel()
-        if lib is not None:
-            return PagedDecodeAttention(lib, kernels.load(SPEC_AVX512))
-    return TorchDecodeAttention()
+def _dtype(t: torch.dtype) -> str:
+    return str(t).removeprefix("torch.")
+
+
+def _paged_fits(needs) -> str | None:
+    """Why csrc/paged_attention.c cannot serve `needs` (plan.ForwardNeeds), or None."""
+    if needs.exact:
+        return needs.exact
+    if needs.dtype != torch.float32:
+        return f"{_dtype(needs.dtype)} queries (it takes float32)"
+    if needs.kv_dtype not in (torch.float32, torch.float16):
+        return f"a {_dtype(needs.kv_dtype)} KV cache (it reads float32 or float16)"
+    if needs.head_dim % 32 or needs.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {needs.head_dim} (it takes a multiple of 32 up to {MAX_HEAD_DIM})"
+    if needs.num_heads % needs.num_kv_heads:
+        return f"{needs.num_heads} query heads over {needs.num_kv_heads} KV heads (it takes whole groups)"
+    return None
+
+
+def _paged_avx512_fits(needs) -> str | None:
+    """Why csrc/paged_attention_avx512.c cannot serve `needs`, or None."""
+    reason = _paged_fits(needs)
+    if reason is None and needs.head_dim != 64:
+        reason = f"head_dim {needs.head_dim} (it takes 64)"
+    if reason is None and needs.num_heads > 4 * needs.num_kv_heads:
+        reason = f"{needs.num_heads // needs.num_kv_heads} query heads per KV head (it takes up to 4)"
+    return reason
+
+
+class PagedStrategy:
+    """A paged C kernel: the shapes it takes (`fits`) and the libraries it needs (the AVX-512 one is built
+    beside the AVX2 one, as `PagedDecodeAttention` takes them)."""
+
+    def __init__(self, name: str, fits, specs: tuple[kernels.KernelSpec, ...]):
+        self.name, self._fits, self._specs = name, fits, specs
+
+    def can_implement(self, needs, cpu: kernels.CPU) -> tuple[bool, str | None]:
+        reason = self._fits(needs)
+        for spec in self._specs:
+            if reason is None:
+                reason = cpu.library(spec)[1]
+        return reason is None, reason
+
+    def build(self, needs, cpu: kernels.CPU) -> PagedDecodeAttention:
+        return PagedDecodeAttention(*(cpu.library(spec)[0] for spec in self._specs))
+
+
+class TorchStrategy:
+    name = TorchDecodeAttention.name
+
+    def can_implement(self, needs, cpu: kernels.CPU) -> tuple[bool, str | None]:
+        return True, None
+
+    def build(self, needs, cpu: kernels.CPU) -> TorchDecodeAttention:
+        return TorchDecodeAttention()
 
 
 # --- building and checking the kernel (model/kernels.py) ----------------------------------------------
@@ -140,43 +182,13 @@ def load_kernel() -> ctypes.CDLL | None:
     return kernels.load(SPEC)
 
 
-# Run in a child: load the library and compare one small case with a direct computation (no torch, so it
-# starts fast). A SIGILL or a wrong answer fails the child, and the parent never loads the library.
-_CHECK = r"""
-import ctypes, math, random, struct, sys
-lib = ctypes.CDLL(sys.argv[1])
-rng = random.Random(0)
-H, KVH, D, BS, NB, CTX = 4, 2, 32, 4, 3, 10
-tables = [(i + 2) % NB for i in range(NB)]  # logical block i lives in physical block tables[i]
-rand = lambda n: [rng.uniform(-1, 1) for _ in range(n)]
-q, k, v = (ctypes.c_float * (H * D))(*rand(H * D)), rand(NB * BS * KVH * D), rand(NB * BS * KVH * D)
-half = lambda x: struct.unpack("<e", struct.pack("<e", x))[0]
-half_bits = lambda x: struct.unpack("<H", struct.pack("<e", x))[0]
-f32 = lambda x: struct.unpack("<f", struct.pack("<f", x))[0]
-# Each cache type: the kernel's name, its element, how a value is stored, what it reads back.
-for name, cache, store, stored in [("paged_decode_attention_f32", ctypes.c_float, f32, f32),
-                                   ("paged_decode_attention_f16", ctypes.c_uint16, half_bits, half)]:
-    fn = getattr(lib, name)
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_void_p]
-    kc, vc = (cache * len(k))(*map(store, k)), (cache * len(v))(*map(store, v))
-    kr, vr = [stored(x) for x in k], [stored(x) for x in v]
-    out = (ctypes.c_float * (H * D))()
-    t = (ctypes.c_int64 * NB)(*tables); lens = (ctypes.c_int64 * 1)(CTX)
-    assert fn(q, kc, vc, t, NB, lens, 1, H, KVH, D, BS, ctypes.c_float(0.25), out) == 0, name
-    for h in range(H):
-        kvh = h // (H // KVH)
-        slot = lambda p: tables[p // BS] * BS + p % BS
-        s = [0.25 * sum(q[h * D + i] * kr[(slot(p) * KVH + kvh) * D + i] for i in range(D)) for p in range(CTX)]
-        m = max(s); w = [math.exp(x - m) for x in s]; z = sum(w)
-        for i in range(D):
-            ref = sum(w[p] / z * vr[(slot(p) * KVH + kvh) * D + i] for p in range(CTX))
-            assert abs(out[h * D + i] - ref) < 1e-5, (name, h, i, out[h * D + i], ref)
-"""
+# csrc/checks/paged_attention.c: one decode query over a float and a half cache against a direct computation.
+SPEC = kernels.KernelSpec("paged_attention", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
+                          check="paged_attention")
+# The same check through the AVX-512 entry points (head_dim 64, 2 query heads per KV head).
+SPEC_AVX512 = kernels.KernelSpec("paged_attention_avx512", frozenset({"avx512f", "f16c"}), ("-mavx512f", "-mf16c"),
+                                 check="paged_attention", check_flags=("-DAVX512",))
 
-SPEC = kernels.KernelSpec("paged_attention", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"), _CHECK)
-# The same check through the AVX-512 entry point (head_dim 64, 2 query heads per KV head).
-SPEC_AVX512 = kernels.KernelSpec(
-    "paged_attention_avx512", frozenset({"avx512f", "f16c"}), ("-mavx512f", "-mf16c"),
-    _CHECK.replace("paged_decode_attention_f", "paged_decode_attention_avx512_f").replace(
-        "H, KVH, D, BS, NB, CTX = 4, 2, 32, 4, 3, 10", "H, KVH, D, BS, NB, CTX = 4, 2, 64, 4, 6, 21"))
+
+STRATEGIES = (PagedStrategy("paged-c-avx512", _paged_avx512_fits, (SPEC, SPEC_AVX512)),
+              PagedStrategy("paged-c", _paged_fits, (SPEC,)), TorchStrategy())  # in order of preference

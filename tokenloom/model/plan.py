@@ -1,36 +1,151 @@
-"""The forward plan: every choice about how a model's forward runs, made once at load and kept in one
-immutable record (`model.plan`), with the reason for each path not taken. Every entry point (serve,
-generate, the offline `LLM`, the benchmarks) logs the same one line from it."""
+"""The forward plan: how a model's forward runs, decided before the model is built (`plan_forward`) and
+kept in one immutable record (`model.plan`), with the reason for each path not taken. Every entry point
+(serve, generate, the offline `LLM`, the benchmarks) logs the same one line from it.
+
+A choice is made by strategies, asked in order of preference: each answers `can_implement(needs, cpu) ->
+(ok, reason)` for the model's shapes and dtypes (`ForwardNeeds`) on this CPU (`kernels.CPU`: its flags,
+and the C libraries that build and pass their checks), and the first that can builds the implementation
+the loader hands the model (`build`); the ones before it leave their reasons in the plan and its line.
+Today the plan decides the weight format and the projections' kernel library, the KV cache dtype, the
+layer ops and the attention kernel; a projection whose shape the kernels do not take, the LM head's
+format and the decoder loop are still settled as the model is loaded, and `resolve_plan` describes
+them."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from .config import SLIDING
+from ..config import DTYPES, EngineConfig
+from . import layer_ops, paged_attention
+from .config import SLIDING, ModelConfig
+from .kernels import CPU
 from .kv_layout import KVLayout
+from .quant import probe
+
+# The exact path (float32 "none": token-exact against transformers) runs torch's ops alone: why the C
+# strategies refuse it, and why the decoder loop is off.
+EXACT_PATH = "the exact path (--quantization none)"
+EXACT_PATH_LOOP = "the exact float32 path (--quantization none) runs torch's ops"
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}") from None
+
+
+def kv_cache_dtype_for(quantization: str, dtype: str, asked: str = "auto") -> str:
+    """The KV cache's dtype: `asked`, or for "auto" float16 on a quantized path (half the bytes a decode
+    step reads; the C attention widens it exactly), else the residual stream's."""
+    if asked != "auto":
+        return asked
+    return "float16" if quantization != "none" else dtype
+
+
+@dataclass(frozen=True)
+class ForwardNeeds:
+    """What a model asks of the forward's implementations: the question each strategy answers."""
+
+    dtype: torch.dtype  # the residual stream's (and the queries')
+    kv_dtype: torch.dtype
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    exact: str | None = None  # why only torch's ops may run (the exact path), or None
+
+    @classmethod
+    def of(cls, config: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype, exact: str | None = None):
+        return cls(dtype, kv_dtype, config.dim_per_head, config.num_heads, config.num_kv_heads, exact)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One decision: what runs (`name`, built as `impl`), and why each strategy preferred to it does not."""
+
+    name: str
+    refused: tuple[tuple[str, str], ...] = ()  # (strategy, why not), in the order they were asked
+    impl: object = field(default=None, compare=False, repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.refusals()})" if self.refused else self.name
+
+    def refusals(self) -> str:
+        """"not a, b: why; not c: why" (strategies refused for one reason share it)."""
+        parts: list[list] = []
+        for strategy, reason in self.refused:
+            if parts and parts[-1][1] == reason:
+                parts[-1][0].append(strategy)
+            else:
+                parts.append([[strategy], reason])
+        return "; ".join("not " + ", ".join(names) + f": {why}" for names, why in parts)
+
+
+def first_that_runs(strategies, needs: ForwardNeeds, cpu: CPU) -> Choice:
+    """The first of `strategies` that can implement `needs` on `cpu`, built, with the others' reasons."""
+    refused = []
+    for strategy in strategies:
+        ok, reason = strategy.can_implement(needs, cpu)
+        if ok:
+            return Choice(strategy.name, tuple(refused), strategy.build(needs, cpu))
+        refused.append((strategy.name, reason))
+    raise ValueError(f"no implementation runs here: {refused}")  # the last strategies (torch's) always can
 
 
 @dataclass(frozen=True)
 class ForwardPlan:
     architecture: str
-    weights: str  # the projections' format and kernel
-    weight_sources: str  # which of the file's block formats they came from
+    quantization: str  # the weights' format: "none" | "int4" | "int8"
     residual: str  # dtype of the residual stream
     kv_cache: str
-    attention: str  # decode rows and prompt tokens through the paged cache
-    layer_ops: str  # RMSNorm, RoPE, KV write, gated activation
-    lm_head: str
-    long_prompts: str  # what prefill chunks of SHORT_CHUNK rows or more go through
-    decoder_loop: str  # "on" or "off: why"
+    attention: Choice  # decode rows and prompt tokens through the paged cache
+    layer_ops: Choice  # RMSNorm, RoPE, KV write, gated activation
+    projections: Choice = Choice("dense")  # the quantized projections' kernels (impl: a QuantGemm, None: torch's)
+    attention_note: str = ""  # how sliding-window layers read the cache
+    # Described as the model is loaded (`resolve_plan`):
+    weights: str = ""  # the projections' format and kernel
+    weight_sources: str = ""  # which of the file's block formats they came from
+    lm_head: str = ""
+    long_prompts: str = ""  # what prefill chunks of SHORT_CHUNK rows or more go through
+    decoder_loop: str = ""  # "on" or "off: why"
 
     def line(self) -> str:
         return (f"forward plan: {self.architecture}; weights {self.weights} (from {self.weight_sources}); "
-                f"{self.residual} residual; {self.kv_cache} KV cache; attention {self.attention}; "
+                f"{self.residual} residual; {self.kv_cache} KV cache; attention {self.attention}{self.attention_note}; "
                 f"layer ops {self.layer_ops}; LM head {self.lm_head}; long prompts {self.long_prompts}; "
                 f"decoder loop {self.decoder_loop}")
+
+
+def plan_forward(engine_config: EngineConfig, model_config: ModelConfig, cpu: CPU | None = None) -> ForwardPlan:
+    """Decide how `model_config`'s forward runs under `engine_config` (its quantization, dtype and KV cache
+    dtype) on `cpu` (this machine by default), before the model is built: the weight format (what runs
+    here: `probe.choose`) and the projections' kernels, the KV cache dtype, the layer ops and the
+    attention kernel, each the first of its strategies that can implement the model's needs, with the
+    reasons of the ones before it."""
+    cpu = cpu or CPU.here()
+    asked = engine_config.quantization
+    method, dtype = ("none", engine_config.dtype) if asked in (None, "none") else probe.choose(asked, engine_config.dtype)
+    kv = kv_cache_dtype_for(method, dtype, engine_config.kv_cache_dtype)
+    needs = ForwardNeeds.of(model_config, torch_dtype(dtype), torch_dtype(kv), EXACT_PATH if method == "none" else None)
+    return ForwardPlan(
+        architecture=model_config.architecture, quantization=method, residual=dtype, kv_cache=kv,
+        attention=first_that_runs(paged_attention.STRATEGIES, needs, cpu),
+        layer_ops=first_that_runs(layer_ops.STRATEGIES, needs, cpu), attention_note=_sliding_note(model_config),
+        projections=first_that_runs(probe.STRATEGIES, needs, cpu) if method != "none" else Choice("dense"))
+
+
+def _sliding_note(config: ModelConfig) -> str:
+    """How the attention reads sliding-window layers' caches ("" for a model without them)."""
+    if not (config.layer_types and SLIDING in config.layer_types):
+        return ""
+    layout = KVLayout.of(config)
+    return (f" (sliding layers read their last {config.sliding_window} positions; {layout.num_groups} KV "
+            f"groups of {layout.layers_per_page} layers, blocks behind a window released)")
 
 
 def plan_line(model) -> str:
@@ -43,17 +158,28 @@ def _dtype(t: torch.dtype | None) -> str:
     return str(t).removeprefix("torch.")
 
 
-def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> ForwardPlan:
-    """Describe the model as loaded (`source_types`: the file's block format of every projection weight)."""
+def resolve_plan(model, source_types: Counter, loop_reason: str | None, planned: ForwardPlan | None = None
+                 ) -> ForwardPlan:
+    """`planned` (`plan_forward`'s, None for a model built without one: its modules as they are) with what
+    was loaded described (`source_types`: the file's block format of every projection weight)."""
     from .gguf_tensors import StoredRows
-    from .linear import Int4Linear, Int8Linear, RescoredHead
+    from .quant.gemm import why_not
+    from .quant.head import RescoredHead
+    from .quant.modules import Int4Linear, Int8Linear
 
     cfg = model.config
     kinds: Counter = Counter()
     long_kinds: set[str] = set()
     kernel_names: set[str] = set()
+    on_torch: dict[str, str] = {}  # projections the planned C kernels do not take: why
+    planned_kernel = planned.projections.impl if planned is not None else None
     for layer in model.layers:
-        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        for name, proj in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                           ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+            quantized = isinstance(proj, (Int4Linear, Int8Linear))
+            if quantized and proj.kernel is None and planned_kernel is not None and (
+                    why := why_not(proj.out_features, proj.in_features)):
+                on_torch[name] = why
             if isinstance(proj, (Int4Linear, Int8Linear)):
                 kind = f"int{proj.bits}" if isinstance(proj, Int4Linear) else "int8 grouped" if proj.grouped else "int8"
                 kinds[kind] += 1
@@ -66,8 +192,10 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> Forwa
             elif isinstance(proj, (Int4Linear, Int8Linear)):
                 kernel_names.add("torch")
     weights = ", ".join(f"{kind} x{n}" if len(kinds) > 1 else kind for kind, n in kinds.most_common())
+    said = [planned.projections.refusals()] if planned is not None and planned.projections.refused else []
+    said += [f"torch for {name}: {why}" for name, why in on_torch.items()]
     if kernel_names:
-        weights += f" ({', '.join(sorted(kernel_names))} kernels)"
+        weights += f" ({'; '.join([', '.join(sorted(kernel_names)) + ' kernels', *said])})"
     long_prompts = " / ".join(sorted(long_kinds))
     head = model.logits_proj
     if isinstance(head, RescoredHead):
@@ -78,14 +206,13 @@ def resolve_plan(model, source_types: Counter, loop_reason: str | None) -> Forwa
         lm_head = "int8"
     else:
         lm_head = "tied to the embedding" if model.lm_head is None else _dtype(model.lm_head.weight.dtype)
-    attention = model.decode_attention.name
-    if cfg.layer_types and SLIDING in cfg.layer_types:
-        layout = KVLayout.of(cfg)
-        attention += (f" (sliding layers read their last {cfg.sliding_window} positions; {layout.num_groups} KV "
-                      f"groups of {layout.layers_per_page} layers, blocks behind a window released)")
+    if planned is None:
+        planned = ForwardPlan(
+            architecture=cfg.architecture, quantization=getattr(model, "quantization", "none"),
+            residual=_dtype(model.embed_tokens.weight.dtype), kv_cache=_dtype(model.kv_cache_dtype),
+            attention=Choice(model.decode_attention.name), layer_ops=Choice(model.layer_ops.name),
+            attention_note=_sliding_note(cfg))
     sources = ", ".join(f"{n} {kind}" for kind, n in source_types.most_common()) or "random weights"
-    return ForwardPlan(
-        architecture=cfg.architecture, weights=weights, weight_sources=sources,
-        residual=_dtype(model.embed_tokens.weight.dtype), kv_cache=_dtype(model.kv_cache_dtype),
-        attention=attention, layer_ops=model.layer_ops.name, lm_head=lm_head, long_prompts=long_prompts,
+    return dataclasses.replace(
+        planned, weights=weights, weight_sources=sources, lm_head=lm_head, long_prompts=long_prompts,
         decoder_loop="on" if model.decoder_loop is not None else f"off: {loop_reason}")

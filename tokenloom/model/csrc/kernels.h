@@ -1,7 +1,8 @@
 /* Every C kernel's interface, in one place: each kernel's source includes this header, so the compiler
- * holds every definition to its declaration, and decoder_loop.c calls the kernels through pointers of
- * these very types. Python's ctypes declarations (model/linear.py, layer_ops.py, paged_attention.py,
- * decoder_loop.py) mirror them.
+ * holds every definition to its declaration; decoder_loop.c calls the kernels through pointers of these
+ * very types, and so do the checks (csrc/checks/). model/kernels.py reads the declarations below (the
+ * function types and the plain prototypes) for the ctypes types of every loaded library's functions:
+ * a signature is written here and nowhere else.
  *
  * Shapes: x [rows, k] float32 row-major; weights for n outputs; y [rows, n]. Return 0 on success; the
  * gemms return 1 when a scratch buffer cannot be allocated, write_kv 1 for a slot outside the cache,
@@ -90,8 +91,8 @@ typedef int attention_fn(const float *q, const void *k_cache, const void *v_cach
 attention_fn paged_decode_attention_f32, paged_decode_attention_f16;
 attention_fn paged_decode_attention_avx512_f32, paged_decode_attention_avx512_f16;
 
-/* decoder_loop.c: every layer of a step in one call over the kernels above (its structs are its own;
- * `lora` NULL: no row under an adapter). */
+/* decoder_loop.c: every layer of a step in one call over the kernels above (its structs in
+ * decoder_loop.h; `lora` NULL: no row under an adapter). */
 struct DecoderModel;
 struct DecoderLayer;
 struct LoRAStep;

@@ -23,14 +23,14 @@
  * depend on how many rows there are. Threads split the columns (OpenMP,
  * torch's libgomp pool).
  *
- * Layout (model/linear.py pack_c_layout): for each block of 16 output columns, group of 32 inputs and
+ * Layout (model/quant/layouts.py pack_c_layout): for each block of 16 output columns, group of 32 inputs and
  * quarter jq of the group, 64 bytes: byte 4c + p holds the code of column c, input 8jq + p in its low
  * nibble and input 8jq + 4 + p in its high (a mask, or a shift and a mask, gives `vpdpbusd` the codes of
  * four inputs of 16 columns). Fifth bits: uint64 [N/16][K/32][4 jq][2 h], bit 4c + p the one of the code
  * of column c, input 8jq + 4h + p. Scales d and offsets m: float16, [N/16][K/32][16]; offsets NULL for
  * symmetric codes, m = -8 d (int4: Q4_0's) or -16 d (int5: Q5_0's), computed instead of read (0.5 bits
  * a weight less to keep). int8: [N/16][K/2][16][2] bytes, scales float32 [N]; int8g: [N/16][K/4][16][4]
- * bytes (model/linear.py pack_int8_quads), scales float32 [N/16][K/32][16].
+ * bytes (model/quant/layouts.py pack_int8_quads), scales float32 [N/16][K/32][16].
  *
  * Built at run time by model/kernels.py with -mavx512f -mavx512bw -mavx512vl -mavx512vnni -mavx512bf16
  * (and AVX2 + FMA + F16C for quant_rows.h).

@@ -1,6 +1,6 @@
 /* quant_gemm.c's kernels for CPUs without AVX512-BF16 (AVX2 + FMA + F16C):
  *   int4_gemm: y[M, N] = x[M, K] @ W[N, K]^T over the GGUF's Q4_1 blocks (the decoder's projections),
- *     in its own code layout (model/linear.py pack_avx2_layout, `slot_codes` below; scales and offsets
+ *     in its own code layout (model/quant/layouts.py pack_avx2_layout, `slot_codes` below; scales and offsets
  *     as quant_gemm.c's, offsets NULL for symmetric codes);
  *   int5_gemm: the same with 5-bit codes (Q5_0's): the nibbles plus two planes of fifth bits a group;
  *   int8_gemm: int8 weights, a scale per column (the LM head's approximate logits), quant_gemm.c's layout;

@@ -1,0 +1,202 @@
+"""The forward plan decides (model/plan.py): each strategy that cannot serve a model's shapes or dtypes, or
+this CPU, leaves its reason in the plan and its start-up line, and the implementation the plan hands the
+model is the one the line names."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tokenloom.config import EngineConfig
+from tokenloom.model import kernels, layer_ops, paged_attention
+from tokenloom.model.config import ModelConfig
+from tokenloom.model.kernels import CPU
+from tokenloom.model.plan import (
+    EXACT_PATH,
+    Choice,
+    ForwardNeeds,
+    first_that_runs,
+    kv_cache_dtype_for,
+    plan_forward,
+)
+from tokenloom.model.quant import probe
+
+HERE = CPU.here()
+AVX2_ONLY = CPU(HERE.flags - {f for f in HERE.flags if f.startswith(("avx512", "amx"))})
+NO_SIMD = CPU(frozenset())
+needs_avx2_lib = pytest.mark.skipif(kernels.load(paged_attention.SPEC) is None or kernels.load(layer_ops.SPEC) is None,
+                                    reason="the AVX2 C kernels do not build or run here (logged)")
+needs_avx512_lib = pytest.mark.skipif(kernels.load(paged_attention.SPEC_AVX512) is None,
+                                      reason="no AVX-512 attention kernel here")
+# head_dim 64, two query heads per KV head: what every paged kernel takes.
+CONFIG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
+                     num_kv_heads=1, max_position_embeddings=256)
+
+
+def needs(**changes) -> ForwardNeeds:
+    return dataclasses.replace(ForwardNeeds.of(CONFIG, torch.float32, torch.float16), **changes)
+
+
+def attention(cpu: CPU = HERE, **changes) -> Choice:
+    return first_that_runs(paged_attention.STRATEGIES, needs(**changes), cpu)
+
+
+def reasons(choice: Choice) -> dict[str, str]:
+    return dict(choice.refused)
+
+
+def test_the_built_implementation_is_the_one_named():
+    for choice in (attention(), attention(NO_SIMD), attention(head_dim=128), attention(exact=EXACT_PATH),
+                   first_that_runs(layer_ops.STRATEGIES, needs(), HERE),
+                   first_that_runs(layer_ops.STRATEGIES, needs(dtype=torch.bfloat16), HERE)):
+        assert choice.impl.name == choice.name, choice
+
+
+@needs_avx512_lib
+def test_paged_avx512_refuses_other_head_dims_wide_groups_and_cpus_without_avx512():
+    assert attention().name == "paged-c-avx512"
+    choice = attention(head_dim=128)
+    assert choice.name == "paged-c" and reasons(choice) == {"paged-c-avx512": "head_dim 128 (it takes 64)"}
+    choice = attention(num_heads=8)
+    assert choice.name == "paged-c"
+    assert reasons(choice) == {"paged-c-avx512": "8 query heads per KV head (it takes up to 4)"}
+    choice = attention(AVX2_ONLY)
+    assert choice.name == "paged-c" and reasons(choice) == {"paged-c-avx512": "this CPU lacks avx512f"}
+    assert "attention paged-c (not paged-c-avx512: head_dim 128 (it takes 64))" in f"attention {attention(head_dim=128)}"
+
+
+@needs_avx2_lib
+def test_paged_refuses_shapes_dtypes_and_cpus_it_cannot_serve():
+    cases = {"head_dim 48 (it takes a multiple of 32 up to 256)": attention(head_dim=48),
+             "head_dim 512 (it takes a multiple of 32 up to 256)": attention(head_dim=512),
+             "bfloat16 queries (it takes float32)": attention(dtype=torch.bfloat16),
+             "a bfloat16 KV cache (it reads float32 or float16)": attention(kv_dtype=torch.bfloat16),
+             "3 query heads over 2 KV heads (it takes whole groups)": attention(num_heads=3, num_kv_heads=2),
+             "this CPU lacks avx2 f16c fma": attention(NO_SIMD),
+             "the C kernels are off (TOKENLOOM_C_KERNELS=0)": attention(dataclasses.replace(HERE, c_kernels=False)),
+             EXACT_PATH: attention(exact=EXACT_PATH)}
+    for reason, choice in cases.items():
+        assert choice.name == "torch" and reasons(choice)["paged-c"] == reason, (reason, choice)
+    assert isinstance(attention(head_dim=48).impl, paged_attention.TorchDecodeAttention)
+    # Strategies refused for one reason share it in the line.
+    assert str(attention(exact=EXACT_PATH)) == f"torch (not paged-c-avx512, paged-c: {EXACT_PATH})"
+
+
+def test_torch_attention_and_layer_ops_serve_anything():
+    for strategies in (paged_attention.STRATEGIES, layer_ops.STRATEGIES):
+        assert strategies[-1].can_implement(needs(dtype=torch.bfloat16, head_dim=48, exact=EXACT_PATH), NO_SIMD) == (
+            True, None)
+
+
+@needs_avx2_lib
+def test_c_layer_ops_refuse_other_residual_dtypes_cpus_without_avx2_and_the_exact_path():
+    def ops(cpu: CPU = HERE, **changes) -> Choice:
+        return first_that_runs(layer_ops.STRATEGIES, needs(**changes), cpu)
+
+    assert ops().name == "c" and isinstance(ops().impl, layer_ops.CLayerOps)
+    for reason, choice in {"a bfloat16 residual stream (the C ops take float32)": ops(dtype=torch.bfloat16),
+                           "a bfloat16 KV cache (their KV write takes float32 or float16)": ops(kv_dtype=torch.bfloat16),
+                           "this CPU lacks avx2 f16c fma": ops(NO_SIMD), EXACT_PATH: ops(exact=EXACT_PATH)}.items():
+        assert choice.name == "torch" and reasons(choice) == {"c": reason}, (reason, choice)
+        assert choice.impl is layer_ops.TORCH_OPS
+
+
+def test_the_kv_cache_dtype_has_one_rule():
+    assert kv_cache_dtype_for("int4", "float32") == "float16"
+    assert kv_cache_dtype_for("none", "bfloat16") == "bfloat16"
+    assert kv_cache_dtype_for("int8", "float32", "float32") == "float32"
+
+
+def test_plan_forward_decides_before_the_model_is_built_and_says_why_in_its_line():
+    exact = plan_forward(EngineConfig(), CONFIG, HERE)
+    assert (exact.quantization, exact.residual, exact.kv_cache) == ("none", "float32", "float32")
+    assert exact.attention.name == exact.layer_ops.name == "torch"
+    assert f"layer ops torch (not c: {EXACT_PATH})" in exact.line()
+    fast = plan_forward(EngineConfig(quantization="int8"), CONFIG, NO_SIMD)
+    if fast.quantization == "none":
+        pytest.skip("int8 does not run here")
+    assert fast.kv_cache == "float16"
+    line = fast.line()
+    assert "attention torch (not paged-c-avx512, paged-c: this CPU lacks avx2 f16c fma)" in line, line
+    assert "layer ops torch (not c: this CPU lacks avx2 f16c fma)" in line, line
+
+
+def projections(cpu: CPU = HERE, **changes) -> Choice:
+    return first_that_runs(probe.STRATEGIES, needs(**changes), cpu)
+
+
+def test_projection_kernels_refuse_cpus_without_their_flags_and_the_exact_path():
+    avx2 = projections(AVX2_ONLY)
+    if probe.gemm.quant_gemm_avx2() is not None:
+        assert avx2.name == "c-avx2" and avx2.impl is probe.gemm.quant_gemm_avx2()
+        assert reasons(avx2)["c-avx512"].startswith("this CPU lacks avx512"), avx2
+    none = projections(NO_SIMD)
+    assert none.name == "torch" and none.impl is None
+    assert reasons(none) == {"c-avx512": "this CPU lacks avx2 avx512_bf16 avx512_vnni avx512bw avx512f avx512vl f16c fma",
+                             "c-avx2": "this CPU lacks avx2 f16c fma"}
+    assert reasons(projections(exact=EXACT_PATH)) == {"c-avx512": EXACT_PATH, "c-avx2": EXACT_PATH}
+
+
+@needs_avx2_lib
+def test_a_load_on_an_avx2_cpu_runs_and_names_the_avx2_kernels(monkeypatch):
+    """TOKENLOOM_MAX_ISA=avx2 hides AVX-512 from the plan: each choice falls back, says why in the line,
+    and the model runs what the line names."""
+    from tokenloom.model.loader import ModelSource, bundled_model_path, load_model
+    from tokenloom.model.quant.modules import Int4Linear, Int8Linear
+
+    if probe.gemm.quant_gemm_avx2() is None:
+        pytest.skip("no AVX2 int4 kernels here")
+    monkeypatch.setenv("TOKENLOOM_MAX_ISA", "avx2")
+    model = load_model(ModelSource.resolve(bundled_model_path()), quantization="int4")
+    line = model.plan.line()
+    assert "weights int4 (c-avx2 kernels; not c-avx512: this CPU lacks avx512" in line, line
+    assert "attention paged-c (not paged-c-avx512: this CPU lacks avx512f); layer ops c;" in line, line
+    assert "decoder loop on" in line, line
+    assert model.decode_attention.name == "paged-c" and model.layer_ops.name == "c"
+    assert all(m.kernel is probe.gemm.quant_gemm_avx2() for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)))
+
+
+def test_a_projection_the_kernels_cannot_take_gets_torch_s_op_and_the_line_says_why():
+    from collections import Counter
+
+    from tokenloom.model.loader import quantize_model, random_model
+    from tokenloom.model.plan import resolve_plan
+    from tokenloom.model.quant.layouts import q4_1_from_dense
+    from tokenloom.model.quant.modules import Int4Linear, Int8Linear
+
+    kernel = probe.gemm.quant_gemm()
+    if kernel is None or not probe.torch_quant_ops()["int8_bf16"]:
+        pytest.skip("needs the C kernels and torch's int8 op here")
+    config = dataclasses.replace(CONFIG, num_heads=3, num_kv_heads=1, head_dim=40)  # QKV 200 outputs, o 120 inputs
+    with pytest.raises(ValueError, match="200 outputs, not a multiple of 16"):
+        Int4Linear(q4_1_from_dense(torch.randn(200, 128)), torch.bfloat16, kernel=kernel)
+    with pytest.raises(ValueError, match="200 outputs, not a multiple of 16"):
+        Int8Linear(torch.randn(200, 128), torch.bfloat16, kernel=kernel)
+    model = quantize_model(random_model(config), "int8", kernel=kernel)  # torch's int4 op cannot take it either
+    assert model.layers[0].self_attn.qkv_proj.kernel is None and model.layers[0].mlp.down_proj.kernel is kernel
+    planned = plan_forward(EngineConfig(quantization="int8"), config, HERE)
+    line = resolve_plan(model, Counter(), "-", planned).line()
+    assert (f"weights int8 ({kernel.name}, torch kernels; torch for qkv: 200 outputs, not a multiple of 16; "
+            "torch for o: 120 inputs, not a multiple of 32)") in line, line
+
+
+def test_a_load_with_the_c_kernels_off_runs_torch_s_ops_and_says_so(monkeypatch):
+    """TOKENLOOM_C_KERNELS=0: every C strategy refuses with that reason, in the line, and the model holds
+    torch's implementations (the weights' format was chosen before, by what runs here)."""
+    from tokenloom.model.decoder_loop import why_no_decoder_loop
+    from tokenloom.model.loader import ModelSource, bundled_model_path, load_model
+    from tokenloom.model.quant.modules import Int4Linear, Int8Linear
+
+    if not probe.torch_quant_ops()["int8_bf16"]:
+        pytest.skip("torch's int8 op does not run here")
+    monkeypatch.setenv("TOKENLOOM_C_KERNELS", "0")
+    model = load_model(ModelSource.resolve(bundled_model_path()), quantization="int8")
+    off = "the C kernels are off (TOKENLOOM_C_KERNELS=0)"
+    line = model.plan.line()
+    assert f"weights int8 (torch kernels; not c-avx512, c-avx2: {off})" in line, line
+    assert f"attention torch (not paged-c-avx512, paged-c: {off}); layer ops torch (not c: {off})" in line, line
+    assert f"decoder loop off: {why_no_decoder_loop(model)}" in line, line
+    assert model.layer_ops is layer_ops.TORCH_OPS and model.decode_attention.name == "torch"
+    assert all(m.kernel is None for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)))
