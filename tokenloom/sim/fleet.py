@@ -53,6 +53,7 @@ from ..config import EngineConfig
 from ..engine.llm_engine import LLMEngine
 from ..fleet.routing import ReplicaLoad, RoutingPolicy, make_policy
 from ..model.config import ModelConfig
+from ..model.plan import kv_cache_dtype_for
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .cost_model import CostModel
@@ -198,8 +199,9 @@ class FleetResult:
 
 
 def kv_bytes_per_token(model_config: ModelConfig, config: EngineConfig) -> int:
-    """The KV one token holds, as `kv-calc` counts it, in the engine's KV dtype."""
-    dtype = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else config.dtype
+    """The KV one token holds, as `kv-calc` counts it, in the KV dtype the engine's plan would choose."""
+    quantization = "none" if config.quantization in (None, "none") else config.quantization
+    dtype = kv_cache_dtype_for(quantization, config.dtype, config.kv_cache_dtype)
     shape = ModelShape(model_config.num_layers, model_config.num_kv_heads, model_config.dim_per_head,
                        DTYPE_BYTES[dtype])
     return shape.kv_bytes_per_token
