@@ -124,7 +124,14 @@ def test_loop_steps_aside_for_steps_it_was_not_built_for():
     assert not loop.applies(model, x, long_rows)  # rows of a long prompt chunk
     assert not loop.applies(model, x[:0], ForwardBatch(**{**batch.__dict__, "num_decodes": 0}))
     model.layer_ops = TORCH_OPS
-    assert not loop.applies(model, x, batch)  # the model changed after load
+    assert model.decoder_loop is None  # the model changed after load: the loop goes, not checked per step
+    again = fast_model("native")
+    again.decode_attention = again.decode_attention  # the same attention: the loop stays
+    assert again.decoder_loop is not None
+    from tokenloom.model.paged_attention import TorchDecodeAttention
+
+    again.decode_attention = TorchDecodeAttention()
+    assert again.decoder_loop is None
 
 
 @needs_loop

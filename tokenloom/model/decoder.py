@@ -371,6 +371,23 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.ops = ops
+        self._drop_stale_decoder_loop()
+
+    @property
+    def decode_attention(self):
+        return self._decode_attention_impl
+
+    @decode_attention.setter
+    def decode_attention(self, attention) -> None:
+        self._decode_attention_impl = attention
+        self._drop_stale_decoder_loop()
+
+    def _drop_stale_decoder_loop(self) -> None:
+        """The fused loop runs the ops and attention it was built from: when either is replaced it goes,
+        here, once, instead of a check on every step."""
+        loop = self.__dict__.get("decoder_loop")
+        if loop is not None and (loop.ops is not self.layer_ops or loop.attention is not self.decode_attention):
+            self.decoder_loop = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)

@@ -103,12 +103,12 @@ class DecoderLoop:
                     cfg.dim_per_head, 0, first.input_layernorm.eps, first.self_attn.scale)
 
     def applies(self, model, x: torch.Tensor, batch) -> bool:
-        """Every row a single query through the int4 kernels, on the kernels the loop was built from (and
-        any adapters' stacks in bfloat16, as the C LoRA kernel takes them)."""
+        """The per-step shape test: every row a single query (and any adapters' stacks in bfloat16, as
+        the C LoRA kernel takes them). Which kernels run was settled when the loop was built; a model
+        whose ops or attention are replaced drops its loop then (DecoderModel.layer_ops)."""
         rows = x.shape[0]
         return (rows > 0 and not batch.prefills and batch.num_decodes == rows and batch.decode_like_rows >= rows
-                and x.dtype == torch.float32 and model.layer_ops is self.ops
-                and model.decode_attention is self.attention
+                and x.dtype == torch.float32
                 and (batch.lora is None or self._lora_weights_for(batch.lora) is not None))
 
     def _lora_weights_for(self, lora) -> tuple | None:
