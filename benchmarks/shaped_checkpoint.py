@@ -6,6 +6,7 @@ The tokenizer is Qwen2.5's (the same 151,936-token BPE as Qwen3's), taken from t
 Qwen2.5-Coder-0.5B GGUF and written as tokenizer.json, which the converter reads.
 
     bash ../shared/tools/build_llamacpp.sh                 # once: the converter's tree and llama-quantize
+    .venv/bin/pip install sentencepiece                     # the converter imports it
     .venv/bin/python benchmarks/shaped_checkpoint.py qwen3-0.6b --out /tmp/qwen3-0.6b-shaped
     MODEL_FILE=/tmp/qwen3-0.6b-shaped/model-Q4_K_M.gguf MODEL=qwen3-0.6b-shaped \\
         PEERS="llama tokenloom-int4" bash benchmarks/peers.sh
