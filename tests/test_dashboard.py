@@ -20,6 +20,7 @@ import uvicorn
 
 from tokenloom import SamplingParams
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.metrics import EngineMetrics
 from tokenloom.engine.snapshot import EngineRecorder
 from tokenloom.server.app import build_app
 from tokenloom.server.dashboard import DashboardOptions, page_html
@@ -170,10 +171,11 @@ def test_page_assets_are_inlined_and_fetch_nothing_else():
 class LiveServer:
     """build_app + uvicorn on a free port, in a thread with its own event loop."""
 
-    def __init__(self, engine, api_key: str | None = None, **options):
-        self.async_llm = AsyncLLM(engine, num_threads=1)
-        self.app = build_app(self.async_llm, "tiny", api_key, shutdown_timeout=2,
-                             dashboard=DashboardOptions(**options))
+    def __init__(self, engine, api_key: str | None = None, metrics_token: str | None = None, **options):
+        metrics = EngineMetrics("tiny")
+        self.async_llm = AsyncLLM(engine, metrics=metrics, num_threads=1)
+        self.app = build_app(self.async_llm, "tiny", api_key, shutdown_timeout=2, metrics_token=metrics_token,
+                             metrics=metrics, dashboard=DashboardOptions(**options))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -202,8 +204,8 @@ class LiveServer:
 def live(make_engine):
     servers: list[LiveServer] = []
 
-    def start(api_key=None, engine_kwargs=None, **options):
-        server = LiveServer(make_engine(**(engine_kwargs or {})), api_key, **options)
+    def start(api_key=None, engine_kwargs=None, metrics_token=None, **options):
+        server = LiveServer(make_engine(**(engine_kwargs or {})), api_key, metrics_token, **options)
         servers.append(server)
         return server
 
@@ -514,3 +516,142 @@ def test_a_flood_of_viewers_beyond_the_cap_gets_503_and_the_engine_keeps_serving
     assert srv.stats()["tasks"] <= base_tasks
     r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "after", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200
+
+
+# -- who sees what: the dashboard obeys /metrics' rule (server/tenancy.py) ---------------------------
+
+K, MT = {"Authorization": "Bearer K"}, {"Authorization": "Bearer MT"}
+NOBODY, WRONG = {}, {"Authorization": "Bearer wrong"}
+
+
+@pytest.mark.parametrize("api_key,metrics_token,expected", [
+    # role -> (dashboard status, dashboard shows the prefix cache, /metrics status)
+    (None, None, {"nobody": (200, True, 200), "K": (200, True, 200), "MT": (200, True, 200)}),
+    ("K", None, {"nobody": (401, None, 401), "K": (200, False, 200), "MT": (401, None, 401)}),
+    (None, "MT", {"nobody": (401, None, 401), "K": (401, None, 401), "MT": (200, True, 200)}),
+    ("K", "MT", {"nobody": (401, None, 401), "K": (401, None, 401), "MT": (200, True, 200)}),
+])
+def test_each_role_sees_on_the_dashboard_what_it_sees_on_metrics(live, api_key, metrics_token, expected):
+    srv = live(api_key=api_key, metrics_token=metrics_token)
+    api = K if api_key else NOBODY
+    prompt = " ".join(["the same long prompt"] * 30)  # several full blocks, sent twice: a prefix hit
+    for _ in range(2):
+        assert httpx.post(f"{srv.url}/v1/completions", headers=api, json={"prompt": prompt, "max_tokens": 2},
+                          timeout=60).status_code == 200
+    roles = {"nobody": NOBODY, "K": K, "MT": MT}
+    for role, (status, full, metrics_status) in expected.items():
+        headers = roles[role]
+        assert httpx.get(f"{srv.url}/metrics", headers=headers, timeout=10).status_code == metrics_status, role
+        for path in ("/dashboard", "/dashboard/stats"):
+            assert httpx.get(srv.url + path, headers=headers, timeout=10).status_code == status, (role, path)
+        if status != 200:
+            r = httpx.get(f"{srv.url}/dashboard/stream", headers=headers, timeout=10)
+            assert error_of(r, 401)["code"] == "invalid_api_key", role
+            continue
+        frame = read_frames(srv.url, 1, headers=headers)[0]
+        kv, text = frame["kv"], json.dumps(frame)
+        if full:
+            assert kv["prefix_hits"] > 0 and kv["cached"] > 0 and "2" in kv["map"], role
+        else:
+            assert "prefix_hits" not in text and "prefix_queries" not in text and "block_runs" not in text, role
+            assert kv["hit_rate"] is None and "cached" not in kv and "shared" not in kv
+            assert set(kv["map"]) <= {"0", "1"} and kv["free"] == kv["map"].count("0")
+            metrics_text = httpx.get(f"{srv.url}/metrics", headers=headers, timeout=10).text
+            assert "prefix_cache" not in metrics_text  # the same rule on both
+    assert srv.stats(**(MT if metrics_token else K if api_key else {}))["viewers"] == 0 or _wait(
+        lambda: srv.stats(**(MT if metrics_token else K if api_key else {}))["viewers"] == 0)
+
+
+def _frame_while_running(srv, headers, api_headers) -> dict:
+    done = []
+
+    def complete():
+        r = httpx.post(f"{srv.url}/v1/completions", headers=api_headers,
+                       json={"prompt": "my secret prompt", "max_tokens": 400, "ignore_eos": True}, timeout=120)
+        done.append(r.status_code)
+
+    worker = threading.Thread(target=complete)
+    worker.start()
+    try:
+        with httpx.stream("GET", f"{srv.url}/dashboard/stream", headers=headers, params={"rate": "10"},
+                          timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and (frame := json.loads(line[6:]))["running"]:
+                    return frame
+    finally:
+        worker.join(120)
+        assert done == [200]
+    raise AssertionError("no frame showed the request running")
+
+
+def test_text_only_for_the_metrics_token_with_the_flag(live):
+    srv = live(api_key="K", metrics_token="MT", show_text=True)
+    frame = _frame_while_running(srv, MT, K)
+    row = frame["running"][0]
+    assert "prompt" in row and "output" in row and frame["config"]["show_text"] is True
+    assert frame["running"][0]["block_runs"] and frame["kv"]["prefix_queries"] > 0
+
+
+def test_text_never_for_the_api_key_and_not_without_the_flag(live):
+    srv = live(api_key="K")
+    frame = _frame_while_running(srv, K, K)
+    assert "secret" not in json.dumps(frame) and frame["config"]["show_text"] is False
+    srv = live(metrics_token="MT")  # the operator, but no --dashboard-show-text
+    frame = _frame_while_running(srv, MT, NOBODY)
+    assert "secret" not in json.dumps(frame) and "prompt" not in frame["running"][0]
+    assert frame["running"][0]["block_runs"]  # the operator's full view otherwise
+
+
+def test_show_text_without_a_metrics_token_is_refused_at_start(make_engine):
+    for api_key in (None, "K"):
+        with pytest.raises(ValueError, match="--metrics-token"):
+            build_app(AsyncLLM(make_engine(), num_threads=1), "tiny", api_key,
+                      dashboard=DashboardOptions(show_text=True))
+
+
+def test_redaction_leaves_the_operator_snapshot_whole(make_engine):
+    from tokenloom.engine.snapshot import redacted
+
+    engine = make_engine(block_size=16)
+    rec = EngineRecorder(engine, show_text=True)
+    prefix = list(range(100, 164))
+    engine.add_request("a", prefix + [1], SamplingParams(max_tokens=20, ignore_eos=True))
+    _run(engine, 2)
+    engine.add_request("b", prefix + [2], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    snap = rec.build()
+    before = json.dumps(snap)
+    public = redacted(snap, prefix_cache=False, text=False)
+    assert json.dumps(snap) == before  # not changed in place
+    assert public["kv"]["map"].count("1") == public["kv"]["used"] == snap["kv"]["used"] + snap["kv"]["shared"]
+    assert public["kv"]["free"] == snap["kv"]["free"] + snap["kv"]["cached"]
+    assert all("block_runs" not in r and "prompt" not in r for r in public["running"])
+    no_text = redacted(snap, prefix_cache=True, text=False)
+    assert no_text["kv"] == snap["kv"] and all("prompt" not in r and r["block_runs"] for r in no_text["running"])
+    assert redacted(snap, prefix_cache=True, text=True) == snap
+    _run(engine)
+
+
+def test_per_client_viewer_limit_with_auth_on(live):
+    srv = live(api_key="K", max_viewers_per_client=2)
+    with contextlib.ExitStack() as stack:
+        for _ in range(2):
+            r = stack.enter_context(httpx.stream("GET", f"{srv.url}/dashboard/stream", headers=K, timeout=30))
+            assert r.status_code == 200
+        r = httpx.get(f"{srv.url}/dashboard/stream", headers=K, timeout=10)
+        err = error_of(r, 429)
+        assert err["code"] == "too_many_viewers" and "Retry-After" in r.headers
+    assert _wait(lambda: srv.stats(**K)["viewers"] == 0)
+    with httpx.stream("GET", f"{srv.url}/dashboard/stream", headers=K, timeout=30) as r:
+        assert r.status_code == 200  # the slots came back
+
+
+def test_start_up_line_says_who_sees_what():
+    from tokenloom.server.tenancy import MetricsAccess
+
+    assert "anyone, in full" in MetricsAccess().describe()
+    line = MetricsAccess("K", "MT").describe(show_text=True)
+    assert "in full for the metrics token" in line and "nobody else" in line and "text: the metrics token" in line
+    assert "for the API key" in MetricsAccess("K").describe()
+    assert "anyone (/metrics only" in MetricsAccess("K", "MT", True).describe()

@@ -105,6 +105,7 @@ def build_app(
     app = FastAPI(title="tokenloom", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible LLM server with continuous batching")
     app.state.tokenloom = state
+    app.state.access_line = metrics_access.describe(bool(dashboard and dashboard.enabled and dashboard.show_text))
     install_error_handlers(app)
 
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
@@ -177,7 +178,7 @@ def build_app(
     add_lora_routes(app, state, allow_runtime_lora_updating)
     dashboard = dashboard or DashboardOptions()
     if dashboard.enabled:
-        add_dashboard_routes(app, state, api_key, dashboard)  # checks the key itself (a browser's 401 page)
+        add_dashboard_routes(app, state, metrics_access, dashboard)  # /metrics' rule, checked by its routes
 
     # Starlette runs the middleware added last first: auth (headers only) before anything reads a
     # body, then the size limits, then the app.
