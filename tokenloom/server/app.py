@@ -76,6 +76,11 @@ def build_app(
                         client_priority=client_priority or ClientPriorityRange(),
                         trust_chat_messages=trust_chat_messages)
     state.loras = {r.lora_name: r for r in lora_modules or ()}
+    if clash := [name for name in state.loras if name in state.served_model_names]:
+        raise ValueError(f"--lora-modules: {clash[0]!r} is the base model's served name; an adapter needs its own "
+                         "(requests for the base would run under it)")
+    if state.adapters is not None:
+        state.adapters.auto_register = False  # on a server only the operator's routes register a name
     metrics_access = MetricsAccess(api_key, metrics_token, metrics_open)
 
     deadline: list[float] = []  # set once shutdown begins
