@@ -95,12 +95,13 @@ def test_a_load_that_fails_leaves_no_name_behind(tiny_model, tmp_path):
 # -- on the server ----------------------------------------------------------------------------------
 
 
-def run_app(tiny_model, tokenizer, fn, **engine_kwargs):
+def run_app(tiny_model, tokenizer, fn, app_kwargs=None, **engine_kwargs):
     async def main():
         engine = LLMEngine(EngineConfig(enable_lora=True, max_model_len=256, num_kv_blocks=128, max_lora_rank=8,
                                         **engine_kwargs), model=tiny_model, tokenizer=tokenizer)
         async_llm = AsyncLLM(engine, num_threads=1)
-        app = build_app(async_llm, "tiny", shutdown_timeout=5, allow_runtime_lora_updating=True)
+        app = build_app(async_llm, "tiny", shutdown_timeout=5, allow_runtime_lora_updating=True,
+                        model_path="/srv/models/tiny.gguf", **(app_kwargs or {}))
         transport = httpx.ASGITransport(app=app)
         async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://t",
                                                                        timeout=60) as client:
@@ -208,6 +209,9 @@ BAD_CONFIGS = [
     ('{"r": NaN}', "r: must be an integer"),
     ('{"r": 1e400}', "r: must be an integer"),
     ('{"r": "4"}', "r: must be an integer"),
+    ('{"r": "secret-contents"}', "r: must be an integer"),
+    ('{"r": 4, "lora_alpha": "secret-contents"}', "lora_alpha"),
+    ('{"r": 4, "use_dora": "secret-contents"}', "use_dora: must be true or false"),
     ('{"r": 4.5}', "r: must be an integer"),
     ('{"r": true}', "r: must be an integer"),
     ('{"r": 0}', "must be positive"),
@@ -245,7 +249,7 @@ def test_non_finite_weights_are_refused(tiny_model, tmp_path, poison, fmt):
     path = write_adapter(tmp_path / "a", tiny_model.config, poison=poison, fmt=fmt)
     with pytest.raises(ValueError, match="NaN or infinite") as info:
         load_adapter(path, "a", tiny_model.config, 8)
-    assert "layers.1.self_attn.v_proj.lora_B" in str(info.value) and "adapter_model" in str(info.value)
+    assert "layers.1.v_proj.lora_B" in str(info.value) and "adapter_model" in str(info.value)
 
 
 def test_a_scale_that_overflows_float32_is_refused(tiny_model, tmp_path):
@@ -310,3 +314,44 @@ def test_bad_adapters_over_http_are_400s_naming_file_and_field(tiny_model, token
         assert r.status_code == 404
 
     run_app(tiny_model, tokenizer, scenario)
+
+
+def test_errors_never_quote_what_the_files_hold(tiny_model, tmp_path):
+    from safetensors.torch import load_file
+
+    path = tmp_path / "a"
+    write_adapter(path, tiny_model.config)
+    st = path / "adapter_model.safetensors"
+    tensors = load_file(str(st))
+    key = PREFIX.format(layer=0, proj="q_proj", ab="A")
+    for renamed, error in [("secret-contents." + key.replace("base_model.model.", ""), "has shape"),
+                           ("secret-contents.embed", "adapts something")]:
+        bad = dict(tensors)
+        bad[renamed] = torch.zeros(3, 3)
+        save_file(bad, str(st))
+        with pytest.raises(ValueError, match=error) as info:
+            load_adapter(str(path), "a", tiny_model.config, 8)
+        assert "secret" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("api_key", [None, "K"])
+def test_models_lists_names_and_paths_only_for_the_operator(tiny_model, tokenizer, tmp_path, api_key):
+    path = write_adapter(tmp_path / "x", tiny_model.config)
+    api = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def scenario(client, state):
+        assert (await client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path},
+                                  headers=api)).status_code == 200
+        text = (await client.get("/v1/models", headers=api)).text
+        assert str(tmp_path) not in text and "/srv/models" not in text and "lora_path" not in text
+        models = {m["id"]: m for m in (await client.get("/v1/models", headers=api)).json()["data"]}
+        assert models["tiny"]["root"] == "tiny" and models["x"]["root"] == "x" and models["x"]["parent"] == "tiny"
+        operator = (await client.get("/v1/models", headers={"Authorization": "Bearer MT"})).json()["data"]
+        by_id = {m["id"]: m for m in operator}
+        assert by_id["tiny"]["root"] == "/srv/models/tiny.gguf" and by_id["x"]["lora_path"] == path
+        # the metrics token opens only this listing, not the API
+        r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                              headers={"Authorization": "Bearer MT"})
+        assert r.status_code == (401 if api_key else 200)
+
+    run_app(tiny_model, tokenizer, scenario, {"api_key": api_key, "metrics_token": "MT"})

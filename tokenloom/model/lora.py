@@ -133,9 +133,9 @@ def load_adapter(path: str, name: str, cfg: ModelConfig, max_rank: int, dtype: t
     def expected(key: str) -> tuple[int, int]:
         """The shape tensor `key` must have; ValueError if it adapts nothing tokenloom can."""
         m = _KEY.match(key)
-        if m is None or m.group(2) not in _TARGETS:
-            raise ValueError(f"lora adapter {name!r}: tensor {key!r} adapts something tokenloom cannot "
-                             "(only q/k/v/o and gate/up/down projections of the decoder layers)")
+        if m is None or m.group(2) not in _TARGETS:  # the file's own name for it is not echoed
+            raise ValueError(f"lora adapter {name!r}: a tensor ({len(key)} characters of name) adapts something "
+                             "tokenloom cannot (only q/k/v/o and gate/up/down projections of the decoder layers)")
         layer = int(m.group(1))
         if layer >= cfg.num_layers:
             raise ValueError(f"lora adapter {name!r}: layer {layer} but the model has {cfg.num_layers}")
@@ -171,14 +171,21 @@ def load_adapter(path: str, name: str, cfg: ModelConfig, max_rank: int, dtype: t
     return weights
 
 
+def _label(key: str) -> str:
+    """A tensor's name as this grammar spells it (`layers.N.<proj>.lora_A`), not as the file does: the
+    file's own prefix is not echoed into an error."""
+    m = _KEY.match(key)
+    return f"layers.{m.group(1)}.{m.group(2)}.lora_{m.group(3)}" if m is not None else "a tensor"
+
+
 def _check_tensor(name: str, file: str, key: str, tensor: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     if tuple(tensor.shape) != shape:
-        raise ValueError(f"lora adapter {name!r}: {file}: {key} has shape {tuple(tensor.shape)}; this model needs "
+        raise ValueError(f"lora adapter {name!r}: {file}: {_label(key)} has shape {tuple(tensor.shape)[:4]}; this model needs "
                          f"{shape} (an adapter of another base model?)")
     if not tensor.is_floating_point():
-        raise ValueError(f"lora adapter {name!r}: {file}: {key} is {tensor.dtype}, not a float tensor")
+        raise ValueError(f"lora adapter {name!r}: {file}: {_label(key)} is {tensor.dtype}, not a float tensor")
     if not torch.isfinite(tensor).all():
-        raise ValueError(f"lora adapter {name!r}: {file}: {key} holds NaN or infinite values")
+        raise ValueError(f"lora adapter {name!r}: {file}: {_label(key)} holds NaN or infinite values")
     return tensor
 
 
@@ -206,14 +213,14 @@ def _safetensors_header(file: str, name: str, expected) -> dict:
               and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
               and all(isinstance(v, int) and not isinstance(v, bool) for v in entry["data_offsets"]))
         if not ok:
-            raise ValueError(f"lora_path: {file}: tensor {key!r}: its header entry is not a float tensor's "
+            raise ValueError(f"lora_path: {file}: {_label(key)}: its header entry is not a float tensor's "
                              f"(dtype one of {sorted(_DTYPE_BYTES)}, shape, data_offsets)")
         if tuple(entry["shape"]) != shape:
-            raise ValueError(f"lora adapter {name!r}: {file}: {key} has shape {tuple(entry['shape'])[:4]}; this "
+            raise ValueError(f"lora adapter {name!r}: {file}: {_label(key)} has shape {tuple(entry['shape'])[:4]}; this "
                              f"model needs {shape} (an adapter of another base model?)")
         begin, end = entry["data_offsets"]
         if not 0 <= begin <= end or end - begin != shape[0] * shape[1] * _DTYPE_BYTES[entry["dtype"]]:
-            raise ValueError(f"lora_path: {file}: tensor {key!r}: data_offsets do not match its shape and dtype")
+            raise ValueError(f"lora_path: {file}: {_label(key)}: data_offsets do not match its shape and dtype")
         end_of_data = max(end_of_data, end)
     if 8 + n + end_of_data != size:
         raise ValueError(f"lora_path: {file}: {size} bytes but its header describes {8 + n + end_of_data} "

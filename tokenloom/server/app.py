@@ -122,15 +122,20 @@ def build_app(
         return await create_chat_completion(body, request, state)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        # Filesystem paths only for the operator's --metrics-token: a client learns names, not the layout.
+        paths = metrics_access.operator_token(request.headers.get("authorization", "").encode("latin-1", "replace"))
         data = [
             {"id": name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
-             "root": model_path or name, "max_model_len": async_llm.config.max_model_len}
+             "root": (model_path or name) if paths else name, "max_model_len": async_llm.config.max_model_len}
             for name in state.served_model_names
         ]
-        data += [{"id": name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
-                  "root": lora.lora_path, "parent": state.model_name,
-                  "max_model_len": async_llm.config.max_model_len} for name, lora in state.loras.items()]
+        for name, lora in state.loras.items():
+            entry = {"id": name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
+                     "root": name, "parent": state.model_name, "max_model_len": async_llm.config.max_model_len}
+            if paths:
+                entry.update(root=lora.lora_path, lora_path=lora.lora_path)
+            data.append(entry)
         return {"object": "list", "data": data}
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
@@ -192,7 +197,7 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes,
                        route_limits={"/detokenize": detokenize_limit})
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, operator_token=metrics_token)
     return app
 
 
