@@ -23,6 +23,7 @@ from tokenloom.engine.async_llm import AsyncLLM
 from tokenloom.engine.metrics import EngineMetrics
 from tokenloom.engine.snapshot import EngineRecorder
 from tokenloom.server.app import build_app
+from tokenloom.server.connection import WriteTimeoutStreamingResponse, connection_limits
 from tokenloom.server.dashboard import DashboardOptions, page_html
 
 # -- the snapshot -----------------------------------------------------------------------------------
@@ -181,7 +182,7 @@ class LiveServer:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on"))
+                                                    lifespan="on", **connection_limits(30.0)))
         self.server.install_signal_handlers = lambda: None  # not the main thread
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -655,3 +656,68 @@ def test_start_up_line_says_who_sees_what():
     assert "in full for the metrics token" in line and "nobody else" in line and "text: the metrics token" in line
     assert "for the API key" in MetricsAccess("K").describe()
     assert "anyone (/metrics only" in MetricsAccess("K", "MT", True).describe()
+
+
+# -- write timeouts: a client whose socket stays full is cut off and its slot freed -------------------
+
+
+def _never_reading(port: int, request: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.sendall(request)
+    return sock
+
+
+def test_viewers_that_never_read_are_cut_off_and_their_slots_freed(live, monkeypatch):
+    """Issue 57 #8: four sockets that never read held every viewer slot for minutes."""
+    from tokenloom.server import dashboard
+
+    monkeypatch.setattr(dashboard, "SEND_TIMEOUT_S", 1.0)
+    srv = live(max_viewers=4, engine_kwargs={"num_kv_blocks": 4096, "block_size": 16})  # 4 KB of map a frame
+    started = time.monotonic()
+    socks = [_never_reading(srv.port, b"GET /dashboard/stream?rate=10 HTTP/1.1\r\nHost: x\r\n\r\n")
+             for _ in range(4)]
+    try:
+        assert _wait(lambda: srv.stats()["viewers"] == 4)
+        assert httpx.get(f"{srv.url}/dashboard/stream", timeout=10).status_code == 503  # all slots held
+        assert _wait(lambda: srv.stats()["viewers_cut_off"] == 4, timeout=60), srv.stats()
+        held_for = time.monotonic() - started
+        assert _wait(lambda: srv.stats()["viewers"] == 0)
+        assert read_frames(srv.url, 1)[0]["server"]["viewers"] == 1  # a slot is free again
+    finally:
+        for sock in socks:
+            sock.close()
+    print(f"4 non-reading viewers cut off {held_for:.1f} s after they connected (write timeout 1 s)")
+    assert held_for < 60
+
+
+def test_an_sse_client_that_never_reads_is_cut_off_and_its_request_aborted(live, monkeypatch):
+    monkeypatch.setattr(WriteTimeoutStreamingResponse, "write_timeout_s", 1.0)
+    srv = live()
+    before = WriteTimeoutStreamingResponse.cut_off
+    body = json.dumps({"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "logprobs": 20, "stream": True})
+    sock = _never_reading(srv.port, (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                                     f"\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    started = time.monotonic()
+    try:
+        engine = srv.async_llm.engine
+        assert _wait(lambda: WriteTimeoutStreamingResponse.cut_off > before, timeout=60)
+        assert _wait(lambda: not engine.has_unfinished_requests())  # aborted, its blocks freed
+        generated = srv.async_llm.engine.num_steps
+        assert generated < 1000, "the request ran to its end instead of being cut off"
+    finally:
+        sock.close()
+    print(f"a non-reading SSE client cut off {time.monotonic() - started:.1f} s after it asked (timeout 1 s)")
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200  # the server serves on
+
+
+def test_a_reading_sse_client_is_never_cut_off(live, monkeypatch):
+    monkeypatch.setattr(WriteTimeoutStreamingResponse, "write_timeout_s", 1.0)
+    srv = live()
+    before = WriteTimeoutStreamingResponse.cut_off
+    with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=60,
+                      json={"prompt": "hi", "max_tokens": 300, "ignore_eos": True, "logprobs": 20, "stream": True}) as r:
+        chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+    last = json.loads(chunks[-1][6:])["choices"][0]
+    assert last["finish_reason"] == "length" and WriteTimeoutStreamingResponse.cut_off == before

@@ -38,6 +38,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from ..engine.async_llm import AsyncLLM
 from ..engine.snapshot import EngineRecorder, redacted
+from .connection import WRITE_TIMEOUT_S
 from .errors import APIError
 from .tenancy import MetricsAccess
 
@@ -48,7 +49,7 @@ DEFAULT_MAX_VIEWERS_PER_CLIENT = 4  # with auth on: streams one client address m
 MAX_RATE_HZ = 10.0
 MIN_RATE_HZ = 0.2
 DEFAULT_RATE_HZ = 5.0
-SEND_TIMEOUT_S = 10.0  # a viewer whose socket takes longer than this to take one frame is cut off
+SEND_TIMEOUT_S = WRITE_TIMEOUT_S  # a viewer whose socket takes longer than this to take one frame is cut off
 BUILD_TIMEOUT_S = 30.0  # a snapshot waits for the step in progress; a step this long is an engine in trouble
 KEEPALIVE_S = 15.0  # an SSE comment when no frame went out for this long (proxies close idle streams)
 STOP_CHECK_S = 1.0  # how often a waiting stream looks whether the server is shutting down

@@ -13,12 +13,13 @@ import abc
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..outputs import RequestOutput
 from ..request_checks import check_request
 from ..sampling_params import SamplingParams
 from . import convert
+from .connection import WriteTimeoutStreamingResponse
 from .errors import APIError, SafeJSONResponse, from_exception
 from .protocol import _SamplingFields
 from .state import ServerState, new_id, now_s
@@ -82,7 +83,7 @@ class GenerationView(abc.ABC):
             if lora is not None:  # the engine's own pins hold it from here
                 state.adapters.release(lora.lora_name)
         if req.stream:  # null = false
-            return StreamingResponse(view.stream(group), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+            return WriteTimeoutStreamingResponse(view.stream(group), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
         return await until_disconnect(request, view.collect(group))
 
     # -- one JSON response -----------------------------------------------------------------------
