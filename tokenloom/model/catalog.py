@@ -390,6 +390,13 @@ def pull(
         if is_verified(name) and not force:
             log(f"{name}: already pulled at {dest}")
             return dest
+        if not force and dest.is_file() and dest.stat().st_size == model.size:
+            # Its record is missing, bad or stale: hash the file before downloading it again.
+            log(f"{name}: {verification_problem(name)}; rehashing {dest}")
+            if sha256_of(dest) == model.sha256:
+                _write_record(model)
+                log(f"{name}: verified (sha256 {model.sha256[:12]}…) at {dest}")
+                return dest
         # The lock is ours: what an interrupted pull of this name left behind can go.
         dest.with_name(dest.name + ".partial").unlink(missing_ok=True)
         for stale in cache.glob(f".{name}-wheels-*"):
