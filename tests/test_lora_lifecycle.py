@@ -355,3 +355,25 @@ def test_models_lists_names_and_paths_only_for_the_operator(tiny_model, tokenize
         assert r.status_code == (401 if api_key else 200)
 
     run_app(tiny_model, tokenizer, scenario, {"api_key": api_key, "metrics_token": "MT"})
+
+
+def test_a_request_whose_adapter_goes_while_its_prompt_is_read_is_a_404_not_the_base(tiny_model, tokenizer, tmp_path):
+    """The name is checked first, the adapter pinned after the prompt is tokenized: an unload in between
+    must not leave the request to run on the base model."""
+    path = write_adapter(tmp_path / "x", tiny_model.config)
+
+    async def scenario(client, state):
+        assert (await load(client, "x", path)).status_code == 200
+        real_encode = state.encode
+
+        async def encode_then_unload(*args, **kwargs):
+            ids = await real_encode(*args, **kwargs)
+            state.adapters.unregister("x")  # as the unload route does, between the check and the pin
+            del state.loras["x"]
+            return ids
+
+        state.encode = encode_then_unload
+        r = await complete(client, "x")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+
+    run_app(tiny_model, tokenizer, scenario)

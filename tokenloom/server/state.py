@@ -119,8 +119,8 @@ class ServerState:
         """The adapter a request's `model` names (None: the base), pinned for its admission (the caller
         releases it once the engine has the request, which pins it itself: an unload meanwhile is a 409)
         and loaded off the event loop and the engine thread, so neither waits on its files."""
-        if model not in self.loras:
-            return None
+        if model in self.served_model_names or self.adapters is None:
+            return None  # the base (a name that was an adapter when checked is not: its unload is a 404 here)
         from ..engine.lora_manager import AdapterGone
 
         try:
