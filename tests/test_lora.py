@@ -189,7 +189,7 @@ def test_lru_keeps_at_most_max_cpu_loras_and_reloads(tiny_model, adapters):
 
 @pytest.mark.parametrize("break_it, error", [
     ("missing", "not a PEFT adapter directory"),
-    ("corrupt", "cannot read the adapter's weights"),
+    ("corrupt", "not a safetensors file"),
     ("rank", "above max_lora_rank"),
     ("shape", "another base model"),
     ("module", "adapts something tokenloom cannot"),

@@ -129,7 +129,7 @@ def test_unloading_an_adapter_in_use_is_refused_and_its_request_finishes(server,
         assert streaming.wait(120)
         refused = c.post("/v1/unload_lora_adapter", json={"lora_name": "busy"})
         t.join()
-        assert refused.status_code == 400 and "in flight" in refused.json()["error"]["message"], refused.text
+        assert refused.status_code == 409 and "in flight" in refused.json()["error"]["message"], refused.text
         assert result["status"] == 200 and result["chunks"] >= 290  # it went on to the end
         assert c.post("/v1/unload_lora_adapter", json={"lora_name": "busy"}).status_code == 200
 

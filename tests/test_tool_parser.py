@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from tokenloom.server.tool_parser import StreamingToolCallParser, parse_tool_calls
+from tokenloom.server.tool_parser import MAX_HEAD_CHARS, StreamingToolCallParser, parse_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
@@ -153,6 +153,9 @@ WELL_FORMED = [
     '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>',
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',  # open at the end
     CALL + "\ntrailing words",
+    call("f", '{"a": 1   \n  }'),  # spaces inside the arguments, before their brace
+    '<tool_call>\n{"name": "f", "arguments": {"a": "x  }  "}   }  \n</tool_call>',
+    '<tool_call>\n{"name": "f", "arguments":    {"a": {"b": [1, 2]  }  }\n}\n</tool_call>',
 ]
 
 
@@ -225,3 +228,54 @@ def test_choices_do_not_share_state():
     a, b = StreamingToolCallParser(), StreamingToolCallParser()
     a.feed(CALL[:20])
     assert b.feed("plain", final=True) == {"content": "plain"} and not b.called
+
+
+# -- work per token (issue 57 #5: a long run of spaces or braces froze the event loop) -------------
+
+
+ARG_CHARS = 100_000
+PER_TOKEN_BOUND = MAX_HEAD_CHARS + 64  # characters scanned for one token, whatever came before it
+
+
+def _feed_counting(parser: StreamingToolCallParser, tokens) -> tuple[int, list[str], list[str]]:
+    """(most characters scanned for one token, argument chunks, content chunks)."""
+    worst, args, content = 0, [], []
+    for i, token in enumerate(tokens):
+        before = parser.scanned
+        delta = parser.feed(token, final=i == len(tokens) - 1)
+        worst = max(worst, parser.scanned - before)
+        content.append(delta.get("content") or "")
+        args += [e["function"].get("arguments") or "" for e in delta.get("tool_calls", ())]
+    return worst, args, content
+
+
+@pytest.mark.parametrize("filler", [" ", "}", "} ", "x", "\\n", "é", " \\t"])
+@pytest.mark.parametrize("token_chars", [1, 7])
+def test_a_100k_character_argument_costs_bounded_work_per_token(filler, token_chars):
+    value = (filler * ARG_CHARS)[:ARG_CHARS]
+    if value.endswith("\\"):
+        value = value[:-1] + "x"
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": "' + value + '"}}\n</tool_call>'
+    tokens = [text[i:i + token_chars] for i in range(0, len(text), token_chars)]
+    parser = StreamingToolCallParser()
+    worst, args, content = _feed_counting(parser, tokens)
+    assert worst <= PER_TOKEN_BOUND, worst
+    assert parser.scanned <= 4 * len(text) + 2 * MAX_HEAD_CHARS * MAX_HEAD_CHARS  # linear overall
+    assert "".join(args) == parse_tool_calls(text).calls[0].arguments == '{"a": "' + value + '"}'
+    assert not "".join(content) and parser.called
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>' + " " * ARG_CHARS + '{"name": "f", "arguments": {}}</tool_call>',  # no head in the window
+    '<tool_call>{"name": "' + "n" * ARG_CHARS + '", "arguments": {}}</tool_call>',  # a name that never closes
+    '<tool_call>{"name": "f", "arguments":' + " " * ARG_CHARS + '{"a": 1}}</tool_call>',
+    "just text " * (ARG_CHARS // 10) + "<tool_cal",  # content, with a partial tag at the end
+    '<tool_call>{"x": "' + "}" * ARG_CHARS + '"}</tool_call>',  # not a call: content at the end
+])
+def test_bodies_without_the_usual_head_cost_bounded_work_too(text):
+    parser = StreamingToolCallParser()
+    worst, args, content = _feed_counting(parser, list(text))
+    assert worst <= PER_TOKEN_BOUND, worst
+    whole = parse_tool_calls(text)
+    assert "".join(args) == "".join(c.arguments for c in whole.calls)
+    assert "".join(content) == (whole.content or "")

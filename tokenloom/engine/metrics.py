@@ -95,6 +95,9 @@ class EngineMetrics:
         if stats is not None and stats.num_seqs:
             self.iteration_tokens.observe(stats.num_batched_tokens)
             self.batch_size.observe(stats.num_seqs)
+            # The status line's prompt throughput: prompt tokens computed as the steps compute them, so a
+            # long prefill shows (the counter below counts a prompt once, at its first token, as vLLM's).
+            self._log_prompt += stats.num_prefill_tokens
         now = stats.start + stats.duration if stats is not None else time.monotonic()
         for out in outputs:
             self._on_output(out, now)
@@ -132,7 +135,6 @@ class EngineMetrics:
         m = out.metrics
         if first_tokens and new_total:
             self.prompt_tokens.inc(len(out.prompt_token_ids))
-            self._log_prompt += len(out.prompt_token_ids)
             if m is not None and m.first_token_time is not None:
                 self.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))
         if out.finished:

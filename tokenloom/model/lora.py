@@ -66,50 +66,94 @@ class LoRAWeights:
         return sum(t.numel() * t.element_size() for layer in self.layers for ab in layer.values() for t in ab)
 
 
+MAX_CONFIG_BYTES = 1 << 20  # adapter_config.json: a few hundred bytes in practice
+MAX_HEADER_BYTES = 16 << 20  # a safetensors header (JSON): ~100 bytes per tensor
+MAX_ALPHA = 1e6
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+
+
+def _kind(value) -> str:
+    """What a value read from a client-named file is, without quoting it (errors never echo file contents)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number that is not finite" if isinstance(value, float) and not math.isfinite(value) else "a number"
+    return {str: "a string", list: "a list", dict: "an object", type(None): "null"}.get(type(value), "another value")
+
+
+def read_adapter_config(config_path: str, name: str, max_rank: int) -> tuple[int, float, bool]:
+    """(rank, lora_alpha, use_rslora) of an adapter_config.json, every field checked (finite, in range,
+    of its type); ValueError naming the file and the field."""
+    where = f"lora_path: {config_path}"
+    try:
+        if os.path.getsize(config_path) > MAX_CONFIG_BYTES:
+            raise ValueError(f"{where}: larger than {MAX_CONFIG_BYTES} bytes; not an adapter config")
+        with open(config_path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"), parse_constant=lambda c: math.nan)
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot be read ({exc.strerror or type(exc).__name__})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise ValueError(f"{where}: is not a valid adapter config (not UTF-8 JSON)") from None
+    if not isinstance(meta, dict):  # the client's file, a 400: ValueError
+        raise ValueError(f"{where}: is not a valid adapter config (a JSON object is needed, got {_kind(meta)})")  # noqa: TRY004
+    rank = meta.get("r")
+    if isinstance(rank, float) and math.isfinite(rank) and rank.is_integer():
+        rank = int(rank)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise ValueError(f"{where}: r: must be an integer (the adapter's rank), got {_kind(rank)}")  # noqa: TRY004
+    if not 0 < rank <= max_rank:
+        raise ValueError(f"lora rank {rank} of {name!r} is above max_lora_rank ({max_rank}) ({where}: r)" if rank > 0
+                         else f"lora rank {rank} of {name!r} must be positive ({where}: r)")
+    alpha = meta.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (
+            math.isfinite(alpha) and 0 < alpha <= MAX_ALPHA):
+        raise ValueError(f"{where}: lora_alpha: must be a finite number in (0, {MAX_ALPHA:g}], got {_kind(alpha)}"
+                         + (f" {alpha}" if isinstance(alpha, int) and not isinstance(alpha, bool) else ""))
+    for key in ("use_rslora", "use_dora", "fan_in_fan_out"):
+        if meta.get(key) is not None and not isinstance(meta[key], bool):
+            raise ValueError(f"{where}: {key}: must be true or false, got {_kind(meta[key])}")
+    for key in ("use_dora", "fan_in_fan_out"):
+        if meta.get(key):
+            raise ValueError(f"lora adapter {name!r}: {key} adapters are not supported ({where}: {key})")
+    return rank, float(alpha), bool(meta.get("use_rslora"))
+
+
 def load_adapter(path: str, name: str, cfg: ModelConfig, max_rank: int, dtype: torch.dtype = torch.float32
                  ) -> LoRAWeights:
-    """Read and check a PEFT adapter for a model of `cfg`; ValueError naming what is wrong."""
+    """Read and check a PEFT adapter for a model of `cfg`; ValueError naming the file and what is wrong.
+    Its config is checked first, then the weights file's header (names, dtypes, shapes, offsets against
+    the file's size), and only then are the tensors read, each checked finite."""
     config_path = os.path.join(path, "adapter_config.json")
     if not os.path.isdir(path) or not os.path.isfile(config_path):
         raise ValueError(f"lora_path: {path!r} is not a PEFT adapter directory (no adapter_config.json)")
-    try:
-        with open(config_path) as f:
-            meta = json.load(f)
-        rank, alpha = int(meta["r"]), float(meta.get("lora_alpha", meta["r"]))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"lora_path: {config_path} is not a valid adapter config ({exc!r})") from None
-    if not 0 < rank <= max_rank:
-        raise ValueError(f"lora rank {rank} of {name!r} is above max_lora_rank ({max_rank})" if rank > 0
-                         else f"lora rank {rank} of {name!r} must be positive")
-    for key in ("use_dora", "fan_in_fan_out"):
-        if meta.get(key):
-            raise ValueError(f"lora adapter {name!r}: {key} adapters are not supported")
-    scale = alpha / math.sqrt(rank) if meta.get("use_rslora") else alpha / rank
-    tensors = _read_tensors(path)
+    rank, alpha, rslora = read_adapter_config(config_path, name, max_rank)
+    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
     parts = projection_parts(cfg)
-    found: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
+
+    def expected(key: str) -> tuple[int, int]:
+        """The shape tensor `key` must have; ValueError if it adapts nothing tokenloom can."""
         m = _KEY.match(key)
-        if m is None or m.group(2) not in _TARGETS:
-            raise ValueError(f"lora adapter {name!r}: tensor {key!r} adapts something tokenloom cannot "
-                             "(only q/k/v/o and gate/up/down projections of the decoder layers)")
+        if m is None or m.group(2) not in _TARGETS:  # the file's own name for it is not echoed
+            raise ValueError(f"lora adapter {name!r}: a tensor ({len(key)} characters of name) adapts something "
+                             "tokenloom cannot (only q/k/v/o and gate/up/down projections of the decoder layers)")
         layer = int(m.group(1))
         if layer >= cfg.num_layers:
             raise ValueError(f"lora adapter {name!r}: layer {layer} but the model has {cfg.num_layers}")
-        found.setdefault((layer, *_TARGETS[m.group(2)][:1], m.group(2)), {})[m.group(3)] = value
+        proj, part = _TARGETS[m.group(2)]
+        n_in, outs = parts[proj]
+        return (rank, n_in) if m.group(3) == "A" else (outs[part], rank)
+
+    tensors = _read_tensors(path, name, expected)
+    found: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        m = _KEY.match(key)
+        found.setdefault((int(m.group(1)), *_TARGETS[m.group(2)][:1], m.group(2)), {})[m.group(3)] = value
     weights = LoRAWeights(name, rank, [{} for _ in range(cfg.num_layers)])
     per_projection: dict[tuple[int, str], list] = {}
     for (layer, proj, module), ab in found.items():
         if set(ab) != {"A", "B"}:
             raise ValueError(f"lora adapter {name!r}: layer {layer} {module} lacks lora_{'A' if 'A' not in ab else 'B'}")
-        part = _TARGETS[module][1]
-        n_in, outs = parts[proj]
-        a, b = ab["A"], ab["B"]
-        if a.shape != (rank, n_in) or b.shape != (outs[part], rank):
-            raise ValueError(f"lora adapter {name!r}: layer {layer} {module} has A {tuple(a.shape)} and B "
-                             f"{tuple(b.shape)}; this model needs ({rank}, {n_in}) and ({outs[part]}, {rank}) "
-                             "(an adapter of another base model?)")
-        per_projection.setdefault((layer, proj), []).append((part, a, b))
+        per_projection.setdefault((layer, proj), []).append((_TARGETS[module][1], ab["A"], ab["B"]))
     for (layer, proj), pieces in per_projection.items():
         n_in, outs = parts[proj]
         starts = [sum(outs[:i]) for i in range(len(outs))]
@@ -118,23 +162,99 @@ def load_adapter(path: str, name: str, cfg: ModelConfig, max_rank: int, dtype: t
         for j, (part, a, b) in enumerate(sorted(pieces, key=lambda p: p[0])):
             a_all[:, j * rank : (j + 1) * rank] = a.float().T
             b_all[j * rank : (j + 1) * rank, starts[part] : starts[part] + outs[part]] = b.float().T * scale
+        if not (torch.isfinite(a_all).all() and torch.isfinite(b_all).all()):  # B x scale can overflow float32
+            raise ValueError(f"lora adapter {name!r}: layer {layer} {proj}: lora_B x lora_alpha / r is not finite "
+                             f"in float32 ({config_path}: lora_alpha)")
         weights.layers[layer][proj] = (a_all.to(dtype).contiguous(), b_all.to(dtype).contiguous())
     if not per_projection:
         raise ValueError(f"lora adapter {name!r}: no LoRA weights in {path}")
     return weights
 
 
-def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    st, pt = os.path.join(path, "adapter_model.safetensors"), os.path.join(path, "adapter_model.bin")
-    try:
-        if os.path.isfile(st):
-            from safetensors.torch import load_file
+def _label(key: str) -> str:
+    """A tensor's name as this grammar spells it (`layers.N.<proj>.lora_A`), not as the file does: the
+    file's own prefix is not echoed into an error."""
+    m = _KEY.match(key)
+    return f"layers.{m.group(1)}.{m.group(2)}.lora_{m.group(3)}" if m is not None else "a tensor"
 
-            return load_file(st)
-        if os.path.isfile(pt):
-            return torch.load(pt, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - a corrupt file is the request's error, by name
-        raise ValueError(f"lora_path: cannot read the adapter's weights in {path} ({exc!r})") from None
+
+def _check_tensor(name: str, file: str, key: str, tensor: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"lora adapter {name!r}: {file}: {_label(key)} has shape {tuple(tensor.shape)[:4]}; this model needs "
+                         f"{shape} (an adapter of another base model?)")
+    if not tensor.is_floating_point():
+        raise ValueError(f"lora adapter {name!r}: {file}: {_label(key)} is {tensor.dtype}, not a float tensor")
+    if not torch.isfinite(tensor).all():
+        raise ValueError(f"lora adapter {name!r}: {file}: {_label(key)} holds NaN or infinite values")
+    return tensor
+
+
+def _safetensors_header(file: str, name: str, expected) -> dict:
+    """The header of a .safetensors file, checked against the file's size and the shapes `expected`
+    gives before any tensor is read."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"lora_path: {file}: not a safetensors file (its header length is out of range)")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+            header = None
+    if not isinstance(header, dict):
+        raise ValueError(f"lora_path: {file}: not a safetensors file (its header is not a JSON object)")  # noqa: TRY004
+    end_of_data = 0
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        shape = expected(key)
+        ok = (isinstance(entry, dict) and entry.get("dtype") in _DTYPE_BYTES and isinstance(entry.get("shape"), list)
+              and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in entry["data_offsets"]))
+        if not ok:
+            raise ValueError(f"lora_path: {file}: {_label(key)}: its header entry is not a float tensor's "
+                             f"(dtype one of {sorted(_DTYPE_BYTES)}, shape, data_offsets)")
+        if tuple(entry["shape"]) != shape:
+            raise ValueError(f"lora adapter {name!r}: {file}: {_label(key)} has shape {tuple(entry['shape'])[:4]}; this "
+                             f"model needs {shape} (an adapter of another base model?)")
+        begin, end = entry["data_offsets"]
+        if not 0 <= begin <= end or end - begin != shape[0] * shape[1] * _DTYPE_BYTES[entry["dtype"]]:
+            raise ValueError(f"lora_path: {file}: {_label(key)}: data_offsets do not match its shape and dtype")
+        end_of_data = max(end_of_data, end)
+    if 8 + n + end_of_data != size:
+        raise ValueError(f"lora_path: {file}: {size} bytes but its header describes {8 + n + end_of_data} "
+                         "(truncated, or data beyond its tensors)")
+    return header
+
+
+def _read_tensors(path: str, name: str, expected) -> dict[str, torch.Tensor]:
+    st, pt = os.path.join(path, "adapter_model.safetensors"), os.path.join(path, "adapter_model.bin")
+    if os.path.isfile(st):
+        header = _safetensors_header(st, name, expected)
+        try:
+            from safetensors import safe_open
+
+            with safe_open(st, framework="pt") as f:
+                return {k: _check_tensor(name, st, k, f.get_tensor(k), expected(k))
+                        for k in header if k != "__metadata__"}
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a corrupt file is the request's error, by name
+            raise ValueError(f"lora_path: {st}: cannot read the adapter's weights ({type(exc).__name__})") from None
+    if os.path.isfile(pt):
+        try:  # mmap: the tensors' shapes are known before their data is read
+            loaded = torch.load(pt, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"lora_path: {pt}: cannot read the adapter's weights ({type(exc).__name__})") from None
+        if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                   for k, v in loaded.items()):
+            raise ValueError(f"lora_path: {pt}: not a state dict of named tensors")
+        shapes = {k: expected(k) for k in loaded}
+        for k, v in loaded.items():
+            if tuple(v.shape) != shapes[k]:
+                _check_tensor(name, pt, k, v, shapes[k])
+        return {k: _check_tensor(name, pt, k, v, shapes[k]) for k, v in loaded.items()}
     raise ValueError(f"lora_path: {path} has no adapter_model.safetensors (or .bin)")
 
 

@@ -78,6 +78,11 @@ def build_app(
                         client_priority=client_priority or ClientPriorityRange(),
                         trust_chat_messages=trust_chat_messages, reasoning_parser=reasoning_parser)
     state.loras = {r.lora_name: r for r in lora_modules or ()}
+    if clash := [name for name in state.loras if name in state.served_model_names]:
+        raise ValueError(f"--lora-modules: {clash[0]!r} is the base model's served name; an adapter needs its own "
+                         "(requests for the base would run under it)")
+    if state.adapters is not None:
+        state.adapters.auto_register = False  # on a server only the operator's routes register a name
     metrics_access = MetricsAccess(api_key, metrics_token, metrics_open)
 
     deadline: list[float] = []  # set once shutdown begins
@@ -107,6 +112,7 @@ def build_app(
     app = FastAPI(title="tokenloom", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible LLM server with continuous batching")
     app.state.tokenloom = state
+    app.state.access_line = metrics_access.describe(bool(dashboard and dashboard.enabled and dashboard.show_text))
     install_error_handlers(app)
 
     @app.post("/v1/completions", responses=_GENERATION_RESPONSES)
@@ -118,15 +124,20 @@ def build_app(
         return await create_chat_completion(body, request, state)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        # Filesystem paths only for the operator's --metrics-token: a client learns names, not the layout.
+        paths = metrics_access.operator_token(request.headers.get("authorization", "").encode("latin-1", "replace"))
         data = [
             {"id": name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
-             "root": model_path or name, "max_model_len": async_llm.config.max_model_len}
+             "root": (model_path or name) if paths else name, "max_model_len": async_llm.config.max_model_len}
             for name in state.served_model_names
         ]
-        data += [{"id": name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
-                  "root": lora.lora_path, "parent": state.model_name,
-                  "max_model_len": async_llm.config.max_model_len} for name, lora in state.loras.items()]
+        for name, lora in state.loras.items():
+            entry = {"id": name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
+                     "root": name, "parent": state.model_name, "max_model_len": async_llm.config.max_model_len}
+            if paths:
+                entry.update(root=lora.lora_path, lora_path=lora.lora_path)
+            data.append(entry)
         return {"object": "list", "data": data}
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
@@ -179,7 +190,7 @@ def build_app(
     add_lora_routes(app, state, allow_runtime_lora_updating)
     dashboard = dashboard or DashboardOptions()
     if dashboard.enabled:
-        add_dashboard_routes(app, state, api_key, dashboard)  # checks the key itself (a browser's 401 page)
+        add_dashboard_routes(app, state, metrics_access, dashboard)  # /metrics' rule, checked by its routes
 
     # Starlette runs the middleware added last first: auth (headers only) before anything reads a
     # body, then the size limits, then the app.
@@ -188,7 +199,7 @@ def build_app(
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes,
                        route_limits={"/detokenize": detokenize_limit})
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, operator_token=metrics_token)
     return app
 
 

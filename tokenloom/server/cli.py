@@ -80,11 +80,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds one engine step may run before /health says the engine is stalled (503; in a "
                         "fleet the replica is taken out of rotation and replaced)")
     p.add_argument("--disable-dashboard", action="store_true",
-                   help="no /dashboard page and stream (404); the page is behind --api-key like the API")
+                   help="no /dashboard page and stream (404); the dashboard obeys /metrics' rule (with "
+                        "--metrics-token only that token opens it; with --api-key alone the key, without the "
+                        "prefix-cache counters and block map)")
     p.add_argument("--dashboard-max-viewers", type=positive_int, default=16,
                    help="dashboard streams open at once; beyond it 503 + Retry-After (default: 16)")
+    p.add_argument("--dashboard-max-viewers-per-client", type=positive_int, default=4,
+                   help="with auth on, dashboard streams one client address may hold; beyond it 429 (default: 4)")
     p.add_argument("--dashboard-show-text", action="store_true",
-                   help="show prompts and outputs on the dashboard (default: request ids, counts and times only)")
+                   help="show prompts and outputs on the dashboard to the --metrics-token holder only (needs "
+                        "--metrics-token; default: request ids, counts and times only)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -150,6 +155,9 @@ def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
     lora_modules = parse_lora_modules(args.lora_modules)
     if lora_modules and not config.enable_lora:
         raise ValueError("--lora-modules: adapters need --enable-lora")
+    if args.dashboard_show_text and not args.metrics_token:
+        raise ValueError("--dashboard-show-text: prompt and output text go only to the holder of --metrics-token; "
+                         "set one")
     # Everything that can fail in a second fails before the model loads: the source, then the port.
     to_pull = catalog.missing_pull(config.model)
     draft_to_pull = catalog.missing_pull(config.draft_model, "speculative_config.model")
@@ -166,7 +174,8 @@ def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
     app = build_app(
         served.async_llm, served.names, metrics=served.metrics, model_path=served.path,
         lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-        dashboard=DashboardOptions(not args.disable_dashboard, args.dashboard_max_viewers, args.dashboard_show_text),
+        dashboard=DashboardOptions(not args.disable_dashboard, args.dashboard_max_viewers, args.dashboard_show_text,
+                                   args.dashboard_max_viewers_per_client),
         **app_options(args),
     )
     return _serve(args, app, sockets, f"torch threads {served.async_llm.num_threads}")
@@ -175,8 +184,9 @@ def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
 def _serve(args: argparse.Namespace, app, sockets: list[socket.socket], what: str) -> int:
     """uvicorn on the bound sockets until SIGTERM/Ctrl-C (a graceful stop: exit 0)."""
     logging.getLogger("tokenloom.server").info(
-        "serving %s on http://%s:%d (%s, auth %s)", app.state.tokenloom.model_name, args.host,
-        sockets[0].getsockname()[1], what, "on" if args.api_key else "off")
+        "serving %s on http://%s:%d (%s, auth %s; %s)", app.state.tokenloom.model_name, args.host,
+        sockets[0].getsockname()[1], what, "on" if args.api_key else "off",
+        getattr(app.state, "access_line", "engine state: see /metrics"))
     from .connection import connection_limits  # read/idle timeouts, header size bound
 
     server = _Server(uvicorn.Config(

@@ -11,24 +11,74 @@ Malformed framing (a garbage request line, `Content-Length: -1`, a bad chunk siz
 headers) is answered by uvicorn itself, before any app runs, as `text/plain`; here it is the same
 400 in the OpenAI error shape every other error has, with h11's reason, when nothing was sent yet on
 the connection (otherwise the connection is just closed, as uvicorn does).
+
+Writes are bounded too. Every streaming response (SSE completions and chats: `WriteTimeoutStreamingResponse`;
+the dashboard's stream: dashboard.py) gives each write WRITE_TIMEOUT_S to be taken, else the stream is cut
+off and its request aborted, its slot freed. A write blocks only once the connection's buffers are full,
+so they are kept small (SEND_BUFFER_BYTES of kernel send buffer instead of the megabytes autotuning may
+give): a client that stops reading is felt after that much, not after minutes of frames.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
+import socket
 
 import h11
+from fastapi.responses import StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 KEEP_ALIVE_S = 5.0
 MAX_HEADER_BYTES = 64 * 1024
+WRITE_TIMEOUT_S = 10.0  # a streaming response whose client takes nothing for this long is cut off
+SEND_BUFFER_BYTES = 64 * 1024  # the kernel's send buffer per connection (Linux doubles it)
+
+logger = logging.getLogger("tokenloom.server")
+
+
+class WriteTimeoutStreamingResponse(StreamingResponse):
+    """A StreamingResponse whose every write must be taken within `write_timeout_s`: a client whose socket
+    stays full is cut off (the body iterator is closed, so its request is aborted)."""
+
+    write_timeout_s: float = WRITE_TIMEOUT_S
+    cut_off = 0  # streams cut off in this process (for the tests and the log)
+
+    async def __call__(self, scope, receive, send) -> None:
+        timed_out = False
+
+        async def timed_send(message) -> None:
+            nonlocal timed_out
+            try:
+                async with asyncio.timeout(self.write_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                timed_out = True
+                raise OSError("the client took no data within the write timeout") from None
+
+        try:
+            await super().__call__(scope, receive, timed_send)
+        except OSError:
+            if not timed_out:
+                raise
+        finally:
+            if timed_out:
+                type(self).cut_off += 1
+                logger.warning("a stream's client took no data for %.0fs; the stream is closed", self.write_timeout_s)
+                with contextlib.suppress(Exception):
+                    await self.body_iterator.aclose()  # its `finally` aborts the engine's requests
 
 
 class ReadTimeoutH11Protocol(H11Protocol):
     read_timeout_s: float = 30.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # small buffers: a client that stops reading blocks our writes soon (see above)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         super().connection_made(transport)
         self._read_timer: asyncio.TimerHandle | None = None
         self._framing_error: str | None = None

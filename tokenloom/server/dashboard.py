@@ -11,8 +11,12 @@ Cost and bounds:
 - At most `max_viewers` streams at once; beyond that 503 + Retry-After. A viewer that goes away is
   noticed through the ASGI disconnect message at once, and its slot and task go with it.
 
-Auth: with `--api-key` every dashboard route wants the key in `Authorization: Bearer`, like the API;
-it never goes in a URL (which would land in access logs and browser history). A browser opening
+Auth: the dashboard shows engine state, so it obeys /metrics' rule (server/tenancy.py MetricsAccess):
+with `--metrics-token` only that token opens it (even without `--api-key`) and sees everything; with
+only `--api-key` the key opens it without the prefix-cache counters, the block map's cached / shared
+marks and each request's block ids; prompt and output text (`--dashboard-show-text`) go to the
+metrics token only. With auth on, one client (address) holds at most `max_viewers_per_client`
+streams. A token never goes in a URL (which would land in access logs and browser history). A browser opening
 /dashboard without it gets a 401 whose body is a small form (static/dashboard_login.html): it keeps the
 key in sessionStorage, fetches the page with the header and shows it; the page reads the stream with
 `fetch()` and the same header (EventSource cannot send one).
@@ -22,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import math
@@ -34,16 +37,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from ..engine.async_llm import AsyncLLM
-from ..engine.snapshot import EngineRecorder
+from ..engine.snapshot import EngineRecorder, redacted
+from .connection import WRITE_TIMEOUT_S
 from .errors import APIError
+from .tenancy import MetricsAccess
 
 logger = logging.getLogger("tokenloom.dashboard")
 
 DEFAULT_MAX_VIEWERS = 16
+DEFAULT_MAX_VIEWERS_PER_CLIENT = 4  # with auth on: streams one client address may hold
 MAX_RATE_HZ = 10.0
 MIN_RATE_HZ = 0.2
 DEFAULT_RATE_HZ = 5.0
-SEND_TIMEOUT_S = 10.0  # a viewer whose socket takes longer than this to take one frame is cut off
+SEND_TIMEOUT_S = WRITE_TIMEOUT_S  # a viewer whose socket takes longer than this to take one frame is cut off
 BUILD_TIMEOUT_S = 30.0  # a snapshot waits for the step in progress; a step this long is an engine in trouble
 KEEPALIVE_S = 15.0  # an SSE comment when no frame went out for this long (proxies close idle streams)
 STOP_CHECK_S = 1.0  # how often a waiting stream looks whether the server is shutting down
@@ -62,12 +68,15 @@ PAGE_HEADERS = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer",
 class DashboardOptions:
     enabled: bool = True
     max_viewers: int = DEFAULT_MAX_VIEWERS
-    show_text: bool = False  # prompts and outputs in snapshots (--dashboard-show-text)
+    show_text: bool = False  # prompts and outputs in snapshots (--dashboard-show-text), for the metrics token
+    max_viewers_per_client: int = DEFAULT_MAX_VIEWERS_PER_CLIENT
 
 
 @dataclass(eq=False)
 class Viewer:
     interval: float  # seconds between this viewer's frames (its `rate`)
+    view: tuple[bool, bool] = (False, False)  # (prefix-cache state, text) this viewer may see
+    client: str = ""
     frame: bytes | None = None  # the newest frame not yet sent: one slot, overwritten
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     gone: bool = False
@@ -78,10 +87,12 @@ class Viewer:
 class DashboardHub:
     """The viewers, and the one task that builds snapshots for them."""
 
-    def __init__(self, async_llm: AsyncLLM, recorder: EngineRecorder, max_viewers: int = DEFAULT_MAX_VIEWERS):
+    def __init__(self, async_llm: AsyncLLM, recorder: EngineRecorder, max_viewers: int = DEFAULT_MAX_VIEWERS,
+                 max_viewers_per_client: int | None = None):
         self.async_llm = async_llm
         self.recorder = recorder
         self.max_viewers = max_viewers
+        self.max_viewers_per_client = max_viewers_per_client  # None: no per-client bound (auth off)
         self.viewers: set[Viewer] = set()
         self._ticker: asyncio.Task | None = None
         self.snapshots = 0
@@ -89,12 +100,17 @@ class DashboardHub:
         self.viewers_cut_off = 0  # stalled viewers dropped after SEND_TIMEOUT_S
         self.build_seconds = 0.0  # engine-thread time spent building snapshots (what the engine pays)
 
-    def join(self, rate: float) -> Viewer:
+    def join(self, rate: float, view: tuple[bool, bool] = (True, False), client: str = "") -> Viewer:
         if len(self.viewers) >= self.max_viewers:
             raise APIError(503, f"the dashboard has {len(self.viewers)} viewers, the most it takes "
                            f"(--dashboard-max-viewers {self.max_viewers}); retry later", "server_error",
                            code="too_many_viewers", headers={"Retry-After": str(RETRY_AFTER_S)})
-        viewer = Viewer(interval=1.0 / rate)
+        per_client = self.max_viewers_per_client
+        if per_client is not None and sum(v.client == client for v in self.viewers) >= per_client:
+            raise APIError(429, f"this client holds {per_client} dashboard streams, the most one client may "
+                           f"(--dashboard-max-viewers-per-client); close one first", "rate_limit_error",
+                           code="too_many_viewers", headers={"Retry-After": str(RETRY_AFTER_S)})
+        viewer = Viewer(interval=1.0 / rate, view=view, client=client)
         self.viewers.add(viewer)
         self.recorder.watched = True
         if self._ticker is None or self._ticker.done():
@@ -129,8 +145,12 @@ class DashboardHub:
                 snap = {"error": f"no snapshot: {exc!r}"}
             self.snapshots += 1
             snap["server"] = self.stats()
-            frame = b"data: " + json.dumps(snap, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
+            frames: dict[tuple[bool, bool], bytes] = {}  # each view encoded once, for all its viewers
             for viewer in self.viewers:
+                if (frame := frames.get(viewer.view)) is None:
+                    shown = redacted(snap, prefix_cache=viewer.view[0], text=viewer.view[1])
+                    frame = frames[viewer.view] = (b"data: " + json.dumps(shown, separators=(",", ":"),
+                                                                          allow_nan=False).encode() + b"\n\n")
                 if viewer.frame is not None:
                     viewer.dropped += 1
                     self.frames_dropped += 1
@@ -249,22 +269,28 @@ def page_html(replay: bool = False) -> str:
             .replace("/*__REPLAY_JS__*/", replay_js))
 
 
-def add_dashboard_routes(app: FastAPI, state, api_key: str | None, options: DashboardOptions) -> DashboardHub:
+def add_dashboard_routes(app: FastAPI, state, access: MetricsAccess, options: DashboardOptions) -> DashboardHub:
+    """`access`: /metrics' rule, which the dashboard obeys (server/tenancy.py)."""
     async_llm = state.async_llm
+    if options.show_text and access.metrics_token is None:
+        raise ValueError("--dashboard-show-text: prompt and output text go only to the holder of --metrics-token; "
+                         "set one")
     recorder = EngineRecorder(async_llm.engine, state.model_name, options.show_text)
-    hub = DashboardHub(async_llm, recorder, options.max_viewers)
+    auth_on = access.api_key is not None or access.metrics_token is not None
+    hub = DashboardHub(async_llm, recorder, options.max_viewers,
+                       options.max_viewers_per_client if auth_on else None)
     app.state.dashboard = hub
     page, login = page_html(), _static("dashboard_login.html")
-    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    def view_of(request: Request) -> tuple[bool, bool] | None:
+        given = request.headers.get("authorization", "").encode("latin-1", "replace")
+        view = access.view(given, scrape=False)
+        if view is None:
+            return None
+        return view == "full", options.show_text and access.operator_token(given)
 
     def refused(request: Request) -> APIError | None:
-        if expected is None:
-            return None
-        given = request.headers.get("authorization", "").encode("latin-1", "replace")
-        if hmac.compare_digest(given, expected):
-            return None
-        return APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return None if view_of(request) is not None else access.refusal("the dashboard")
 
     @app.get("/dashboard", include_in_schema=False)
     async def dashboard_page(request: Request):
@@ -281,7 +307,8 @@ def add_dashboard_routes(app: FastAPI, state, api_key: str | None, options: Dash
         rate = parse_stream_query(request.query_params)
         if state.shutting_down:
             return APIError(503, "the server is shutting down", "server_error", code="shutting_down").response()
-        return SnapshotStream(hub, hub.join(rate), lambda: state.shutting_down)
+        client = request.client.host if request.client is not None else ""
+        return SnapshotStream(hub, hub.join(rate, view_of(request), client), lambda: state.shutting_down)
 
     @app.get("/dashboard/stats", include_in_schema=False)
     async def dashboard_stats(request: Request):

@@ -13,12 +13,13 @@ import abc
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..outputs import RequestOutput
 from ..request_checks import check_request
 from ..sampling_params import SamplingParams
 from . import convert
+from .connection import WriteTimeoutStreamingResponse
 from .errors import APIError, SafeJSONResponse, from_exception
 from .protocol import _SamplingFields
 from .state import ServerState, new_id, now_s
@@ -74,11 +75,15 @@ class GenerationView(abc.ABC):
             check_request(params, ids, state.vocab_size, state.max_model_len)
         if params.structured_outputs is not None:  # compiled (or found in the cache) off the event loop
             await state.run_off_loop(state.async_llm.engine.grammars.compile, params.structured_outputs)
-        lora = await state.lora_for(view.model)
+        lora = await state.lora_for(view.model)  # pinned for the admission
         group = RequestGroup(state.async_llm, view.id)
-        await group.add_all(prompts, params, arrival, lora)  # validation errors surface here, as 400s
+        try:
+            await group.add_all(prompts, params, arrival, lora)  # validation errors surface here, as 400s
+        finally:
+            if lora is not None:  # the engine's own pins hold it from here
+                state.adapters.release(lora.lora_name)
         if req.stream:  # null = false
-            return StreamingResponse(view.stream(group), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+            return WriteTimeoutStreamingResponse(view.stream(group), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
         return await until_disconnect(request, view.collect(group))
 
     # -- one JSON response -----------------------------------------------------------------------

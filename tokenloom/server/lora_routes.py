@@ -6,6 +6,12 @@ Run-time loading makes the server read a directory a client names, so it needs
 `--allow-runtime-lora-updating` (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING) on top of `--enable-lora`, and
 like every route it is behind `--api-key`. Loads and unloads take turns (one lock); an adapter's
 files are read off the event loop and off the engine thread.
+
+The adapter manager (engine/lora_manager.py) owns each name's state. An unload of a name that requests
+run under, or that a request is being admitted for, answers 409 `adapter_in_use` (it does not wait
+for them to drain: retry once they finish); nothing a request does registers a name again after its
+unload. A load's failures are 400s naming the file and the field; `/v1/models` lists adapters by
+name (their paths only for the operator's --metrics-token).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..engine.lora_manager import AdapterBusy
 from ..model.lora import LoRARequest
 from .errors import APIError
 from .protocol import Text, _utf8
@@ -98,10 +105,10 @@ def add_lora_routes(app: FastAPI, state: ServerState, allow_runtime_updating: bo
                 raise APIError(404, f"The lora adapter '{name}' cannot be found.", "invalid_request_error",
                                "lora_name", "model_not_found")
             try:
-                state.adapters.unregister(name)
-            except ValueError as exc:  # requests in flight run under it
-                raise APIError(400, str(exc), param="lora_name") from None
+                state.adapters.unregister(name)  # under the lock requests pin it with
+            except AdapterBusy as exc:  # requests in flight or being admitted run under it
+                raise APIError(409, str(exc), param="lora_name", code="adapter_in_use") from None
             except KeyError:
-                pass  # loaded for requests only, never registered by the engine: nothing to drop
+                pass  # gone from the manager already: only the listing is left to drop
             del state.loras[name]
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -61,14 +61,19 @@ PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 class APIKeyMiddleware:
-    def __init__(self, app, api_key: str):
+    """`operator_token` (--metrics-token) is also let through to GET /v1/models, where it sees paths."""
+
+    def __init__(self, app, api_key: str, operator_token: str | None = None):
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.operator = f"Bearer {operator_token}".encode() if operator_token else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            operator = (self.operator is not None and scope["path"] == "/v1/models" and scope["method"] == "GET"
+                        and hmac.compare_digest(given, self.operator))
+            if not operator and not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await error.response()(scope, receive, send)

@@ -117,11 +117,24 @@ class ServerState:
         return self.async_llm.engine.adapters
 
     async def lora_for(self, model: str) -> LoRARequest | None:
-        """The adapter a request's `model` names (None: the base), loaded off the event loop and the
-        engine thread, so neither waits on its files."""
-        lora = self.loras.get(model)
-        if lora is not None and lora.lora_name not in self.adapters.loaded:  # a hop only to read files
-            await self.run_off_loop(self.adapters.load, lora)
+        """The adapter a request's `model` names (None: the base), pinned for its admission (the caller
+        releases it once the engine has the request, which pins it itself: an unload meanwhile is a 409)
+        and loaded off the event loop and the engine thread, so neither waits on its files."""
+        if model in self.served_model_names or self.adapters is None:
+            return None  # the base (a name that was an adapter when checked is not: its unload is a 404 here)
+        from ..engine.lora_manager import AdapterGone
+
+        try:
+            lora = self.adapters.admit(model)  # on the loop, under the lock unload checks
+        except AdapterGone:
+            raise APIError(404, f"The model `{model}` does not exist (its adapter was unloaded)",
+                           "invalid_request_error", "model", "model_not_found") from None
+        try:
+            if lora.lora_name not in self.adapters.loaded:  # a hop only to read files
+                await self.run_off_loop(self.adapters.ensure_loaded, lora.lora_name)
+        except BaseException:
+            self.adapters.release(lora.lora_name)
+            raise
         return lora
 
 

@@ -1,12 +1,16 @@
-"""What one API client may learn about, or do to, the others: who reads /metrics and which of its
-counters, and which `priority` values a client may ask for.
+"""What one API client may learn about, or do to, the others: who reads /metrics and the dashboard and
+which of their counters, and which `priority` values a client may ask for.
 
-/metrics (`MetricsAccess`):
+/metrics and the dashboard (`MetricsAccess`, one rule for both):
 - no --api-key and no --metrics-token: open, everything (one trusted party; the old behaviour);
 - --metrics-token T: only `Bearer T` reads it, in full; the API key does not open it;
 - --api-key K alone: `Bearer K` reads it, without the prefix-cache counters;
 - --metrics-open: anyone reads it (a scraper on a private network), also without those counters
   unless the `Bearer T` of a --metrics-token comes with the scrape.
+The dashboard (page, stream, stats) follows the same rule, --metrics-open aside: with --metrics-token
+only `Bearer T` opens it, even without --api-key. What the prefix-cache counters hide there too: the
+hit counters, the cached/shared marks of the block map and each request's block ids (two requests on
+one block are a prefix hit). Prompt and output text (--dashboard-show-text) go only to `Bearer T`.
 
 Why the prefix-cache counters are kept from API clients: every client of one key can send a prompt
 with a guessed secret and watch `prefix_cache_hits` move, learning whether someone else's prompt held
@@ -45,21 +49,47 @@ class MetricsAccess:
     metrics_token: str | None = None
     open: bool = False
 
-    def view(self, authorization: bytes) -> str | None:
-        """'full', 'public' (no prefix-cache counters) or None (refused) for a scrape with this
-        Authorization header."""
+    def view(self, authorization: bytes, scrape: bool = True) -> str | None:
+        """'full', 'public' (no prefix-cache counters) or None (refused) for a request with this
+        Authorization header. The one rule for everything that shows engine state: /metrics
+        (`scrape`) and the dashboard's page, stream and stats (not `scrape`: --metrics-open opens
+        scrapes only)."""
         if self.api_key is None and self.metrics_token is None:
             return "full"
         if _bearer_is(authorization, self.metrics_token):
             return "full"
-        if self.open or (self.metrics_token is None and _bearer_is(authorization, self.api_key)):
+        if (scrape and self.open) or (self.metrics_token is None and _bearer_is(authorization, self.api_key)):
             return "public"
         return None
 
-    def refusal(self) -> APIError:
+    def operator_token(self, authorization: bytes) -> bool:
+        """The operator's own token (--metrics-token) came with the request: what only the operator
+        sees (prompt and output text on the dashboard, filesystem paths) needs it, even on a server
+        without --api-key."""
+        return _bearer_is(authorization, self.metrics_token)
+
+    def describe(self, show_text: bool = False) -> str:
+        """Who sees what, for the start-up line."""
+        if self.api_key is None and self.metrics_token is None:
+            return "engine state (/metrics, dashboard): anyone, in full (no --api-key, no --metrics-token)"
+        full = "the metrics token" if self.metrics_token is not None else "nobody"
+        public = []
+        if self.metrics_token is None and self.api_key is not None:
+            public.append("the API key")
+        if self.open:
+            public.append("anyone (/metrics only, --metrics-open)")
+        line = (f"engine state (/metrics, dashboard): in full for {full}; without the prefix-cache counters and "
+                f"block map for {' and '.join(public) or 'nobody else'}")
+        if show_text:
+            line += "; prompt and output text: the metrics token only"
+        return line
+
+    def refusal(self, what: str = "/metrics") -> APIError:
         how = "Bearer <metrics token>" if self.metrics_token is not None else "Bearer <API key>"
-        return APIError(401, f"/metrics needs 'Authorization: {how}' (or the server's --metrics-open)",
+        tail = " (or the server's --metrics-open)" if what == "/metrics" else ""
+        return APIError(401, f"{what} needs 'Authorization: {how}'{tail}",
                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
 
 
 def public_metrics(exposition: bytes) -> bytes:

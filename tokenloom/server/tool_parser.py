@@ -32,15 +32,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 
 # The head every Hermes-style model writes: the name first, then the arguments' value starts.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
-# What may still close the arguments and then the call object: held back until the block ends.
-_CLOSING_TAIL = re.compile(r"[\s}]*$")
 
 
 def new_call_id() -> str:
@@ -128,26 +126,57 @@ def _partial_tag_at_end(text: str, tag: str) -> int:
     return 0
 
 
+MAX_HEAD_CHARS = 1024  # a block whose `{"name": ..., "arguments":` head is not whole by then is sent at its end
+
+
+def _is_tail(ch: str) -> bool:
+    """What may close the arguments and the call object: a brace or whitespace (the regex `[\\s}]`)."""
+    return ch == "}" or ch.isspace()
+
+
 @dataclass
 class _OpenCall:
     index: int
-    body: str = ""
+    parts: list[str] = field(default_factory=list)  # the block's text as fed (joined once, at its end)
+    size: int = 0
     named: bool = False  # its first delta (id, type, name) went out
-    args_start: int = -1  # where its arguments begin in `body`, when streamed as written
-    sent_args: str = ""  # argument text sent so far
+    streaming: bool = False  # its arguments are being sent as written (the head was found)
+    gave_up: bool = False  # no head within MAX_HEAD_CHARS: the call goes out whole at its end
+    sent: list[str] = field(default_factory=list)  # argument text sent so far
+    sent_size: int = 0
+    held: list[str] = field(default_factory=list)  # a run from a `}` on of braces and spaces, held back
+
+    def add(self, text: str) -> None:
+        self.parts.append(text)
+        self.size += len(text)
+
+    @property
+    def body(self) -> str:
+        return "".join(self.parts)
+
+    @property
+    def sent_args(self) -> str:
+        return "".join(self.sent)
 
 
 @dataclass
 class StreamingToolCallParser:
     """Feed the text as it grows; each call returns one delta's fields (`final`: the output is complete,
-    nothing is held back any more and an open last block is closed as it stands)."""
+    nothing is held back any more and an open last block is closed as it stands).
 
-    text: str = ""  # everything fed so far
-    pos: int = 0  # how much of `text` has been consumed
+    The work per fed chunk is bounded by the chunk's length (plus MAX_HEAD_CHARS while a block's head is
+    being read), never by what came before it: only the text not yet consumed is searched (at most a
+    partial tag plus the new chunk), a block's text is kept as a list of parts and joined once, when it
+    ends, and the held-back run of closing braces and spaces is tracked as the chunks come. `scanned`
+    counts the characters examined, for the tests. Once per block, at its end, the whole block is
+    parsed (`parse_block`, as the non-streamed response does), and held text goes out once."""
+
+    pending: str = ""  # text fed and not consumed yet: a possible partial tag, then the new chunk
     in_calls: bool = False  # a `<tool_call>` was seen: no more content
     call: _OpenCall | None = None
     calls_named: int = 0
-    held_content: str = ""  # text from the first `<tool_call>` on, sent as content if no call comes of it
+    held_content: list[str] = field(default_factory=list)  # from the first `<tool_call>` on, content if no call
+    scanned: int = 0
 
     @property
     def called(self) -> bool:
@@ -155,7 +184,7 @@ class StreamingToolCallParser:
         return self.calls_named > 0
 
     def feed(self, new_text: str, final: bool = False) -> dict:
-        self.text += new_text
+        self.pending += new_text
         return self._advance(final)
 
     # -- the state machine -------------------------------------------------------------------------
@@ -164,38 +193,40 @@ class StreamingToolCallParser:
         content: list[str] = []
         calls: list[dict] = []
         while True:
-            rest = self.text[self.pos:]
+            rest = self.pending
+            self.scanned += len(rest)
             if self.call is None:
                 start = rest.find(CALL_START)
                 if start < 0:
                     keep = 0 if final else _partial_tag_at_end(rest, CALL_START)
                     self._emit_text(rest[:len(rest) - keep], content)
-                    self.pos += len(rest) - keep
+                    self.pending = rest[len(rest) - keep:]
                     break
                 self._emit_text(rest[:start], content)
                 self.in_calls = True
-                self.held_content += CALL_START
+                self.held_content.append(CALL_START)
                 self.call = _OpenCall(self.calls_named)
-                self.pos += start + len(CALL_START)
+                self.pending = rest[start + len(CALL_START):]
                 continue
             end = rest.find(CALL_END)
             if end < 0:
                 keep = 0 if final else _partial_tag_at_end(rest, CALL_END)
-                self.call.body += rest[:len(rest) - keep]
-                self.held_content += rest[:len(rest) - keep]
-                self.pos += len(rest) - keep
+                taken = rest[:len(rest) - keep]
+                self.pending = rest[len(rest) - keep:]
+                self.call.add(taken)
+                self.held_content.append(taken)
                 if final:
                     self._close_call(calls, content)
                 else:
-                    self._stream_call(calls)
+                    self._stream_call(taken, calls)
                 break
-            self.call.body += rest[:end]
-            self.held_content += rest[:end] + CALL_END
-            self.pos += end + len(CALL_END)
+            self.call.add(rest[:end])
+            self.held_content += [rest[:end], CALL_END]
+            self.pending = rest[end + len(CALL_END):]
             self._close_call(calls, content)
         if final and not self.called and self.held_content:
-            content.append(self.held_content)  # nothing came of the blocks: they are text
-            self.held_content = ""
+            content.append("".join(self.held_content))  # nothing came of the blocks: they are text
+            self.held_content = []
         delta: dict = {}
         if content and "".join(content):
             delta["content"] = "".join(content)
@@ -206,17 +237,28 @@ class StreamingToolCallParser:
     def _emit_text(self, text: str, content: list[str]) -> None:
         if not self.in_calls:
             content.append(text)
-        else:  # between or after blocks: dropped as the whole-output parse drops it, kept in case
-            self.held_content += text
+        elif text:  # between or after blocks: dropped as the whole-output parse drops it, kept in case
+            self.held_content.append(text)
 
-    def _stream_call(self, calls: list[dict]) -> None:
-        """Send what is certain of the open call: its name once whole, then its arguments as written
-        up to the closing braces and spaces, which may belong to the call object."""
+    def _stream_call(self, new: str, calls: list[dict]) -> None:
+        """Send what is certain of the open call (`new`: what it just grew by): its name once whole, then
+        its arguments as written, all but a run from a `}` on of braces and spaces, which may close the
+        arguments and the call object."""
         call = self.call
+        if call.streaming:
+            self._stream_args(call, new, calls)
+            return
+        if call.gave_up:
+            return
+        if call.size > MAX_HEAD_CHARS:
+            call.gave_up = True  # not the usual head: sent whole when the block ends
+            return
+        body = call.body  # at most MAX_HEAD_CHARS
+        self.scanned += len(body)
+        head = _HEAD.match(body)
+        if head is None:
+            return  # not written yet, or not the usual head
         if not call.named:
-            head = _HEAD.match(call.body)
-            if head is None:
-                return  # not written yet, or not the usual head: sent whole when the block ends
             try:
                 name = json.loads(head.group(1))
             except ValueError:
@@ -224,41 +266,60 @@ class StreamingToolCallParser:
             if not name:
                 return
             self._name(call, name, calls)
-        if call.args_start < 0:
-            # The arguments start at their first character, as in `parse_block` (not at the spaces before it).
-            head = _HEAD.match(call.body)
-            if head is None or head.end() == len(call.body):
-                return
-            call.args_start = head.end()
-        written = call.body[call.args_start:]
-        certain = written[:_CLOSING_TAIL.search(written).start()]
-        self._send_args(call, certain[len(call.sent_args):], calls)
+        # The arguments start at their first character, as in `parse_block` (not at the spaces before it).
+        if head.end() == len(body):
+            return
+        call.streaming = True
+        self._stream_args(call, body[head.end():], calls)
+
+    def _stream_args(self, call: _OpenCall, new: str, calls: list[dict]) -> None:
+        j = len(new)
+        while j and _is_tail(new[j - 1]):  # the new text's own run of braces and spaces, from its end
+            j -= 1
+        self.scanned += len(new) - j + 1
+        if j:  # something that closes nothing came: what was held is arguments after all
+            self._send_args(call, "".join(call.held) + new[:j], calls)
+            call.held = []
+        run = new[j:]
+        if call.held:
+            call.held.append(run)
+            return
+        brace = run.find("}")
+        self.scanned += len(run)
+        if brace < 0:  # spaces before any brace are inside the arguments
+            self._send_args(call, run, calls)
+        else:
+            self._send_args(call, run[:brace], calls)
+            call.held = [run[brace:]]
 
     def _close_call(self, calls: list[dict], content: list[str]) -> None:
         call, self.call = self.call, None
-        parsed = parse_block(call.body)
+        body = call.body
+        parsed = parse_block(body)
         if not call.named:
             if parsed is None:
                 return  # held: content at the end unless another call goes out
             self._name(call, parsed.name, calls)
             self._send_args(call, parsed.arguments, calls)
             return
-        if parsed is not None and parsed.arguments.startswith(call.sent_args):
-            self._send_args(call, parsed.arguments[len(call.sent_args):], calls)
-        elif call.args_start >= 0:  # malformed after its name went out: end with what the model wrote
-            written = call.body[call.args_start:].rstrip()
-            self._send_args(call, written[len(call.sent_args):], calls)
+        sent = call.sent_args
+        if parsed is not None and parsed.arguments.startswith(sent):
+            self._send_args(call, parsed.arguments[len(sent):], calls)
+        elif call.streaming:  # malformed after its name went out: end with what the model wrote
+            written = body[_HEAD.match(body).end():].rstrip()
+            self._send_args(call, written[len(sent):], calls)
 
     def _name(self, call: _OpenCall, name: str, calls: list[dict]) -> None:
         call.named = True
         self.calls_named += 1
-        self.held_content = ""  # a call went out: the blocks are calls, not content
+        self.held_content = []  # a call went out: the blocks are calls, not content
         calls.append({"index": call.index, "id": new_call_id(), "type": "function",
                       "function": {"name": name, "arguments": ""}})
 
     def _send_args(self, call: _OpenCall, chunk: str, calls: list[dict]) -> None:
         if chunk:
-            call.sent_args += chunk
+            call.sent.append(chunk)
+            call.sent_size += len(chunk)
             calls.append({"index": call.index, "function": {"arguments": chunk}})
 
 

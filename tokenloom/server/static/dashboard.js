@@ -304,14 +304,15 @@
       ctx.textAlign = "left";
       ctx.fillText("host pool: " + kv.host_used + " / " + kv.host_blocks + " blocks swapped out", w + 6, y + 6);
     }
-    const hit = kv.hit_rate === null ? "–" : (100 * kv.hit_rate).toFixed(1) + "%";
+    const hit = kv.hit_rate === null || kv.hit_rate === undefined ? "–" : (100 * kv.hit_rate).toFixed(1) + "%";
     $("kv-caption").textContent = n + " blocks of " + blockSize + " tokens · in use " +
       (100 * kv.usage).toFixed(1) + "% · prefix-cache hit rate " + hit;
     Object.assign(cv.dataset, { free: kv.free, used: kv.used, cached: kv.cached, shared: kv.shared,
       hostUsed: kv.host_used, hitRate: kv.hit_rate === null ? "" : kv.hit_rate,
       selected: selected === null ? "" : selected, selectedBlocks });
     const items = [[C.free, "free " + kv.free], [C.used, "in use " + kv.used],
-      [C.cached, "cached for reuse " + kv.cached], [C.shared, "shared (>1 request) " + kv.shared],
+      [C.cached, "cached for reuse " + (kv.cached ?? "(operator only)")],
+      [C.shared, "shared (>1 request) " + (kv.shared ?? "(operator only)")],
       [C.swapped, "swapped to host " + kv.host_used]];
     items.push(selected === null ? [C.line, "click a block or a running request to outline its blocks"]
       : [C.ink, "outlined: " + selectedBlocks + " blocks of " + shortId(selected) + " (click again to clear)"]);
