@@ -80,6 +80,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="dashboard streams open at once; beyond it 503 + Retry-After (default: 16)")
     p.add_argument("--dashboard-show-text", action="store_true",
                    help="show prompts and outputs on the dashboard (default: request ids, counts and times only)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="every request's time-to-first-token target unless its body or class sets one (ms); "
+                        "/metrics counts who met it (slo_attained_total), --scheduling-policy slo aims at it")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="the default time-per-output-token target (ms)")
+    p.add_argument("--slo-e2e-ms", type=float, default=None, help="the default arrival-to-last-token target (ms)")
+    p.add_argument("--slo-classes", metavar="FILE", default=None,
+                   help="JSON: SLO classes and which tenant (`user`) has which, e.g. {\"classes\": {\"batch\": "
+                        "{\"ttft_ms\": 60000}}, \"tenants\": {\"etl\": \"batch\"}, \"default_class\": null} (README)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -133,7 +141,7 @@ def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
     from ..model import catalog
     from .app import build_app
     from .dashboard import DashboardOptions
-    from .loading import app_options, load_served_engine
+    from .loading import app_options, load_served_engine, warn_unreachable_slos
     from .lora_routes import parse_lora_modules
 
     if args.model_tag is not None:
@@ -155,14 +163,16 @@ def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
             return _serve(args, start_fleet(args, config), sockets, "a fleet")
         finally:
             stop_fleet()
+    options = app_options(args)  # a bad SLO flag or classes file fails before the load too
     for name in (to_pull, draft_to_pull):
         catalog.pull_missing(name)
     served = load_served_engine(args, config, lora_modules)
+    warn_unreachable_slos(served.async_llm.engine, options["slo_policy"])
     app = build_app(
         served.async_llm, served.names, metrics=served.metrics, model_path=served.path,
         lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         dashboard=DashboardOptions(not args.disable_dashboard, args.dashboard_max_viewers, args.dashboard_show_text),
-        **app_options(args),
+        **options,
     )
     return _serve(args, app, sockets, f"torch threads {served.async_llm.num_threads}")
 
