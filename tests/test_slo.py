@@ -99,3 +99,27 @@ def test_a_target_below_one_step_warns_at_start(make_engine, caplog):
     assert "no request can meet it" in caplog.text
     assert not engine.has_unfinished_requests()
     assert warn_unreachable_slos(engine, SLOPolicy()) == []
+
+
+def test_metrics_and_dashboard_count_attainment(make_engine):
+    from tokenloom.engine.metrics import EngineMetrics
+    from tokenloom.engine.snapshot import EngineRecorder
+
+    engine = make_engine()
+    metrics, recorder = EngineMetrics("tiny", log_requests=False), EngineRecorder(engine)
+    engine.add_request("met", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                        slo={"ttft_ms": 3_600_000, "tpot_ms": 3_600_000}))
+    engine.add_request("missed", [8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                        slo={"ttft_ms": 1e-6}))
+    engine.add_request("none", [8, 9], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        metrics.on_step(engine, engine.last_step, outs)
+    text = metrics.render().decode()
+    assert 'tokenloom:slo_requests_total{model_name="tiny"} 2.0' in text
+    assert 'tokenloom:slo_attained_total{model_name="tiny",slo="ttft"} 1.0' in text
+    assert 'tokenloom:slo_attained_total{model_name="tiny",slo="tpot"} 2.0' in text
+    assert 'tokenloom:slo_attained_total{model_name="tiny",slo="both"} 1.0' in text
+    snap = recorder.build()
+    assert {k: snap["slo"][k] for k in ("requests", "ttft", "tpot", "both")} == \
+        {"requests": 2, "ttft": 1, "tpot": 2, "both": 1}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 MAX_SLO_MS = 3_600_000.0  # one hour: a larger target is a typo, not an objective
@@ -147,4 +148,61 @@ def unreachable(slo_policy: SLOPolicy, step_s: float) -> list[str]:
             if getattr(slo, key) is not None and getattr(slo, key) < step_s * 1000]
 
 
-__all__ = ["ATTAINMENT_KINDS", "SLO", "SLOPolicy", "parse_slo", "slo_number", "unreachable"]
+def request_latencies(out) -> tuple[float | None, float | None, float | None]:
+    """(TTFT, TPOT, E2E) in seconds of a finished `RequestOutput`, by the load generator's definitions: from
+    the arrival, to the first and the last token; TPOT over the output tokens after the first (None: at most
+    one token)."""
+    m = out.metrics
+    tokens = sum(len(c.token_ids) for c in out.outputs)
+    ttft = m.first_token_time - m.arrival_time if m.first_token_time is not None else None
+    e2e = (m.last_token_time or m.finished_time) - m.arrival_time if ttft is not None else None
+    tpot = (m.last_token_time - m.first_token_time) / (tokens - 1) if ttft is not None and tokens > 1 else None
+    return ttft, tpot, e2e
+
+
+class Attainment:
+    """Running SLO attainment: finished requests that had an SLO, how many met TTFT, TPOT and both, and the
+    goodput (requests meeting both per second) over the last `window_s`. A request the server refused under
+    --slo-shed counts as one that met nothing. Fed by the server's metrics and the dashboard alike."""
+
+    def __init__(self, window_s: float = 60.0):
+        self.window_s = window_s
+        self.requests = 0
+        self.met = dict.fromkeys(ATTAINMENT_KINDS, 0)
+        self.shed = 0
+        self._good: deque[float] = deque()  # finish times of requests that met both, in the window
+        self._since: float | None = None
+
+    def add_output(self, out, now: float) -> dict[str, bool] | None:
+        """Count a finished output (stop or length; aborts and errors are not judged); None if not counted."""
+        slo = out.metrics.slo if out.metrics is not None else None
+        if slo is None or out.error is not None or out.outputs[0].finish_reason not in ("stop", "length"):
+            return None
+        return self.add(slo.attained(*request_latencies(out)), now)
+
+    def add(self, met: dict[str, bool], now: float) -> dict[str, bool]:
+        self._since = now if self._since is None else self._since
+        self.requests += 1
+        for kind, ok in met.items():
+            self.met[kind] += ok
+        if met["both"]:
+            self._good.append(now)
+        return met
+
+    def add_shed(self, now: float) -> None:
+        self.shed += 1
+        self.add(dict.fromkeys(ATTAINMENT_KINDS, False), now)
+
+    def goodput(self, now: float) -> float:
+        while self._good and self._good[0] < now - self.window_s:
+            self._good.popleft()
+        span = min(self.window_s, now - self._since) if self._since is not None else 0.0
+        return len(self._good) / span if span > 0 else 0.0
+
+    def to_dict(self, now: float) -> dict:
+        return {"requests": self.requests, "shed": self.shed, **{k: self.met[k] for k in ATTAINMENT_KINDS},
+                "goodput": round(self.goodput(now), 3)}
+
+
+__all__ = ["ATTAINMENT_KINDS", "SLO", "Attainment", "SLOPolicy", "parse_slo", "request_latencies", "slo_number",
+           "unreachable"]
