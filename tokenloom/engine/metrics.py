@@ -199,6 +199,11 @@ class EngineMetrics:
                                (self.preemptions, st.num_preemptions)):
             counter.inc(max(total - self._counted.get(counter, 0), 0))
             self._counted[counter] = total
+        slo = getattr(getattr(engine, "scheduler", None), "slo", None)
+        for _ in range(slo.num_shed - self._counted.get(self.slo_shed, 0) if slo is not None else 0):
+            self.on_shed()
+        if slo is not None:
+            self._counted[self.slo_shed] = slo.num_shed
         spec = getattr(engine, "speculation", None)
         if spec is not None:
             st = spec.stats
