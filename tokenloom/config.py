@@ -122,6 +122,8 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs", "sjf", "priority", "slo"] = "fcfs"
     priority_aging_s: float = 10.0  # a waiting request gains one priority level per this many seconds
     slo_shed: bool = False  # with the slo policy: refuse (429) requests predicted to miss their TTFT by far
+    # "vtc": a fair share per tenant (the request's `user`): lowest virtual token counter first (engine/fairness.py)
+    fairness: Literal["none", "vtc"] = "none"
     batching: Literal["continuous", "dynamic", "static"] = "continuous"
     max_wait_ms: float = 50.0  # dynamic batching: how long the first waiting request may wait for company
 
@@ -158,6 +160,7 @@ class EngineConfig:
             "preemption_mode": ("recompute", "swap"),
             "scheduling_policy": ("fcfs", "sjf", "priority", "slo"),
             "batching": ("continuous", "dynamic", "static"),
+            "fairness": ("none", "vtc"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -25,6 +25,9 @@ Under `--scheduling-policy slo` (engine/slo_policy.py) the policy key is the sla
 requests that can no longer make theirs give up their seats to those that can (`_yield_seats`), and the
 stall-free allowance is capped by the tightest TPOT among the decoding rows, slicing every prompt.
 
+With `--fairness vtc` (engine/fairness.py) waiting sequences are admitted lowest virtual token counter
+of their tenant first, the policy ordering those of equal counters; every planned token is charged.
+
 The batching mode only decides who may be admitted: `continuous` admits at every step; `static`
 forms a batch of up to `max_num_seqs` only when nothing runs, and admits no one else until the
 whole batch has finished, computing the slots of finished members as padding the way a padded static
@@ -38,6 +41,7 @@ import time
 
 from ..config import EngineConfig
 from ..step import Sequence, SequenceStatus, StepPlan
+from .fairness import VirtualTokenCounter
 from .kv_cache import KVCacheManager
 from .policies import get_policy
 from .slo_policy import SLOScheduling
@@ -56,6 +60,7 @@ class Scheduler:
         self.slo = SLOScheduling() if config.scheduling_policy == "slo" else None
         self.policy = self.slo.key if self.slo is not None else get_policy(config.scheduling_policy,
                                                                            config.priority_aging_s)
+        self.vtc = VirtualTokenCounter() if config.fairness == "vtc" else None
         self.waiting: list[Sequence] = []  # WAITING and SWAPPED sequences
         self.running: list[Sequence] = []
         self.batch: set[str] | None = None  # members of the current static/dynamic batch
@@ -65,6 +70,8 @@ class Scheduler:
     # -- queue management ------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        if self.vtc is not None:
+            self.vtc.arrive(seq, self.waiting + self.running)
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -173,14 +180,20 @@ class Scheduler:
         out.scheduled.append((seq, n))
         if seq.lora is not None:
             self._adapters.add(seq.lora.name)
-        if seq.num_tokens - seq.num_computed_tokens > 1:
+        prefill = seq.num_tokens - seq.num_computed_tokens > 1
+        if prefill:
             self._planned_prefill += n
+        if self.vtc is not None:
+            self.vtc.charge(seq, n if prefill else 0, 0 if prefill else n)
 
     def _admit(self, out: StepPlan, budget: int, now: float) -> int:
         """Admit waiting sequences in policy order; returns the budget left."""
         if not self._batch_open(now):
             return budget
-        self.waiting.sort(key=lambda s: self.policy(s, now))
+        if self.vtc is not None:
+            self.waiting.sort(key=lambda s: (self.vtc.counter(s), self.policy(s, now)))
+        else:
+            self.waiting.sort(key=lambda s: self.policy(s, now))
         idx = 0
         while idx < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[idx]
