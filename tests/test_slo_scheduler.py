@@ -128,16 +128,24 @@ def test_shedding_refuses_requests_predicted_to_miss_by_far():
     sl = SLOScheduling()
     queued = [seq(f"q{i}", 1000, 0.0, ttft_ms=10_000) for i in range(5)]
     new = seq("new", 100, 1.0, ttft_ms=500)
-    sl.check_admission([new], queued, 1.0)  # nothing measured yet: never shed
+    sl.check_admission([new], queued, [], 64, 1.0)  # nothing measured yet: never shed
     sl.token_s = 1 * MS
-    sl.check_admission([new], queued, 1.0)  # its deadline is the nearest: nothing ahead of it
+    sl.check_admission([new], queued, [], 64, 1.0)  # its deadline is the nearest: nothing ahead of it
     tight = [seq(f"t{i}", 1000, 0.0, ttft_ms=1100) for i in range(5)]  # less slack: ahead, 5,000 tokens, 5 s
     hopeless = [seq(f"h{i}", 1000, 0.0, ttft_ms=400) for i in range(5)]  # cannot make it: not ahead of anybody
-    sl.check_admission([seq("new", 100, 0.0, ttft_ms=500)], hopeless, 0.0)
+    sl.check_admission([seq("new", 100, 0.0, ttft_ms=500)], hopeless, [], 64, 0.0)
     with pytest.raises(SLOShedError, match=r"^slo\.ttft_ms: ") as exc:
-        sl.check_admission([seq("new", 100, 0.0, ttft_ms=500)], tight, 0.0)
+        sl.check_admission([seq("new", 100, 0.0, ttft_ms=500)], tight, [], 64, 0.0)
     assert exc.value.retry_after_s == 5 and sl.num_shed == 1
-    sl.check_admission([seq("no-slo", 100, 1.0)], tight, 1.0)  # without a TTFT target: never shed
+    sl.check_admission([seq("no-slo", 100, 1.0)], tight, [], 64, 1.0)  # without a TTFT target: never shed
+    # A full batch: seats free as the running rows finish their outputs (100 decode steps of 10 ms away).
+    sl.step_s = 10 * MS
+    busy = [seq(f"b{i}", 4, 0.0, max_tokens=100) for i in range(2)]
+    for b in busy:
+        b.times.first_token = 0.0
+    sl.check_admission([seq("new", 10, 0.0, ttft_ms=1000)], [], busy, 2, 0.0)  # 1 s to a seat: < 2x target
+    with pytest.raises(SLOShedError):
+        sl.check_admission([seq("new", 10, 0.0, ttft_ms=400)], [], busy, 2, 0.0)
 
 
 def test_slo_shed_is_a_429_with_retry_after(make_engine):

@@ -113,16 +113,23 @@ class SLOScheduling:
 
     # -- shedding ---------------------------------------------------------------------------------
 
-    def check_admission(self, seqs: list[Sequence], queued: list[Sequence], now: float) -> None:
-        """Refuse (SLOShedError) a new request predicted to miss its TTFT by more than SHED_MARGIN x."""
+    def check_admission(self, seqs: list[Sequence], waiting: list[Sequence], running: list[Sequence],
+                        max_num_seqs: int, now: float) -> None:
+        """Refuse (SLOShedError) a new request predicted to miss its TTFT by more than SHED_MARGIN x: the
+        wait is the longer of the prompt tokens ahead of it at the measured cost per token and, when the
+        batch is full, the decode steps until as many seats free as requests are ahead of it."""
         seq = seqs[0]
         slo = seq.params.slo
         if slo is None or slo.ttft_ms is None or not self.token_s:
             return
         mine = self.key(seq, now)
-        ahead = sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in queued
-                    if s.times.first_token is None and self.key(s, now) < mine)
-        wait_s = ahead * self.token_s
+        ahead = [s for s in waiting + running if s.times.first_token is None and self.key(s, now) < mine]
+        wait_s = sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in ahead) * self.token_s
+        seats = sum(1 for s in ahead if s not in running) + len(seqs) - (max_num_seqs - len(running))
+        if seats > 0 and running:  # the k-th seat frees when the k-th shortest remaining output ends
+            left = sorted(max((s.params.max_tokens or 0) - s.num_output_tokens, 1) for s in running)
+            rounds, k = divmod(seats - 1, len(left))
+            wait_s = max(wait_s, (rounds * sum(left) / len(left) + left[k]) * self.step_s)
         predicted = now - seq.times.arrival + wait_s + self.prefill_s(seq) * len(seqs)
         if predicted > SHED_MARGIN * slo.ttft_ms / 1000:
             self.num_shed += 1
