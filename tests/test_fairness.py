@@ -93,3 +93,17 @@ def test_the_tenant_is_the_user_field(make_engine):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.scheduler.vtc.counters["alice"] > 0
+
+
+def test_the_server_charges_the_user_fields_tenant(make_engine):
+    from test_server_tenancy import run_app
+
+    engine = make_engine(fairness="vtc")
+
+    async def scenario(client, app):
+        for user in ("alice", "bob"):
+            r = await client.post("/v1/completions", json={"prompt": "Hi there", "max_tokens": 3, "user": user})
+            assert r.status_code == 200, r.text
+
+    run_app(engine, scenario)
+    assert set(engine.scheduler.vtc.counters) == {"alice", "bob"}
