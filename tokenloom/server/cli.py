@@ -156,6 +156,7 @@ def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
     # Everything that can fail in a second fails before the model loads: the source, then the port.
     to_pull = catalog.missing_pull(config.model)
     draft_to_pull = catalog.missing_pull(config.draft_model, "speculative_config.model")
+    options = app_options(args)  # a bad SLO flag or classes file fails before the port and the load too
     sockets = _bind(args.host, args.port)
     if fleet is not None:
         start_fleet, stop_fleet = fleet
@@ -163,7 +164,6 @@ def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
             return _serve(args, start_fleet(args, config), sockets, "a fleet")
         finally:
             stop_fleet()
-    options = app_options(args)  # a bad SLO flag or classes file fails before the load too
     for name in (to_pull, draft_to_pull):
         catalog.pull_missing(name)
     served = load_served_engine(args, config, lora_modules)
