@@ -14,7 +14,8 @@ from tokenloom.step import Sequence
 
 def req(tenant: str, i: int, prompt_len: int = 16, max_tokens: int = 4, arrival: float = 0.0) -> Sequence:
     p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, tenant=tenant)
-    return Sequence(f"{tenant}-{i}", 0, list(range(100 + i, 100 + i + prompt_len)), p, arrival_time=arrival)
+    start = 100 + 1000 * i + 10000 * len(tenant)  # no prefix-cache hits between requests
+    return Sequence(f"{tenant}-{i}", 0, list(range(start, start + prompt_len)), p, arrival_time=arrival)
 
 
 def scheduler(**config) -> Scheduler:
@@ -107,3 +108,13 @@ def test_the_server_charges_the_user_fields_tenant(make_engine):
 
     run_app(engine, scenario)
     assert set(engine.scheduler.vtc.counters) == {"alice", "bob"}
+
+
+def test_within_one_step_each_admission_goes_to_the_lowest_counter():
+    s = scheduler(max_num_batched_tokens=512)
+    for i in range(3):
+        s.add(req("a", i, prompt_len=100))
+    s.add(req("bb", 0, prompt_len=100, arrival=1.0))
+    s.add(req("bb", 1, prompt_len=100, arrival=1.0))
+    order = [rid for rid, _ in run_step(s, 2.0)]
+    assert order == ["a-0", "bb-0", "a-1", "bb-1", "a-2"]  # alternating as each admission charges its tenant

@@ -190,8 +190,14 @@ class Scheduler:
         """Admit waiting sequences in policy order; returns the budget left."""
         if not self._batch_open(now):
             return budget
-        if self.vtc is not None:
-            self.waiting.sort(key=lambda s: (self.vtc.counter(s), self.policy(s, now)))
+        order = None
+        if self.vtc is not None:  # lowest counter first; an admission raises its tenant's, so re-sort after it
+            keys = {id(s): self.policy(s, now) for s in self.waiting}
+
+            def order(s: Sequence) -> tuple:
+                return self.vtc.counter(s), keys[id(s)]
+
+            self.waiting.sort(key=order)
         else:
             self.waiting.sort(key=lambda s: self.policy(s, now))
         idx = 0
@@ -208,6 +214,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._plan(out, seq, n)
             budget -= n
+            if order is not None:
+                self.waiting[idx:] = sorted(self.waiting[idx:], key=order)  # nearly sorted: linear
         return budget
 
     def _admit_one(self, seq: Sequence, budget: int, out: StepPlan, now: float) -> int:
