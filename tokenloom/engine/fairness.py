@@ -4,7 +4,9 @@ OSDI 2024) — a fair share of the engine per tenant, whatever each sends.
 Each tenant (a request's `SamplingParams.tenant`: the server sets the body's `user` field; no tenant is
 the tenant "") has a counter of the service it received, in weighted tokens: every prompt token the
 scheduler plans counts W_INPUT = 1, every decoded token W_OUTPUT = 2 (the paper's weights: a decode
-token costs a step's weight reads shared by fewer tokens). Waiting requests are admitted lowest counter
+token costs a step's weight reads shared by fewer tokens); tokens served from the prefix cache cost
+nothing, a prompt recomputed after a preemption counts again. There is one API key per server, so the
+tenant comes from `user` alone (a gateway in front sets it per key). Waiting requests are admitted lowest counter
 first (the scheduling policy orders requests of equal counters), so a tenant that sends more does not get
 more: its counter rises with what it is served, and the others' requests go ahead of it.
 
