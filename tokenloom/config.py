@@ -121,8 +121,12 @@ class EngineConfig:
     # from measured step costs to take at most this many times the step without them (engine/stall_free.py).
     # 0 = off (the library default: fixed budgets); `tokenloom serve` uses 1.5. Continuous batching only.
     stall_free_factor: float = 0.0
-    scheduling_policy: Literal["fcfs", "sjf", "priority"] = "fcfs"
+    # "slo": least slack to the requests' SLOs first, prefill sized from the tightest TPOT (engine/slo_policy.py)
+    scheduling_policy: Literal["fcfs", "sjf", "priority", "slo"] = "fcfs"
     priority_aging_s: float = 10.0  # a waiting request gains one priority level per this many seconds
+    slo_shed: bool = False  # with the slo policy: refuse (429) requests predicted to miss their TTFT by far
+    # "vtc": a fair share per tenant (the request's `user`): lowest virtual token counter first (engine/fairness.py)
+    fairness: Literal["none", "vtc"] = "none"
     batching: Literal["continuous", "dynamic", "static"] = "continuous"
     max_wait_ms: float = 50.0  # dynamic batching: how long the first waiting request may wait for company
 
@@ -157,8 +161,9 @@ class EngineConfig:
             "kv_cache_dtype": ("auto", *DTYPES),
             "quantization": (None, *QUANTIZATIONS),
             "preemption_mode": ("recompute", "swap"),
-            "scheduling_policy": ("fcfs", "sjf", "priority"),
+            "scheduling_policy": ("fcfs", "sjf", "priority", "slo"),
             "batching": ("continuous", "dynamic", "static"),
+            "fairness": ("none", "vtc"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -183,6 +188,8 @@ class EngineConfig:
             fail("max_wait_ms", "must be >= 0")
         if not (self.stall_free_factor == 0 or 1 <= self.stall_free_factor < float("inf")):
             fail("stall_free_factor", "must be 0 (off) or a finite factor >= 1")
+        if self.slo_shed and self.scheduling_policy != "slo":
+            fail("slo_shed", "shedding predicts from the slo policy's measurements: needs --scheduling-policy slo")
         self.speculative  # noqa: B018 -- parsing it raises a ValueError naming the key
         if (
             not self.enable_chunked_prefill

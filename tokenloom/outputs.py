@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .slo import SLO
+
 TokenLogprobs = dict[int, float]  # token id -> logprob, highest first, the chosen token always present
 
 
@@ -34,6 +36,7 @@ class RequestMetrics:
     # completion's finish_reason is "error". The server answers it with a 500 / an SSE error event.
     error: str | None = None
     num_preemptions: int = 0
+    slo: SLO | None = None  # the request's targets (slo.py), for the server's attainment counters
 
 
 @dataclass

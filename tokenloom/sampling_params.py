@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .slo import SLO, parse_slo
 from .structured_output.limits import DEFAULT_LIMITS, exceeds, json_depth, json_text_depth
 
 _GREEDY_EPS = 1e-5
@@ -149,6 +150,10 @@ class SamplingParams:
     # Prefix-cache isolation (vLLM's name): requests share cached KV blocks only under the same salt.
     # A gateway sets one secret value per tenant, so no tenant can hit (and time) another's prompts.
     cache_salt: str | None = None
+    # Service-level objectives (slo.py): the targets this request is scheduled for and counted against,
+    # and the tenant whose fair share it draws on (`--fairness vtc`; the server sets the `user` field).
+    slo: SLO | dict | None = None
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -185,6 +190,15 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > MAX_CACHE_SALT_CHARS):
             raise ValueError(f"cache_salt: must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        if isinstance(self.slo, dict):
+            slo, cls = parse_slo(self.slo)
+            if cls is not None:
+                raise ValueError("slo.class: classes are the server's (--slo-classes); give ttft_ms / tpot_ms here")
+            self.slo = None if slo.empty else slo
+        if self.slo is not None and not isinstance(self.slo, SLO):
+            raise ValueError("slo: must be an SLO or a dict of ttft_ms, tpot_ms, e2e_ms")
+        if self.tenant is not None and not isinstance(self.tenant, str):
+            raise ValueError("tenant: must be a string")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -76,6 +76,7 @@ def build_payload(cfg: LoadConfig, sample: SampleRequest) -> dict:
         raise ValueError(f"unknown endpoint {cfg.endpoint!r}: use completions or chat")
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    body.update(sample.extra or {})
     return body
 
 

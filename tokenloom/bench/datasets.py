@@ -48,10 +48,11 @@ WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
 class SampleRequest:
     """One request to send: prompt text, its (estimated) token count and max_tokens."""
 
-    prompt: str
+    prompt: str | list[int]  # text, or token ids (/v1/completions)
     prompt_len: int
     max_tokens: int
     prompt_len_exact: bool = False
+    extra: dict | None = None  # more body fields of this request (e.g. `user`, `priority`, `slo`)
 
 
 def parse_output_len_dist(spec: str, output_len: int, n: int, seed: int) -> list[int]:

@@ -13,7 +13,10 @@ default) is slept on. Idle means no unfinished request (wait for the next arriva
 `replay(engine, workload)` runs one to completion. Both the simulator (virtual clock) and the real
 engine (wall clock; the fidelity benchmark) use it, so their results mean the same. Metrics follow
 `tokenloom.bench.serving_metrics` (vLLM's definitions): TTFT = first token - arrival, TPOT = (E2E -
-TTFT) / (output tokens - 1), duration = last finish - start of the run.
+TTFT) / (output tokens - 1), duration = last finish - start of the run. Requests with an SLO are judged as
+the server judges them (`slo.Attainment`, the same code): `ReplayResult.slo`, and in `summary()` the
+attainment of TTFT, TPOT and both and the goodput (requests meeting both per second of the run); a request
+refused under --slo-shed is a failed request that met nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..engine.llm_engine import LLMEngine
+from ..engine.slo_policy import SLOShedError
 from ..sampling_params import SamplingParams
+from ..slo import ATTAINMENT_KINDS, Attainment
 from .serving_metrics import BenchmarkMetrics, RequestResult, compute_metrics
 from .workload import WorkloadRequest
 
@@ -68,6 +73,7 @@ class ReplayResult:
     num_steps: int
     metrics: BenchmarkMetrics = field(init=False)
     snapshots: object | None = field(default=None, compare=False)  # a SnapshotRecording, when one was made
+    slo: Attainment | None = field(default=None, compare=False)  # when any request had an SLO
 
     def __post_init__(self):
         self.metrics = compute_metrics(self.requests, self.duration)
@@ -76,7 +82,11 @@ class ReplayResult:
         m = self.metrics.to_dict()
         keys = ("completed", "output_throughput", "request_throughput", "median_ttft_ms", "median_tpot_ms",
                 "median_e2el_ms", "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms", "p99_tpot_ms")
-        return {"duration_s": self.duration, "num_steps": self.num_steps, **{k: m[k] for k in keys}}
+        out = {"duration_s": self.duration, "num_steps": self.num_steps, **{k: m[k] for k in keys}}
+        if self.slo is not None and self.slo.requests:
+            out.update({f"slo_attained_{k}": self.slo.met[k] / self.slo.requests for k in ATTAINMENT_KINDS})
+            out.update(slo_shed=self.slo.shed, goodput=self.slo.met["both"] / self.duration)
+        return out
 
 
 class Replay:
@@ -93,6 +103,8 @@ class Replay:
         self.num_steps = 0
         self.token_times: dict[str, list[float]] = {}
         self.outputs = {}
+        self.refused: set[str] = set()  # shed (--slo-shed)
+        self.attainment = Attainment(window_s=math.inf)
         self.t0 = self.clock()
 
     @property
@@ -107,13 +119,16 @@ class Replay:
         engine = self.engine
         while self._next_arrival() <= self.clock():
             req = self.pending[self.next]
-            params = SamplingParams(
-                temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True, priority=req.priority
-            )
+            params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True,
+                                    priority=req.priority, slo=req.slo, tenant=req.tenant)
             prompt = {"prompt_token_ids": req.prompt_token_ids}
-            engine.add_request(req.request_id, prompt, params, self.t0 + req.arrival_time)
             self.token_times[req.request_id] = []
             self.next += 1
+            try:
+                engine.add_request(req.request_id, prompt, params, self.t0 + req.arrival_time)
+            except SLOShedError:
+                self.refused.add(req.request_id)
+                self.attainment.add_shed(self.clock())
         if not engine.has_unfinished_requests():
             if self.next < len(self.pending):
                 self.sleep_until(self._next_arrival())
@@ -128,6 +143,7 @@ class Replay:
             times.extend([end] * (len(out.outputs[0].token_ids) - len(times)))
             if out.finished:
                 self.outputs[out.request_id] = out
+                self.attainment.add_output(out, end)
         if engine.last_step is not None and engine.last_step.num_seqs == 0:
             due, now = engine.scheduler.batch_due_time(), self.clock()
             wake = due if due is not None and due > now else now + IDLE_TICK_S  # the clock always moves on
@@ -142,6 +158,11 @@ class Replay:
         """Per-request results in workload order (every request must have finished)."""
         results = []
         for req in self.workload:
+            if req.request_id in self.refused:
+                results.append(RequestResult(error="refused: predicted to miss its SLO (--slo-shed)",
+                                             prompt_len=len(req.prompt_token_ids),
+                                             start_time=req.arrival_time))
+                continue
             out = self.outputs[req.request_id]
             m = out.metrics
             times = self.token_times[req.request_id]
@@ -155,7 +176,8 @@ class Replay:
                 start_time=m.arrival_time - self.t0,
             ))
         duration = max(r.start_time + r.latency for r in results)
-        return ReplayResult(results, duration, self.num_steps)
+        return ReplayResult(results, duration, self.num_steps,
+                            slo=self.attainment if self.attainment.requests else None)
 
 
 def replay(

@@ -71,6 +71,10 @@ def format_summary(result: dict[str, Any]) -> str:
     lines.append(_line("Request throughput (req/s):", result["request_throughput"], ".2f"))
     if result["request_goodput"] is not None:
         lines.append(_line("Request goodput (req/s):", result["request_goodput"], ".2f"))
+        met, n = result.get("slo_attained"), result["completed"] + result["failed"]
+        if met and n:  # failures count as misses, as the server counts a request it refused under --slo-shed
+            lines.append(_line("SLO attained ttft/tpot/both (%):",
+                               " / ".join(f"{100 * met[k] / n:.1f}" for k in ("ttft", "tpot", "both"))))
     lines.append(_line("Output token throughput (tok/s):", result["output_throughput"], ".2f"))
     lines.append(_line("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"], ".2f"))
     lines.append(_line("Peak concurrent requests:", result["max_concurrent_requests"], ".2f"))

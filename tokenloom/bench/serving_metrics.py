@@ -16,6 +16,8 @@ Aggregates (`compute_metrics`), over successful requests only; failures are coun
 - request_throughput = completed / duration; output_throughput = output tokens / duration;
   total_token_throughput = (input + output tokens) / duration.
 - request_goodput = requests meeting every given SLO (metric <= SLO ms) / duration; None without SLOs.
+  `slo_attained` counts the successful requests that met TTFT, TPOT and all of them ("both"), judged by
+  `tokenloom.slo.SLO.attained`, the server's own definition (its `slo_attained_total` counters).
 - max_output_tokens_per_s: peak over 1-s buckets from the first start; each choice-bearing message
   (first at start + ttft, then + each itl) counts one token, as in vLLM.
 - max_concurrent_requests: exact peak of overlapping [start, start + latency) intervals (sweep line,
@@ -30,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+
+from ..slo import ATTAINMENT_KINDS, SLO
 
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
 
@@ -66,6 +70,7 @@ class BenchmarkMetrics:
     max_concurrent_requests: int
     latency_stats: dict[str, float]  # mean_/median_/std_/pNN_ {ttft,tpot,itl,e2el} _ms
     output_lens: list[int]  # per request, 0 for failures (vLLM's actual_output_lens)
+    slo_attained: dict[str, int] | None = None  # {"ttft", "tpot", "both"}: requests that met them (None: no SLO)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -158,17 +163,13 @@ def compute_metrics(
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(output_lens)
 
-    slos = {"ttft": slo_ttft_ms, "tpot": slo_tpot_ms, "e2el": slo_e2el_ms}
-    slos = {k: v / 1000 for k, v in slos.items() if v is not None}
+    slo = SLO(slo_ttft_ms, slo_tpot_ms, slo_e2el_ms)
     goodput: float | None = None
-    if slos:
-        good = 0
-        for r in ok:
-            tpot = request_tpot(r)
-            values = {"ttft": r.ttft, "tpot": 0.0 if tpot is None else tpot, "e2el": r.latency}
-            if all(values[k] <= slo for k, slo in slos.items()):
-                good += 1
-        goodput = good / duration
+    attained: dict[str, int] | None = None
+    if not slo.empty:
+        met = [slo.attained(r.ttft, request_tpot(r), r.latency) for r in ok]
+        attained = {kind: sum(m[kind] for m in met) for kind in ATTAINMENT_KINDS}
+        goodput = attained["both"] / duration
 
     stats: dict[str, float] = {}
     for name, values in zip(METRIC_NAMES, (ttfts, tpots, itls, e2els), strict=True):
@@ -187,6 +188,7 @@ def compute_metrics(
         max_concurrent_requests=peak_concurrency((r.start_time, r.start_time + r.latency) for r in ok),
         latency_stats=stats,
         output_lens=output_lens,
+        slo_attained=attained,
     )
 
 

@@ -31,6 +31,7 @@ import math
 import random
 from dataclasses import dataclass
 
+from ..slo import SLO
 from .arrivals import arrival_times
 
 WORKLOADS = ("uniform", "mixed", "long-prompt", "poisson")
@@ -48,6 +49,8 @@ class WorkloadRequest:
     max_tokens: int
     arrival_time: float = 0.0  # seconds after the run starts
     priority: int = 0
+    slo: SLO | None = None  # its latency targets (slo.py), for the slo policy and attainment
+    tenant: str | None = None  # whose share it draws on (--fairness vtc)
 
 
 def random_prompt_ids(rng: random.Random, length: int) -> list[int]:

@@ -36,6 +36,7 @@ from ..model.lora import LoRARequest
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
+from .slo_policy import SLOShedError
 
 logger = logging.getLogger("tokenloom.async_llm")
 
@@ -335,6 +336,8 @@ class AsyncLLM:
                 )
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, cmd.lora_request)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the engine stays up
+            if isinstance(exc, SLOShedError) and self.metrics is not None:
+                self.metrics.on_idle(self.engine)  # count the refusal now: no step may follow
             self._post(self._resolve, cmd, exc)
             return
         self._streams[cmd.request_id] = cmd.stream

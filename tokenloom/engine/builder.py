@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,8 +104,9 @@ def build_engine(
     kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks,
                         layout.group_windows)
     stall_free = None
-    if config.stall_free_factor and config.batching == "continuous":
-        stall_free = StallFreeBudget(config.block_size, config.stall_free_factor,
+    if (config.stall_free_factor or config.scheduling_policy == "slo") and config.batching == "continuous":
+        # The slo policy sizes prefill from the TPOT targets; without a factor, from them alone.
+        stall_free = StallFreeBudget(config.block_size, config.stall_free_factor or math.inf,
                                      max_tokens=config.max_num_batched_tokens)
     scheduler = Scheduler(config, kv, stall_free)
     runner = runner or ModelRunner(model, num_blocks, config.block_size, num_host_blocks, config.seed, kv_dtype)
@@ -123,6 +125,8 @@ def build_engine(
     metrics = StepMetrics(runner, speculation)
     if stall_free is not None:
         metrics.listeners.append(stall_free.on_step)
+    if scheduler.slo is not None:
+        metrics.listeners.append(scheduler.slo.on_step)
     heap = HeapPolicy()
     core = EngineCore(config, tokenizer, kv, scheduler, runner, speculation, adapters, outputs, metrics, heap, clock)
     parts = EngineParts(config, clock, model, tokenizer, model_config, kv, stall_free, scheduler, runner, speculation,

@@ -80,6 +80,10 @@ class EngineCore:
         if state is not None:
             self._forget(state)
 
+    def release(self, state: RequestState) -> None:
+        """A request made by the input processor that will not run after all (refused): unpin what it holds."""
+        self._forget(state)
+
     def _forget(self, state: RequestState) -> None:
         """A request has gone (finished or aborted): unpin its adapter, stop tracking its faults."""
         if state.lora_name is not None:

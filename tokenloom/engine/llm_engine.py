@@ -63,7 +63,15 @@ class LLMEngine:
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        self.core.add(self.inputs.process(request_id, prompt, params, arrival_time, lora_request, self.requests))
+        state = self.inputs.process(request_id, prompt, params, arrival_time, lora_request, self.requests)
+        if self.config.slo_shed and self.scheduler.slo is not None:
+            try:  # SLOShedError: predicted to miss its TTFT by far (a 429 at the server)
+                self.scheduler.slo.check_admission(state.seqs, self.scheduler.waiting, self.scheduler.running,
+                                                   self.config.max_num_seqs, self.clock())
+            except Exception:
+                self.core.release(state)
+                raise
+        self.core.add(state)
 
     def abort_request(self, request_id: str) -> None:
         self.core.abort(request_id)

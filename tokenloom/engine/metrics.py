@@ -10,6 +10,12 @@ Definitions follow vLLM: TTFT = first token time - arrival; inter-token latency 
 generated token (gap since the same sequence's previous token); e2e = finish - arrival; queue time
 = first scheduled - arrival; prefix-cache queries and hits are counted in tokens; the KV usage
 gauge is a 0-1 fraction.
+
+SLO attainment (slo.py; issue 56): a request finished by stop or length that had an SLO counts once in
+`slo_requests_total` and in `slo_attained_total{slo="ttft"|"tpot"|"both"}` for each it met, by the load
+generator's definitions (TTFT to the first token, TPOT = (last token - first token) / (tokens - 1), from the
+server's arrival time); a request refused by --slo-shed counts as met nothing (and in `slo_shed_total`).
+`slo_goodput` is the requests per second that met both over the last minute.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..outputs import RequestOutput
+from ..slo import ATTAINMENT_KINDS, Attainment
 
 logger = logging.getLogger("tokenloom.metrics")
 
@@ -82,6 +89,14 @@ class EngineMetrics:
                                      "Accepted draft tokens by position in the draft (0 = the first).",
                                      ["model_name", "position"], registry=self.registry)
 
+        self.slo_requests = counter("slo_requests", "Finished requests that had an SLO (refused by --slo-shed too).")
+        self.slo_shed = counter("slo_shed", "Requests refused (429) because they were predicted to miss their SLO.")
+        self.slo_goodput = gauge("slo_goodput", "Requests per second that met every SLO target, over the last minute.")
+        slo_attained = Counter("tokenloom:slo_attained", "Finished requests that met their SLO target, by target.",
+                               ["model_name", "slo"], registry=self.registry)
+        self._slo_attained = {kind: slo_attained.labels(model_name, kind) for kind in ATTAINMENT_KINDS}
+        self.attainment = Attainment()
+
         # Per request: choice index -> (tokens seen, time of its last token).
         self._tracked: dict[str, dict[int, tuple[int, float]]] = {}
         self._counted: dict[Counter, int] = {}  # counter -> engine total it has counted up to
@@ -101,6 +116,7 @@ class EngineMetrics:
         now = stats.start + stats.duration if stats is not None else time.monotonic()
         for out in outputs:
             self._on_output(out, now)
+        self.slo_goodput.set(self.attainment.goodput(now))
         self._update_gauges(engine)
         self._maybe_log_status(engine)
 
@@ -140,8 +156,19 @@ class EngineMetrics:
         if out.finished:
             self._on_finished(out, now)
 
+    def on_shed(self, now: float | None = None) -> None:
+        """A request refused under --slo-shed: it met none of its targets."""
+        self.attainment.add_shed(time.monotonic() if now is None else now)
+        self.slo_shed.inc()
+        self.slo_requests.inc()
+
     def _on_finished(self, out: RequestOutput, now: float) -> None:
         self._tracked.pop(out.request_id, None)
+        met = self.attainment.add_output(out, now)
+        if met is not None:
+            self.slo_requests.inc()
+            for kind, ok in met.items():
+                self._slo_attained[kind].inc(ok)
         m = out.metrics
         gen = sum(len(c.token_ids) for c in out.outputs)
         reason = out.outputs[0].finish_reason or "unknown"
@@ -174,6 +201,11 @@ class EngineMetrics:
                                (self.preemptions, st.num_preemptions)):
             counter.inc(max(total - self._counted.get(counter, 0), 0))
             self._counted[counter] = total
+        slo = getattr(getattr(engine, "scheduler", None), "slo", None)
+        for _ in range(slo.num_shed - self._counted.get(self.slo_shed, 0) if slo is not None else 0):
+            self.on_shed()
+        if slo is not None:
+            self._counted[self.slo_shed] = slo.num_shed
         spec = getattr(engine, "speculation", None)
         if spec is not None:
             st = spec.stats

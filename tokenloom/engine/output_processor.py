@@ -56,6 +56,7 @@ class OutputProcessor:
             finished_time=max((t.finished or 0 for t in times), default=None) if state.finished else None,
             num_cached_tokens=first.num_cached_prompt_tokens,
             num_preemptions=sum(s.num_preemptions for s in state.seqs),
+            slo=first.params.slo,
         )
         return RequestOutput(
             request_id=state.request_id,

@@ -21,6 +21,13 @@ Speculative drafts (set on decoding sequences by the engine before it schedules)
 their sequence's row, inside the same budget, fitted last from what the step leaves over
 (`_fit_drafts`): they never preempt, delay or shut out anybody, and are dropped where there is no room.
 
+Under `--scheduling-policy slo` (engine/slo_policy.py) the policy key is the slack to each request's SLO,
+requests that can no longer make theirs give up their seats to those that can (`_yield_seats`), and the
+stall-free allowance is capped by the tightest TPOT among the decoding rows, slicing every prompt.
+
+With `--fairness vtc` (engine/fairness.py) waiting sequences are admitted lowest virtual token counter
+of their tenant first, the policy ordering those of equal counters; every planned token is charged.
+
 The batching mode only decides who may be admitted: `continuous` admits at every step; `static`
 forms a batch of up to `max_num_seqs` only when nothing runs, and admits no one else until the
 whole batch has finished, computing the slots of finished members as padding the way a padded static
@@ -34,8 +41,10 @@ import time
 
 from ..config import EngineConfig
 from ..step import Sequence, SequenceStatus, StepPlan
+from .fairness import VirtualTokenCounter
 from .kv_cache import KVCacheManager
 from .policies import get_policy
+from .slo_policy import SLOScheduling
 from .stall_free import StallFreeBudget
 
 
@@ -48,7 +57,10 @@ class Scheduler:
         self._decoding = False
         self._planned_prefill = 0
         self._adapters: set[str] = set()  # LoRA adapters in this step (at most max_loras)
-        self.policy = get_policy(config.scheduling_policy, config.priority_aging_s)
+        self.slo = SLOScheduling() if config.scheduling_policy == "slo" else None
+        self.policy = self.slo.key if self.slo is not None else get_policy(config.scheduling_policy,
+                                                                           config.priority_aging_s)
+        self.vtc = VirtualTokenCounter() if config.fairness == "vtc" else None
         self.waiting: list[Sequence] = []  # WAITING and SWAPPED sequences
         self.running: list[Sequence] = []
         self.batch: set[str] | None = None  # members of the current static/dynamic batch
@@ -58,6 +70,8 @@ class Scheduler:
     # -- queue management ------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        if self.vtc is not None:
+            self.vtc.arrive(seq, self.waiting + self.running)
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -81,6 +95,9 @@ class Scheduler:
         self.running.sort(key=lambda s: self.policy(s, now))
         self._planned_prefill = 0
         self._adapters = set()
+        yielded = self._yield_seats(out, now) if self.slo is not None else 0
+        if self.slo is not None and self.stall_free is not None:
+            self.stall_free.tpot_cap = self.slo.tpot_cap(self.running)
         self._decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
 
         i = 0
@@ -100,7 +117,7 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        if not out.preempted:
+        if len(out.preempted) == yielded:  # nobody preempted for KV room (seats given up are for admissions)
             budget = self._admit(out, budget, now)
         self._fit_drafts(out, budget)
         if self.stall_free is not None:
@@ -120,8 +137,23 @@ class Scheduler:
         weights, to smooth a single step)."""
         limit = self.config.long_prefill_token_threshold
         n = min(remaining, budget, limit) if limit > 0 else min(remaining, budget)
-        if self.stall_free is not None and remaining > 1 and seq.num_tokens > self.config.max_num_batched_tokens:
+        if self.stall_free is not None and remaining > 1 and (
+                seq.num_tokens > self.config.max_num_batched_tokens or self.stall_free.tpot_cap is not None):
             n = self.stall_free.chunk_limit(self._decoding, self._planned_prefill, n)
+        return n
+
+    def _yield_seats(self, out: StepPlan, now: float) -> int:
+        """The slo policy: while the batch is full and requests that can still meet their SLO wait, the
+        running rows that can no longer meet theirs (last in policy order) are preempted to free seats.
+        Returns how many."""
+        if self.config.batching != "continuous":
+            return 0
+        hopeful = sum(1 for s in self.waiting if s.params.slo is not None and not self.slo.late(s, now))
+        n = 0
+        while (hopeful > n and len(self.running) >= self.config.max_num_seqs
+               and self.slo.late(self.running[-1], now)):
+            self._preempt(self.running.pop(), out)
+            n += 1
         return n
 
     def _fit_drafts(self, out: StepPlan, budget: int) -> None:
@@ -148,14 +180,26 @@ class Scheduler:
         out.scheduled.append((seq, n))
         if seq.lora is not None:
             self._adapters.add(seq.lora.name)
-        if seq.num_tokens - seq.num_computed_tokens > 1:
+        prefill = seq.num_tokens - seq.num_computed_tokens > 1
+        if prefill:
             self._planned_prefill += n
+        if self.vtc is not None:
+            self.vtc.charge(seq, n if prefill else 0, 0 if prefill else n)
 
     def _admit(self, out: StepPlan, budget: int, now: float) -> int:
         """Admit waiting sequences in policy order; returns the budget left."""
         if not self._batch_open(now):
             return budget
-        self.waiting.sort(key=lambda s: self.policy(s, now))
+        order = None
+        if self.vtc is not None:  # lowest counter first; an admission raises its tenant's, so re-sort after it
+            keys = {id(s): self.policy(s, now) for s in self.waiting}
+
+            def order(s: Sequence) -> tuple:
+                return self.vtc.counter(s), keys[id(s)]
+
+            self.waiting.sort(key=order)
+        else:
+            self.waiting.sort(key=lambda s: self.policy(s, now))
         idx = 0
         while idx < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[idx]
@@ -170,6 +214,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._plan(out, seq, n)
             budget -= n
+            if order is not None:
+                self.waiting[idx:] = sorted(self.waiting[idx:], key=order)  # nearly sorted: linear
         return budget
 
     def _admit_one(self, seq: Sequence, budget: int, out: StepPlan, now: float) -> int:

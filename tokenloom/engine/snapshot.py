@@ -24,6 +24,7 @@ from collections import deque
 
 import numpy as np
 
+from ..slo import Attainment
 from ..step import SequenceStatus
 from .kv_cache import held_blocks
 
@@ -68,6 +69,7 @@ class EngineRecorder:
         self._live: dict[str, dict] = {}  # timeline records of requests seen alive by the last build
         self._preempted_at: dict[str, list[float]] = {}  # seq id -> times it was preempted (while watched)
         self._prev_end: float | None = None
+        self.attainment = Attainment()  # SLO attainment of the requests finished since start (slo.py)
         self.watched = False  # set by the dashboard while a viewer is connected
         self.num_builds = 0
         engine.step_listeners.append(self.on_step)
@@ -96,6 +98,7 @@ class EngineRecorder:
                 self._ttft.append((m.first_token_time, m.first_token_time - m.arrival_time))
             if out.finished:
                 self._ended.append(self._record(out.request_id, m, out, end))
+                self.attainment.add_output(out, end)
         if not self.watched:
             if self._preempted_at:  # the last viewer left: what is kept only while watched goes
                 self._preempted_at.clear()
@@ -174,6 +177,7 @@ class EngineRecorder:
             "kv": self._kv(kv),
             "timeline": self._timeline(live, now, rel),
             "series": self._series(now),
+            "slo": self.attainment.to_dict(now),
         }
         return snap
 

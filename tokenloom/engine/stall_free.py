@@ -14,6 +14,9 @@ grows with the prompt's context (attention), and a long slice switches its matmu
 kernel (runner.SHORT_CHUNK). The decoding streams' inter-token gap thus grows by about `factor` while
 a long prompt prefills in slices; the prompt moves on by at least `min_chunk` tokens a step.
 
+Under `--scheduling-policy slo` the scheduler sets `tpot_cap` each step, the tightest TPOT target among
+the rows decoding: the step's target is then at most that many seconds (a factor of infinity: only it).
+
 Until the engine has seen enough decode-only steps to fit their cost there is no cap (the fixed token
 budget applies): a workload that always has prompts waiting never stops to teach it, and then keeps
 the throughput of whole chunks.
@@ -21,6 +24,7 @@ the throughput of whole chunks.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from ..step import StepShape
@@ -42,6 +46,7 @@ class StallFreeBudget:
         self.min_samples = min_samples
         self.decode_model: LinearCostModel | None = None
         self._since_fit = 0
+        self.tpot_cap: float | None = None  # seconds a step may take at most (the slo policy sets it per step)
 
     # -- measuring -------------------------------------------------------------------------------
 
@@ -69,13 +74,19 @@ class StallFreeBudget:
                 except (ValueError, ArithmeticError):  # degenerate window: keep the last fit
                     pass
             return
-        if self.decode_model is None:
+        if self.decode_model is None or math.isinf(target := self.target(decode_rows)):
             return
-        ratio = seconds / (self.factor * self.decode_time(decode_rows))
+        ratio = seconds / target
         if ratio > 1:
             self.allowance = max(self.min_chunk, int(prefill / ratio * 0.9))
         elif prefill >= self.allowance:  # the step was limited by the allowance and had time to spare
             self.allowance = min(self.max_tokens, max(prefill + 1, min(2 * prefill, int(prefill / ratio * 0.9))))
+
+    def target(self, decode_rows: list[tuple[int, int]]) -> float:
+        """Seconds a step of these decode rows plus a prefill slice should take: `factor` x the rows alone,
+        at most `tpot_cap`."""
+        goal = self.factor * self.decode_time(decode_rows)
+        return goal if self.tpot_cap is None else min(goal, self.tpot_cap)
 
     def decode_time(self, decode_rows: list[tuple[int, int]]) -> float:
         """Predicted seconds of a step of these decode rows [(1, context)] alone."""
@@ -89,7 +100,7 @@ class StallFreeBudget:
         """Tokens the next prefill chunk may take (at most `want`), when `planned_prefill` prefill tokens
         are already in this step. Nobody decoding: all of `want`. The step's first chunk gets at least
         `min_chunk`, so a prompt moves on every step. No cap before the decode cost is known."""
-        if not decoding or want <= 0 or self.decode_model is None:
+        if not decoding or want <= 0 or self.decode_model is None or (math.isinf(self.factor) and self.tpot_cap is None):
             return want
         floor = min(want, self.min_chunk) if planned_prefill == 0 else 0
         return max(min(want, self.allowance - planned_prefill), floor)

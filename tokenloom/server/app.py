@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from .. import __version__
 from ..engine.async_llm import AsyncLLM
 from ..model.lora import LoRARequest
+from ..slo import SLOPolicy
 from .chat import create_chat_completion, render_prompt_ids
 from .completions import create_completion
 from .dashboard import DashboardOptions, add_dashboard_routes
@@ -67,12 +68,13 @@ def build_app(
     lora_modules: list[LoRARequest] | None = None,
     allow_runtime_lora_updating: bool = False,
     dashboard: DashboardOptions | None = None,
+    slo_policy: SLOPolicy | None = None,
 ) -> FastAPI:
     """`metrics_token`/`metrics_open`: who reads /metrics (tenancy.MetricsAccess); `client_priority`:
     the `priority` values a client may send; `trust_chat_messages`: chat message content may
     spell control tokens that take effect (off: content is text, see chat_text.py); `reasoning_parser`:
-    thinking blocks as `reasoning_content` (reasoning.py); `dashboard`: the
-    live view's options (dashboard.py; on by default)."""
+    thinking blocks as `reasoning_content` (reasoning.py); `dashboard`: the live view's options
+    (dashboard.py; on by default); `slo_policy`: the SLO defaults and classes (slo.py)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     state = ServerState(async_llm, names or ["tokenloom"], model_path, metrics,
                         client_priority=client_priority or ClientPriorityRange(),
@@ -83,6 +85,7 @@ def build_app(
                          "(requests for the base would run under it)")
     if state.adapters is not None:
         state.adapters.auto_register = False  # on a server only the operator's routes register a name
+    state.slo_policy = slo_policy or SLOPolicy()
     metrics_access = MetricsAccess(api_key, metrics_token, metrics_open)
 
     deadline: list[float] = []  # set once shutdown begins

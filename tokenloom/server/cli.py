@@ -90,6 +90,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dashboard-show-text", action="store_true",
                    help="show prompts and outputs on the dashboard to the --metrics-token holder only (needs "
                         "--metrics-token; default: request ids, counts and times only)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="every request's time-to-first-token target unless its body or class sets one (ms); "
+                        "/metrics counts who met it (slo_attained_total), --scheduling-policy slo aims at it")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="the default time-per-output-token target (ms)")
+    p.add_argument("--slo-e2e-ms", type=float, default=None, help="the default arrival-to-last-token target (ms)")
+    p.add_argument("--slo-classes", metavar="FILE", default=None,
+                   help="JSON: SLO classes and which tenant (`user`) has which, e.g. {\"classes\": {\"batch\": "
+                        "{\"ttft_ms\": 60000}}, \"tenants\": {\"etl\": \"batch\"}, \"default_class\": null} (README)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--log-interval", type=float, default=10.0, help="seconds between engine status lines")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
@@ -143,7 +151,7 @@ def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
     from ..model import catalog
     from .app import build_app
     from .dashboard import DashboardOptions
-    from .loading import app_options, load_served_engine
+    from .loading import app_options, load_served_engine, warn_unreachable_slos
     from .lora_routes import parse_lora_modules
 
     if args.model_tag is not None:
@@ -161,6 +169,7 @@ def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
     # Everything that can fail in a second fails before the model loads: the source, then the port.
     to_pull = catalog.missing_pull(config.model)
     draft_to_pull = catalog.missing_pull(config.draft_model, "speculative_config.model")
+    options = app_options(args)  # a bad SLO flag or classes file fails before the port and the load too
     sockets = _bind(args.host, args.port)
     if fleet is not None:
         start_fleet, stop_fleet = fleet
@@ -171,12 +180,13 @@ def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
     for name in (to_pull, draft_to_pull):
         catalog.pull_missing(name)
     served = load_served_engine(args, config, lora_modules)
+    warn_unreachable_slos(served.async_llm.engine, options["slo_policy"])
     app = build_app(
         served.async_llm, served.names, metrics=served.metrics, model_path=served.path,
         lora_modules=lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         dashboard=DashboardOptions(not args.disable_dashboard, args.dashboard_max_viewers, args.dashboard_show_text,
                                    args.dashboard_max_viewers_per_client),
-        **app_options(args),
+        **options,
     )
     return _serve(args, app, sockets, f"torch threads {served.async_llm.num_threads}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from typing import Any
 
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_llm import EngineDeadError, EngineStoppingError, QueueFullError
+from ..engine.slo_policy import SLOShedError
 
 logger = logging.getLogger("tokenloom.server")
 
@@ -59,6 +61,9 @@ def from_exception(exc: BaseException) -> APIError:
     """The API error for an exception raised while adding or running a request."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, SLOShedError):  # --slo-shed: predicted to miss its TTFT by far; the body names slo.ttft_ms
+        return APIError(429, str(exc), "rate_limit_error", "slo.ttft_ms", "slo_unattainable",
+                        {"Retry-After": str(math.ceil(exc.retry_after_s))})
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), "server_error", None, "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineStoppingError):
@@ -119,7 +124,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return from_exception(exc).response()
 
     # Registered per class: Starlette re-raises whatever reaches a catch-all `Exception` handler.
-    for kind in (ValueError, QueueFullError, EngineStoppingError, EngineDeadError):
+    for kind in (ValueError, QueueFullError, EngineStoppingError, EngineDeadError, SLOShedError):
         app.add_exception_handler(kind, _mapped)
 
     async def _internal(request: Request, exc: Exception):

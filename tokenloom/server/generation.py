@@ -70,6 +70,8 @@ class GenerationView(abc.ABC):
         view = cls(state, req, state.check_model(req.model))
         params, prompts = await view.engine_inputs()
         state.client_priority.check(params.priority)  # the operator's range, not the engine's int32
+        params.tenant = req.user
+        params.slo = state.slo_policy.resolve(req.slo, req.user)  # a bad field or class: a 400 naming it
         view.n = params.n
         for ids in prompts:  # the model-dependent checks, before anything reaches the engine thread
             check_request(params, ids, state.vocab_size, state.max_model_len)

@@ -4,6 +4,7 @@ the model and adapters loaded, metrics and the AsyncLLM around it, and the name 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from ..engine.async_llm import AsyncLLM
 from ..engine.llm_engine import LLMEngine
 from ..engine.metrics import EngineMetrics
 from ..model.load import default_num_threads, model_path, set_num_threads
+from ..slo import SLO, SLOPolicy, slo_number, unreachable
 
 # llama.cpp's file-name suffix for the weight format (`.Q4_1`, `.Q4_K_M`, `-F16`): not part of a model's name.
 _QUANT_SUFFIX = re.compile(r"[.-](I?Q\d\w*|[BF]F?16|F32)$", re.IGNORECASE)
@@ -70,4 +72,33 @@ def app_options(args: argparse.Namespace) -> dict:
             "shutdown_timeout": args.shutdown_timeout, "metrics_token": args.metrics_token,
             "metrics_open": args.metrics_open, "trust_chat_messages": args.trust_chat_messages,
             "reasoning_parser": args.reasoning_parser,
-            "client_priority": ClientPriorityRange(args.min_client_priority, args.max_client_priority)}
+            "client_priority": ClientPriorityRange(args.min_client_priority, args.max_client_priority),
+            "slo_policy": slo_policy_from_args(args)}
+
+
+def slo_policy_from_args(args: argparse.Namespace) -> SLOPolicy:
+    """--slo-ttft-ms / --slo-tpot-ms / --slo-e2e-ms and --slo-classes, checked (ValueError naming the flag)."""
+    targets = {f"{k}_ms": slo_number(f"--slo-{k.replace('_', '-')}-ms", v)
+               for k in ("ttft", "tpot", "e2e") if (v := getattr(args, f"slo_{k}_ms", None)) is not None}
+    default = SLO(**targets)
+    path = getattr(args, "slo_classes", None)
+    return SLOPolicy.from_file(path, default) if path else SLOPolicy(default)
+
+
+def warn_unreachable_slos(engine: LLMEngine, policy: SLOPolicy) -> list[str]:
+    """Time one engine step (a one-token prompt, decoded once) and log a warning for every target below it:
+    no request could ever meet such an SLO. Returns the warnings."""
+    if all(slo.empty for _, slo in policy.all_slos()):
+        return []
+    from ..sampling_params import SamplingParams
+
+    engine.add_request("slo-step-probe", {"prompt_token_ids": [0]},
+                       SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    step_s = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        step_s.append(engine.last_step.duration)
+    warnings = unreachable(policy, min(step_s))
+    for text in warnings:
+        logging.getLogger("tokenloom.server").warning("SLO %s", text)
+    return warnings

@@ -73,6 +73,9 @@ class _SamplingFields(_Body):
     min_tokens: int = 0
     priority: int = Field(0, description="Lower runs sooner (vLLM's convention); by default a client may only "
                           "lower its own priority (>= 0): the server's --min-client-priority bounds it")
+    slo: dict[str, Any] | None = Field(
+        None, description="This request's latency targets: {ttft_ms, tpot_ms, e2e_ms} and/or a class of the "
+        "server's --slo-classes file; unset fields come from the tenant's class and the server's defaults")
     cache_salt: Text | None = Field(
         None, description="Prefix-cache isolation (vLLM's field): requests share cached KV only under the same salt")
     stop_token_ids: list[int] | None = None

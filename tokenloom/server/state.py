@@ -18,6 +18,7 @@ from functools import cached_property
 
 from ..engine.async_llm import AsyncLLM
 from ..model.lora import LoRARequest
+from ..slo import SLOPolicy
 from .chat_text import ChatEncoder
 from .errors import APIError
 from .tenancy import ClientPriorityRange
@@ -37,6 +38,7 @@ class ServerState:
     trust_chat_messages: bool = False  # content may spell control tokens, any role (operator's choice)
     reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": <think> blocks as reasoning_content
     loras: dict[str, LoRARequest] = field(default_factory=dict)  # adapters served by name (--lora-modules)
+    slo_policy: SLOPolicy = field(default_factory=SLOPolicy)  # where a request's SLO comes from (slo.py)
     _executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(_EXECUTOR_THREADS, thread_name_prefix="tokenloom-text"))
 

@@ -4,6 +4,11 @@
     tokenloom calibrate --out calibration.json --from-steps steps-*.jsonl   (a server's --record-steps)
     tokenloom simulate (--cost-model calibration.json | --preset llama-3-8b@h100) --workload poisson \
         --num-prompts 200 --request-rate 8 --input-len 512 --output-len 128 [engine knobs] [--json]
+        [--slo-ttft-ms 1000 --slo-tpot-ms 100 --scheduling-policy slo --fairness vtc --slo-shed]
+
+With SLO flags every request gets those targets, and the report adds their attainment (TTFT, TPOT, both)
+and the goodput, counted as the server counts them (`tokenloom.slo.Attainment`); the policies are the
+engine's own scheduler code.
 
 With a preset, the simulated engine keeps KV in bfloat16 and, unless --kv-cache-memory-bytes or
 --num-kv-blocks is given, gets 90% of the GPUs' memory minus the weights for the KV cache.
@@ -32,6 +37,7 @@ def fit_preset(config, cost) -> None:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from ..config import engine_config_from_args
+    from ..slo import SLO, slo_number
     from .cost_model import MODELS, load_cost_model, preset
     from .simulator import simulate
 
@@ -48,6 +54,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         fit_preset(config, cost)
     workload = make_workload(args.workload, args.num_prompts, args.input_len, args.output_len,
                              args.request_rate, args.workload_seed)
+    slo = SLO(**{f"{k}_ms": slo_number(f"--slo-{k}-ms", v)
+                 for k in ("ttft", "tpot", "e2e") if (v := getattr(args, f"slo_{k}_ms")) is not None})
+    if not slo.empty:
+        workload = [dataclasses.replace(r, slo=slo) for r in workload]
     if args.record_replay and args.replay_max_frames < 2:
         raise ValueError(f"--replay-max-frames: must be at least 2, got {args.replay_max_frames}")
     record_frames = args.replay_max_frames if args.record_replay else 0
@@ -88,6 +98,9 @@ def add_simulate_parser(subparsers) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="every request's TTFT target (ms)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="every request's TPOT target (ms)")
+    p.add_argument("--slo-e2e-ms", type=float, default=None, help="every request's end-to-end target (ms)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--record-replay", metavar="FILE", default=None,
                    help="write the run's dashboard snapshots here (.json.gz; open with `tokenloom dashboard-replay`)")

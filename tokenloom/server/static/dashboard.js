@@ -148,6 +148,10 @@
       ["swapped", snap.num_swapped],
       ["preemptions", snap.num_preemptions],
       ["batching", snap.config.batching],
+      // SLO attainment of finished requests (TTFT / TPOT / both), once any had an SLO.
+      ...(snap.slo && snap.slo.requests ? [["SLO met ttft/tpot/both", ["ttft", "tpot", "both"].map(
+        (k) => Math.round(100 * snap.slo[k] / snap.slo.requests) + "%").join(" / ") + " of " + snap.slo.requests +
+        " · goodput " + fmt(snap.slo.goodput, 2) + "/s"]] : []),
       // Live: who else watches; a recorded frame has no server, but a time on its run's engine clock.
       s ? ["viewers", s.viewers + " / " + s.max_viewers] : ["engine time", fmt(snap.now, 2) + " s"],
     ];
