@@ -69,9 +69,9 @@ class Fakes:
 
         return Handle(object(), self.sizes[spec.name], start, stop)
 
-    def model_set(self, **kwargs) -> ModelSet:
+    def model_set(self, estimates: dict[str, int] | None = None, **kwargs) -> ModelSet:
         specs = [ModelSpec(n, f"/m/{n}") for n in self.sizes]
-        return ModelSet(specs, self.loader, estimates=dict(self.sizes), **kwargs)
+        return ModelSet(specs, self.loader, estimates=estimates or dict(self.sizes), **kwargs)
 
 
 def test_request_autoloads_and_evicts_lru_idle_within_budget():
@@ -178,3 +178,18 @@ def test_concurrent_load_and_unload_run_in_order_and_leak_nothing():
 def test_model_larger_than_the_budget_is_refused_with_the_numbers():
     with pytest.raises(ModelTooLarge, match=r"'big' \(/m/big\) needs 2000 bytes .* --memory-budget is 1000"):
         Fakes({"big": 2000}).model_set(budget=1000)
+
+
+def test_start_up_loads_only_what_fits_beside_the_models_before_it():
+    async def main():
+        fakes = Fakes({"a": 500, "b": 600, "c": 400})
+        # b's estimate is low (its files are smaller than what it takes once loaded): it loads, does not
+        # fit beside a, and is unloaded again, a untouched; c fits by its estimate and its bytes.
+        models = fakes.model_set(estimates={"a": 500, "b": 100, "c": 400}, budget=1000)
+        for name in models.slots:
+            await models.load(name, evict=False)
+        assert fakes.live == {"a", "c"} and models.evictions == 0
+        assert models.slots["b"].status == "unloaded" and models.slots["b"].estimate == 600
+        assert models.resident_bytes == 900
+
+    asyncio.run(main())

@@ -226,11 +226,17 @@ class ModelSet:
 
     # -- load and unload --------------------------------------------------------------------------
 
-    async def load(self, name: str | None) -> ModelSlot:
-        """Load a model (no-op when loaded); raises APIError when it fails (the slot then `failed`)."""
+    async def load(self, name: str | None, evict: bool = True) -> ModelSlot:
+        """Load a model (no-op when loaded); raises APIError when it fails (the slot then `failed`).
+        `evict=False` (the start-up loads): only if it fits beside the resident ones, else left unloaded."""
         slot = self.slot(name)
         async with slot.lock:
             if slot.status == "loaded":
+                return slot
+            if not evict and plan_evictions(self._residents(exclude=slot), slot.estimate, self.budget,
+                                            self.models_max) != []:
+                logger.info("model %s (%d bytes) does not fit beside the resident models: left unloaded",
+                            slot.name, slot.estimate)
                 return slot
             await self._make_room(slot, slot.estimate)
             slot.status, slot.reason = "loading", None
@@ -252,10 +258,17 @@ class ModelSet:
             slot.loads += 1
             slot.load_seconds = time.monotonic() - started
             slot.last_used = time.monotonic()
-            slot.estimate = handle.bytes  # the next load reserves what it really took
+            for same in self.slots.values():  # the next load of this source reserves what it really took
+                if same.spec.source == slot.spec.source:
+                    same.estimate = handle.bytes
             logger.info("model %s loaded in %.1fs: %d bytes resident (%d in all%s)", slot.name, slot.load_seconds,
                         handle.bytes, self.resident_bytes, f" of {self.budget}" if self.budget else "")
             over = self.budget is not None and self.resident_bytes > self.budget
+            if over and not evict:
+                logger.info("model %s took %d bytes, more than the room beside the resident models: unloaded again",
+                            slot.name, handle.bytes)
+                await self._stop(slot, 0.0)
+                return slot
             if over and not await self._evict_for_overrun(slot):
                 reason = (f"resident {handle.bytes} bytes, with the others' {self.resident_bytes - handle.bytes}, "
                           f"exceed --memory-budget {self.budget}")

@@ -232,7 +232,7 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
         app.state.begin_shutdown = begin_shutdown
         for name in on_start:
             try:
-                await models.load(name)
+                await models.load(name, evict=False)  # those that fit beside the ones before
             except APIError as err:
                 logger.error("model %s not loaded at start: %s", name, err)
         logger.info("models: %s", "; ".join(f"{s.name} {s.status} ({s.resident_bytes} bytes)"
@@ -338,12 +338,7 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
         for sock in sockets:
             sock.close()
         raise ValueError(str(exc)) from None
-    # At start every model is loaded that fits beside the ones before it (none evicted); the rest on demand.
-    on_start, room = [], budget
-    for spec in specs[:args.models_max] if args.models_max else specs:
-        if estimates[spec.name] <= room:
-            on_start.append(spec.name)
-            room -= estimates[spec.name]
+    on_start = [s.name for s in specs]  # each loaded at start if it fits beside the ones before it
     front = build_front(models, api_key=args.api_key, metrics_token=args.metrics_token,
                         metrics_open=args.metrics_open, shutdown_timeout=args.shutdown_timeout, on_start=on_start)
     app = MultiModelApp(models, front, args.api_key)
@@ -351,6 +346,6 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
     if args.api_key:
         wrapped = APIKeyMiddleware(wrapped, api_key=args.api_key)
     wrapped.state = front.state
-    logger.info("%d models, memory budget %d bytes, at most %s resident; loading at start: %s", len(specs), budget,
-                args.models_max or "any number", ", ".join(on_start) or "none")
+    logger.info("%d models (%s), memory budget %d bytes, at most %s resident; at start each is loaded that fits",
+                len(specs), ", ".join(f"{s.name}={s.source}" for s in specs), budget, args.models_max or "any number")
     return wrapped, sockets, f"{len(specs)} models taking turns at the CPU"
