@@ -193,3 +193,23 @@ def test_start_up_loads_only_what_fits_beside_the_models_before_it():
         assert models.resident_bytes == 900
 
     asyncio.run(main())
+
+
+def test_a_request_that_goes_away_during_its_models_load_leaves_it_loaded_not_half_loaded():
+    async def main():
+        fakes = Fakes({"a": 100})
+        models = fakes.model_set(budget=1000)
+        waiting = asyncio.create_task(models.acquire("a"))
+        await asyncio.sleep(0.002)  # the load is under way in its thread
+        assert models.slots["a"].status == "loading"
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        async with models.slots["a"].lock:  # the load ran to its end
+            pass
+        slot = models.slots["a"]
+        assert slot.status == "loaded" and fakes.live == {"a"} and slot.inflight == 0 and models.resident_bytes == 100
+        await models.unload("a")
+        assert fakes.live == set() and models.resident_bytes == 0
+
+    asyncio.run(main())

@@ -228,8 +228,17 @@ class ModelSet:
 
     async def load(self, name: str | None, evict: bool = True) -> ModelSlot:
         """Load a model (no-op when loaded); raises APIError when it fails (the slot then `failed`).
-        `evict=False` (the start-up loads): only if it fits beside the resident ones, else left unloaded."""
-        slot = self.slot(name)
+        `evict=False` (the start-up loads): only if it fits beside the resident ones, else left unloaded.
+        A caller that goes away (a client disconnecting while its model loads) does not stop the load:
+        it runs to its end in a task of its own, so no half-loaded model is left behind."""
+        return await _unstoppable(self._load(self.slot(name), evict))
+
+    async def unload(self, name: str | None) -> ModelSlot:
+        """Unload a model once its in-flight requests finished (up to `drain_timeout`, then they are
+        aborted with an error); a failed model goes back to `unloaded`. Runs to its end, as `load`."""
+        return await _unstoppable(self._unload(self.slot(name)))
+
+    async def _load(self, slot: ModelSlot, evict: bool) -> ModelSlot:
         async with slot.lock:
             if slot.status == "loaded":
                 return slot
@@ -277,10 +286,7 @@ class ModelSet:
                 raise APIError(503, f"model `{slot.name}`: {reason}", "server_error", "model", "model_load_failed")
             return slot
 
-    async def unload(self, name: str | None) -> ModelSlot:
-        """Unload a model once its in-flight requests finished (up to `drain_timeout`, then they are
-        aborted with an error); a failed model goes back to `unloaded`."""
-        slot = self.slot(name)
+    async def _unload(self, slot: ModelSlot) -> ModelSlot:
         async with slot.lock:
             if slot.status == "failed":
                 slot.status, slot.reason = "unloaded", None
@@ -363,3 +369,10 @@ class ModelSet:
                  "status": s.status_json(), "resident_bytes": s.resident_bytes, "estimated_bytes": s.estimate,
                  "pinned": s.pinned, "requests_in_flight": s.inflight} for s in self.slots.values()]
 
+
+
+async def _unstoppable(coro):
+    """`coro` in a task that a cancelled caller does not cancel (its error retrieved either way)."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return await asyncio.shield(task)
