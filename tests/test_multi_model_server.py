@@ -13,6 +13,7 @@ import httpx
 import pytest
 from conftest_server import BASE_ARGS, ServerProcess, metric, scrape
 
+from tokenloom.model import catalog
 from tokenloom.model.loader import bundled_model_path
 
 pytestmark = pytest.mark.slow
@@ -40,8 +41,10 @@ def single_outputs():
 
 
 @pytest.fixture(scope="module")
-def multi():
-    server = ServerProcess([f"a={MODEL}", f"b={MODEL}"], api_key="k")
+def multi(tmp_path_factory):
+    garbage = tmp_path_factory.mktemp("models") / "broken.gguf"
+    garbage.write_bytes(b"not a gguf file at all")
+    server = ServerProcess([f"a={MODEL}", f"b={MODEL}", f"bad={garbage}"], api_key="k")
     yield server
     server.stop()
 
@@ -53,8 +56,12 @@ def statuses(http: httpx.Client, path: str = "/v1/models") -> dict[str, str]:
 def test_each_model_answers_as_its_own_server(multi, single_outputs):
     with multi.client() as http:
         models = http.get("/v1/models").json()["data"]
-        assert [m["id"] for m in models] == ["a", "b"]
-        assert all(m["status"] == {"value": "loaded"} and m["resident_bytes"] > 0 for m in models)
+        assert [m["id"] for m in models] == ["a", "b", "bad"]
+        assert all(m["status"] == {"value": "loaded"} and m["resident_bytes"] > 0 for m in models[:2])
+        bad = models[2]  # a model that fails to load is `failed` with its reason; the others serve
+        assert bad["status"]["value"] == "failed" and bad["status"]["reason"] and bad["resident_bytes"] == 0
+        r = http.post("/v1/completions", json={"model": "bad", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed", r.text
         assert http.get("/models").json()["data"][0]["id"] == "a"
         assert greedy(http, "a") == single_outputs
         assert greedy(http, "b") == single_outputs
@@ -96,11 +103,11 @@ def test_unload_load_and_autoload(multi, single_outputs):
     with multi.client() as http:
         r = http.post("/models/unload", json={"model": "a"})
         assert r.json() == {"success": True, "model": "a", "status": {"value": "unloaded"}}
-        assert statuses(http, "/models") == {"a": "unloaded", "b": "loaded"}
+        assert statuses(http, "/models") == {"a": "unloaded", "b": "loaded", "bad": "failed"}
         assert http.get("/v1/models").json()["data"][0]["resident_bytes"] == 0
         assert greedy(http, "b") == single_outputs  # the other keeps serving
         assert greedy(http, "a") == single_outputs  # a request autoloads it
-        assert statuses(http) == {"a": "loaded", "b": "loaded"}
+        assert statuses(http) == {"a": "loaded", "b": "loaded", "bad": "failed"}
         assert http.post("/models/unload", json={"model": "a"}).status_code == 200
         assert http.post("/models/load", json={"model": "a"}).json()["status"] == {"value": "loaded"}
         for path in ("/models/load", "/models/unload"):
@@ -139,3 +146,34 @@ def test_no_autoload_names_the_status_and_a_model_over_the_budget_is_refused_at_
                            "--memory-budget", "1000000"], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "needs" in done.stderr and "--memory-budget is 1000000 bytes" in done.stderr, done.stderr
+
+
+QWEN = "qwen2.5-coder-0.5b"
+
+
+@pytest.mark.skipif(catalog.missing_pull(QWEN) is not None, reason=f"{QWEN} is not pulled (tokenloom pull {QWEN})")
+def test_two_different_models_each_answer_as_their_own_server(single_outputs):
+    alone = ServerProcess([QWEN], startup_timeout=300)
+    try:
+        with alone.client() as http:
+            qwen_alone = greedy(http, None)
+    finally:
+        alone.stop()
+    server = ServerProcess([f"smol={MODEL}", QWEN], startup_timeout=300)
+    try:
+        with server.client() as http:
+            assert statuses(http) == {"smol": "loaded", QWEN: "loaded"}
+            results: dict[str, list[str]] = {}
+
+            def ask(model: str) -> None:
+                with server.client() as client:
+                    results[model] = greedy(client, model)
+
+            threads = [threading.Thread(target=ask, args=(m,)) for m in ("smol", QWEN)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert results == {"smol": single_outputs, QWEN: qwen_alone}  # both at once, each its own tokens
+    finally:
+        server.stop()
