@@ -162,11 +162,14 @@ class ModelSet:
     def __init__(self, specs: list[ModelSpec], loader: Callable[[ModelSpec], Handle], *,
                  estimates: dict[str, int] | None = None, budget: int | None = None,
                  models_max: int | None = None, autoload: bool = True, drain_timeout: float = 30.0,
-                 pinned: tuple[str, ...] = (), load_wait_s: float = LOAD_WAIT_S):
+                 pinned: tuple[str, ...] = (), load_wait_s: float = LOAD_WAIT_S, collect: Callable | None = None):
+        """`collect`: run in a worker thread once a stopped model's handle is dropped (the real server's
+        garbage collection of the engine, multi_serve.py)."""
         self.slots = {s.name: ModelSlot(s, (estimates or {}).get(s.name, 0), pinned=s.name in pinned) for s in specs}
         self.default, self.loader, self.evictions = specs[0].name, loader, 0
         self.budget, self.models_max = budget, models_max  # residency: bytes, and a count (None: no limit)
         self.autoload, self.drain_timeout, self.load_wait_s = autoload, drain_timeout, load_wait_s
+        self.collect = collect
         self._room = asyncio.Lock()  # one eviction decision at a time
         self._changed = asyncio.Condition()  # a model went idle or left memory
         for slot in self.slots.values():
@@ -309,6 +312,9 @@ class ModelSet:
         slot.status = "unloaded"
         if handle is not None:
             await handle.stop(timeout)
+            del handle  # the last reference to the model's app and engine
+            if self.collect is not None:
+                await asyncio.to_thread(self.collect)
         await self._notify()
         logger.info("model %s unloaded (%d bytes resident in all)", slot.name, self.resident_bytes)
 

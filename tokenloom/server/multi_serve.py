@@ -14,7 +14,6 @@ named by `?model=`, else the first. The engines share one ForwardTurn: one forwa
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import gc
 import hmac
@@ -87,13 +86,34 @@ def real_loader(args: argparse.Namespace, turn: ForwardTurn, dashboard):
 
         async def stop(timeout: float) -> None:
             await stack.aclose()
-            await asyncio.to_thread(gc.collect)  # the engine's tensors go now, not at some later collection
+            _forget_endpoints()
 
         engine = served.async_llm.engine
         return Handle(app, resident_bytes(engine), start, stop, served.async_llm.health_problem,
                       {"root": served.path, "max_model_len": config.max_model_len}, served.metrics)
 
     return load
+
+
+def _collect_frozen() -> None:
+    """The unloaded engine's cycles collected now: every engine build freezes what exists (gc.freeze in
+    engine/builder.py, so collections skip the weights), which put the unloaded one out of the
+    collector's reach for good. Unfreeze, collect, freeze the survivors again."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
+def _forget_endpoints() -> None:
+    """FastAPI keeps every endpoint function it has classified in module-level LRU caches (thousands of
+    entries): each of an unloaded model's routes, a closure over its AsyncLLM, kept the whole engine and
+    its weights alive (RSS grew by a model per unload / load). Cleared here; they refill as requests come."""
+    from fastapi.dependencies import models as fastapi_models
+
+    for name in ("_is_gen_callable_cached", "_is_async_gen_callable_cached", "_is_coroutine_callable_cached"):
+        cached = getattr(fastapi_models, name, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def resident_bytes(engine) -> int:
@@ -333,7 +353,7 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
     try:
         models = ModelSet(specs, real_loader(args, ForwardTurn(), dashboard), estimates=estimates, budget=budget,
                           models_max=args.models_max, autoload=args.models_autoload,
-                          drain_timeout=args.shutdown_timeout)
+                          drain_timeout=args.shutdown_timeout, collect=_collect_frozen)
     except ModelTooLarge as exc:
         for sock in sockets:
             sock.close()
