@@ -279,11 +279,13 @@ class ModelSet:
             if over and not evict:
                 logger.info("model %s took %d bytes, more than the room beside the resident models: unloaded again",
                             slot.name, handle.bytes)
+                del handle  # `_stop` drops the last reference, so the collection frees it
                 await self._stop(slot, 0.0)
                 return slot
             if over and not await self._evict_for_overrun(slot):
                 reason = (f"resident {handle.bytes} bytes, with the others' {self.resident_bytes - handle.bytes}, "
                           f"exceed --memory-budget {self.budget}")
+                del handle
                 await self._stop(slot, 0.0)
                 slot.status, slot.reason = "failed", reason
                 raise APIError(503, f"model `{slot.name}`: {reason}", "server_error", "model", "model_load_failed")
