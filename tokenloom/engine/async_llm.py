@@ -146,11 +146,13 @@ class AsyncLLM:
         num_threads: int | None = None,
         exit_on_fatal: bool = False,
         stall_timeout_s: float = 120.0,
+        turn=None,
     ):
         """`metrics` is an `EngineMetrics` (or anything with `on_step(engine, stats, outputs)`,
         `on_idle(engine)` and `on_abort(request_id)`); it is called on the engine thread.
         `exit_on_fatal`: end the process (status 1) when the engine cannot go on (the server sets it;
-        in-process users get `EngineDeadError`s instead)."""
+        in-process users get `EngineDeadError`s instead). `turn`: a ForwardTurn (engine/forward_turn.py)
+        shared with other engines in the process, taken for each step."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.config = engine.config
@@ -159,6 +161,7 @@ class AsyncLLM:
         self.num_threads = num_threads
         self.exit_on_fatal = exit_on_fatal
         self.stall_timeout_s = stall_timeout_s
+        self.turn = turn
         self._step_started: float | None = None  # monotonic start of the step in progress
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -281,9 +284,7 @@ class AsyncLLM:
                 if not engine.has_unfinished_requests():
                     self._wakeup.wait(timeout=1.0 if self._stopping else None)
                     continue
-                self._step_started = time.monotonic()
-                outputs = engine.step()
-                self._step_started = None
+                outputs = self._step()
                 self._deliver(outputs)
                 if self.metrics is not None:
                     try:
@@ -297,6 +298,17 @@ class AsyncLLM:
             self._die(exc)
             if self.exit_on_fatal:
                 self._exit_process()
+
+    def _step(self) -> list[RequestOutput]:
+        if self.turn is not None:
+            self.turn.acquire()  # waiting for the turn is not a stall: the clock starts after it
+        try:
+            self._step_started = time.monotonic()
+            return self.engine.step()
+        finally:
+            self._step_started = None
+            if self.turn is not None:
+                self.turn.release()
 
     def _drain_commands(self) -> None:
         changed = False

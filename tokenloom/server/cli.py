@@ -29,12 +29,14 @@ DEFAULT_READ_TIMEOUT = 30.0
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from ..config import SERVING_DEFAULTS, add_engine_args
+    from .multi_serve import add_multi_args
 
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     # The model as `vllm serve MODEL` takes it; --model (an engine flag) still works.
-    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+    p.add_argument("model_tag", nargs="*", metavar="MODEL", default=None,
                    help="a catalog name (`tokenloom models`; pulled on first use), a GGUF file or an HF directory "
-                        "(default: the bundled SmolLM2-135M-Instruct)")
+                        "(default: the bundled SmolLM2-135M-Instruct); several (each may be NAME=SOURCE) serve "
+                        "them all on one port (server/multi_serve.py)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("TOKENLOOM_API_KEY"),
@@ -105,6 +107,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="append each engine step's batch shape and wall time to FILE (JSON lines; a fleet's "
                         "replicas each write FILE with their pid before the suffix), for `tokenloom calibrate "
                         "--from-steps`")
+    add_multi_args(p)
     add_engine_args(p)
     # Serving takes the fastest weights that passed the quality check (int4 where it runs, with a
     # float32 residual); --quantization none gives the exact float32 path. Prefill slices are sized
@@ -153,7 +156,11 @@ def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
     from .dashboard import DashboardOptions
     from .loading import app_options, load_served_engine, warn_unreachable_slos
     from .lora_routes import parse_lora_modules
+    from .multi_serve import build_models_app, is_multi
 
+    if is_multi(args):
+        return _serve(args, *build_models_app(args, fleet, _bind))
+    args.model_tag = args.model_tag[0] if args.model_tag else None
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}; pass one")

@@ -1,0 +1,215 @@
+"""Several models in one server, without a model: the eviction rule and the ModelSet's load, unload,
+autoload and eviction with fake models (bytes only)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tokenloom.server.errors import APIError
+from tokenloom.server.model_set import (
+    Handle,
+    ModelSet,
+    ModelSpec,
+    ModelTooLarge,
+    Resident,
+    parse_model_specs,
+    plan_evictions,
+)
+
+# -- the eviction rule -----------------------------------------------------------------------------
+
+
+def test_plan_evicts_least_recently_used_idle_until_it_fits():
+    resident = [Resident("a", 400, 3.0, True), Resident("b", 300, 1.0, True), Resident("c", 200, 2.0, True)]
+    assert plan_evictions(resident, 100, 1000, None) == []  # 900 + 100 fits
+    assert plan_evictions(resident, 250, 1000, None) == ["b"]  # b is the least recently used
+    assert plan_evictions(resident, 500, 1000, None) == ["b", "c"]
+    assert plan_evictions(resident, 100, None, 2) == ["b", "c"]  # by count: 3 resident, 1 more allowed
+
+
+def test_plan_never_evicts_busy_or_pinned_and_says_when_it_cannot_fit():
+    resident = [Resident("busy", 600, 0.0, False), Resident("idle", 300, 5.0, True)]
+    assert plan_evictions(resident, 300, 1000, None) == ["idle"]
+    assert plan_evictions(resident, 500, 1000, None) is None  # only by evicting the busy one
+
+
+def test_parse_model_specs_names_and_duplicates(tmp_path):
+    f = tmp_path / "Qwen2.5-0.5B-Instruct.Q4_0.gguf"
+    f.write_bytes(b"")
+    specs = parse_model_specs([str(f), f"fast={f}"])
+    assert specs == [ModelSpec("Qwen2.5-0.5B-Instruct", str(f)), ModelSpec("fast", str(f))]
+    with pytest.raises(ValueError, match="two models are served as 'x'"):
+        parse_model_specs([f"x={f}", f"x={f}"])
+
+
+# -- the model set with fake models ----------------------------------------------------------------
+
+
+class Fakes:
+    def __init__(self, sizes: dict[str, int], fail: set[str] = frozenset()):
+        self.sizes = sizes
+        self.fail = set(fail)
+        self.live: set[str] = set()
+        self.loads: list[str] = []
+
+    def loader(self, spec: ModelSpec) -> Handle:
+        time.sleep(0.01)
+        if spec.name in self.fail:
+            raise OSError(f"cannot read {spec.source}")
+        self.loads.append(spec.name)
+
+        async def start():
+            self.live.add(spec.name)
+
+        async def stop(timeout: float):
+            self.live.discard(spec.name)
+
+        return Handle(object(), self.sizes[spec.name], start, stop)
+
+    def model_set(self, estimates: dict[str, int] | None = None, **kwargs) -> ModelSet:
+        specs = [ModelSpec(n, f"/m/{n}") for n in self.sizes]
+        return ModelSet(specs, self.loader, estimates=estimates or dict(self.sizes), **kwargs)
+
+
+def test_request_autoloads_and_evicts_lru_idle_within_budget():
+    async def main():
+        fakes = Fakes({"a": 500, "b": 400, "c": 300})
+        models = fakes.model_set(budget=1000)
+        for name in ("a", "b"):
+            await models.release(await models.acquire(name))
+        assert fakes.live == {"a", "b"}
+        await models.release(await models.acquire("a"))  # a used last: b is the LRU
+        await models.release(await models.acquire("c"))
+        assert fakes.live == {"a", "c"} and models.evictions == 1
+        assert models.slots["b"].status == "unloaded" and models.resident_bytes == 800 <= models.budget
+        assert models.resident_bytes == sum(fakes.sizes[n] for n in fakes.live)
+
+    asyncio.run(main())
+
+
+def test_busy_and_pinned_models_are_never_evicted_and_a_load_waits_for_room():
+    async def main():
+        fakes = Fakes({"a": 600, "b": 600, "p": 100})
+        models = fakes.model_set(budget=1200, pinned=("p",), load_wait_s=0.3)
+        await models.release(await models.acquire("p"))
+        held = await models.acquire("a")  # a request in flight on a
+        with pytest.raises(APIError) as info:
+            await models.acquire("b")  # only a could make room: it is busy, p is pinned
+        assert info.value.status == 503 and "busy" in str(info.value)
+        assert fakes.live == {"a", "p"}
+
+        async def free_later():
+            await asyncio.sleep(0.05)
+            await models.release(held)
+
+        models.load_wait_s = 5.0
+        release = asyncio.create_task(free_later())
+        slot = await models.acquire("b")  # waits until a is idle, then evicts it
+        await release
+        assert slot.status == "loaded" and fakes.live == {"b", "p"}
+        await models.release(slot)
+
+    asyncio.run(main())
+
+
+def test_unload_drains_in_flight_requests_then_autoload_or_refusal():
+    async def main():
+        fakes = Fakes({"a": 100, "b": 100})
+        models = fakes.model_set(budget=1000)
+        held = await models.acquire("a")
+        unloading = asyncio.create_task(models.unload("a"))
+        await asyncio.sleep(0.05)
+        assert "a" in fakes.live and models.slots["a"].status_json() == {"value": "loaded", "unloading": True}
+        await models.release(held)
+        await unloading
+        assert "a" not in fakes.live and models.slots["a"].status == "unloaded"
+        await models.release(await models.acquire("a"))  # autoload
+        assert fakes.loads == ["a", "a"]
+        models.autoload = False
+        await models.unload("a")
+        with pytest.raises(APIError) as info:
+            await models.acquire("a")
+        assert info.value.status == 400 and "`a` is unloaded" in str(info.value)
+
+    asyncio.run(main())
+
+
+def test_failed_model_keeps_its_reason_and_others_serve_unknown_is_404():
+    async def main():
+        fakes = Fakes({"bad": 100, "good": 100}, fail={"bad"})
+        models = fakes.model_set(budget=1000)
+        with pytest.raises(APIError) as info:
+            await models.load("bad")
+        assert info.value.status == 500
+        assert models.slots["bad"].status_json() == {"value": "failed", "reason": "OSError: cannot read /m/bad"}
+        with pytest.raises(APIError) as info:
+            await models.acquire("bad")  # a request does not retry it: 503 with the reason
+        assert info.value.status == 503 and "cannot read" in str(info.value)
+        await models.release(await models.acquire("good"))
+        for op in (models.load, models.unload, models.acquire):
+            with pytest.raises(APIError) as info:
+                await op("nope")
+            assert info.value.status == 404 and info.value.code == "model_not_found"
+        fakes.fail.clear()
+        await models.load("bad")  # POST /models/load tries again
+        assert models.slots["bad"].status == "loaded"
+
+    asyncio.run(main())
+
+
+def test_concurrent_load_and_unload_run_in_order_and_leak_nothing():
+    async def main():
+        fakes = Fakes({"a": 100})
+        models = fakes.model_set(budget=1000)
+        ops = [models.load("a"), models.unload("a"), models.load("a"), models.load("a"), models.unload("a")]
+        results = await asyncio.gather(*ops)
+        assert [r.name for r in results] == ["a"] * 5
+        assert models.slots["a"].status == "unloaded" and fakes.live == set() and models.resident_bytes == 0
+        assert fakes.loads == ["a", "a"]  # the second load of the pair was a no-op
+        await asyncio.gather(models.unload("a"), models.load("a"))
+        assert models.slots["a"].status == "loaded" and fakes.live == {"a"} and models.resident_bytes == 100
+
+    asyncio.run(main())
+
+
+def test_model_larger_than_the_budget_is_refused_with_the_numbers():
+    with pytest.raises(ModelTooLarge, match=r"'big' \(/m/big\) needs 2000 bytes .* --memory-budget is 1000"):
+        Fakes({"big": 2000}).model_set(budget=1000)
+
+
+def test_start_up_loads_only_what_fits_beside_the_models_before_it():
+    async def main():
+        fakes = Fakes({"a": 500, "b": 600, "c": 400})
+        # b's estimate is low (its files are smaller than what it takes once loaded): it loads, does not
+        # fit beside a, and is unloaded again, a untouched; c fits by its estimate and its bytes.
+        models = fakes.model_set(estimates={"a": 500, "b": 100, "c": 400}, budget=1000)
+        for name in models.slots:
+            await models.load(name, evict=False)
+        assert fakes.live == {"a", "c"} and models.evictions == 0
+        assert models.slots["b"].status == "unloaded" and models.slots["b"].estimate == 600
+        assert models.resident_bytes == 900
+
+    asyncio.run(main())
+
+
+def test_a_request_that_goes_away_during_its_models_load_leaves_it_loaded_not_half_loaded():
+    async def main():
+        fakes = Fakes({"a": 100})
+        models = fakes.model_set(budget=1000)
+        waiting = asyncio.create_task(models.acquire("a"))
+        await asyncio.sleep(0.002)  # the load is under way in its thread
+        assert models.slots["a"].status == "loading"
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        async with models.slots["a"].lock:  # the load ran to its end
+            pass
+        slot = models.slots["a"]
+        assert slot.status == "loaded" and fakes.live == {"a"} and slot.inflight == 0 and models.resident_bytes == 100
+        await models.unload("a")
+        assert fakes.live == set() and models.resident_bytes == 0
+
+    asyncio.run(main())

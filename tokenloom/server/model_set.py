@@ -1,0 +1,386 @@
+"""Several models behind one server (issue 54): which are resident, loading them on demand, evicting
+by bytes, and the requests in flight on each.
+
+Statuses (llama.cpp router's names): `unloaded` (configured, not in memory), `loading`, `loaded`,
+`failed` (the load raised: its reason kept; a request for it answers 503 naming the reason, and
+`POST /models/load` tries again). A loaded model being unloaded stays `loaded` with `"unloading": true`
+until its in-flight requests drained; requests arriving meanwhile wait and then load it again.
+
+Residency: every resident model counts its bytes (its weights and its KV pool, measured once loaded;
+before, the estimate of `estimate_bytes`: the weight files plus the KV pool the flags give). Loading a
+model evicts least-recently-used idle models (`plan_evictions`) until the resident bytes plus its own
+fit the memory budget and at most `models_max` are resident; a pinned model, or one with requests in
+flight (or in a load or unload), is never evicted. When not enough can be evicted now, the load waits
+for models to become idle (up to `LOAD_WAIT_S`, then 503 + Retry-After). A model whose bytes exceed the
+whole budget is refused (at start, with the numbers). Its prefix cache goes with an evicted model.
+
+Everything here runs on the event loop (the loads themselves in a worker thread); a per-model lock
+serialises its load and unload, so concurrent load and unload of one model run in arrival order and
+the last one decides the status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import APIError
+
+logger = logging.getLogger("tokenloom.server.models")
+
+LOAD_WAIT_S = 120.0  # a load waits this long for busy models to become evictable, then 503
+STATUSES = ("unloaded", "loading", "loaded", "failed")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # the served name (a request's `model`)
+    source: str  # a catalog name, GGUF file or HF directory
+
+
+def parse_model_specs(tags: list[str]) -> list[ModelSpec]:
+    """`serve A B NAME=SOURCE`: each a source (served under its default name) or NAME=SOURCE."""
+    from ..model.catalog import CATALOG
+    from .loading import default_served_name
+
+    specs: list[ModelSpec] = []
+    for tag in tags:
+        name, sep, source = tag.partition("=")
+        if not sep or os.path.exists(tag) or not name or not source:
+            name, source = "", tag
+        if not name:
+            name = source if source in CATALOG and not os.path.exists(source) else default_served_name(source, source)
+        specs.append(ModelSpec(name, source))
+    seen: dict[str, str] = {}
+    for spec in specs:
+        if spec.name in seen:
+            raise ValueError(f"two models are served as {spec.name!r} ({seen[spec.name]} and {spec.source}); "
+                             "name one with NAME=SOURCE")
+        seen[spec.name] = spec.source
+    return specs
+
+
+@dataclass
+class Resident:
+    """What the eviction rule sees of a resident model."""
+    name: str
+    bytes: int
+    last_used: float
+    evictable: bool  # idle, not pinned, not in a load or unload
+
+
+def plan_evictions(resident: list[Resident], need_bytes: int, budget: int | None,
+                   models_max: int | None) -> list[str] | None:
+    """The models to evict, least recently used first, so that one more model of `need_bytes` fits
+    `budget` bytes and `models_max` models; [] when it fits already; None when it cannot fit even with
+    every evictable model gone (then the caller waits for busy ones, or refuses)."""
+    total = sum(r.bytes for r in resident)
+    count = len(resident)
+
+    def fits() -> bool:
+        return (budget is None or total + need_bytes <= budget) and (models_max is None or count + 1 <= models_max)
+
+    evict: list[str] = []
+    for r in sorted((r for r in resident if r.evictable), key=lambda r: r.last_used):
+        if fits():
+            break
+        evict.append(r.name)
+        total -= r.bytes
+        count -= 1
+    return evict if fits() else None
+
+
+def estimate_bytes(path: str, kv_cache_bytes: int) -> int:
+    """Bytes a model will hold before it is loaded: its weight files (a GGUF file, or an HF directory's
+    safetensors / bin files; packed int4 from a wider file is smaller, so this errs high) plus its KV pool."""
+    p = Path(path)
+    if p.is_dir():
+        weights = sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf"))
+    else:
+        weights = p.stat().st_size if p.exists() else 0
+    return weights + kv_cache_bytes
+
+
+class ModelTooLarge(ValueError):
+    pass
+
+
+@dataclass
+class Handle:
+    """A loaded model as the set drives it: its ASGI app, `start()` / `stop(timeout)` (its engine
+    thread), its measured bytes and health. Real ones come from multi_serve.py; tests pass fakes."""
+    app: object
+    bytes: int
+    start: Callable
+    stop: Callable
+    health_problem: Callable[[], str | None] = lambda: None
+    info: dict = field(default_factory=dict)  # extra /v1/models fields (max_model_len, root)
+    metrics: object | None = None
+
+
+@dataclass
+class ModelSlot:
+    spec: ModelSpec
+    estimate: int = 0  # bytes before it is loaded
+    status: str = "unloaded"
+    reason: str | None = None
+    handle: Handle | None = None
+    pinned: bool = False
+    last_used: float = 0.0
+    inflight: int = 0
+    unloading: bool = False
+    loads: int = 0
+    load_seconds: float = 0.0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def resident_bytes(self) -> int:
+        if self.status == "loaded" and self.handle is not None:
+            return self.handle.bytes
+        return self.estimate if self.status == "loading" else 0  # a load in progress holds its estimate
+
+    def status_json(self) -> dict:
+        out: dict = {"value": self.status}
+        if self.reason:
+            out["reason"] = self.reason
+        if self.unloading:
+            out["unloading"] = True
+        return out
+
+
+class ModelSet:
+    def __init__(self, specs: list[ModelSpec], loader: Callable[[ModelSpec], Handle], *,
+                 estimates: dict[str, int] | None = None, budget: int | None = None,
+                 models_max: int | None = None, autoload: bool = True, drain_timeout: float = 30.0,
+                 pinned: tuple[str, ...] = (), load_wait_s: float = LOAD_WAIT_S, collect: Callable | None = None):
+        """`collect`: run in a worker thread once a stopped model's handle is dropped (the real server's
+        garbage collection of the engine, multi_serve.py)."""
+        self.slots = {s.name: ModelSlot(s, (estimates or {}).get(s.name, 0), pinned=s.name in pinned) for s in specs}
+        self.default, self.loader, self.evictions = specs[0].name, loader, 0
+        self.budget, self.models_max = budget, models_max  # residency: bytes, and a count (None: no limit)
+        self.autoload, self.drain_timeout, self.load_wait_s = autoload, drain_timeout, load_wait_s
+        self.collect = collect
+        self._room = asyncio.Lock()  # one eviction decision at a time
+        self._changed = asyncio.Condition()  # a model went idle or left memory
+        for slot in self.slots.values():
+            self.check_fits(slot, slot.estimate)
+
+    # -- lookups ----------------------------------------------------------------------------------
+
+    def slot(self, name: str | None) -> ModelSlot:
+        slot = self.slots.get(self.default if name is None else name)
+        if slot is None:
+            raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.slots)}",
+                           "invalid_request_error", "model", "model_not_found")
+        return slot
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(s.resident_bytes for s in self.slots.values())
+
+    def check_fits(self, slot: ModelSlot, nbytes: int) -> None:
+        if self.budget is not None and nbytes > self.budget:
+            raise ModelTooLarge(f"model {slot.name!r} ({slot.spec.source}) needs {nbytes} bytes (weights and KV pool) "
+                                f"but --memory-budget is {self.budget} bytes")
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    async def acquire(self, name: str | None) -> ModelSlot:
+        """The model a request names, loaded (autoloading it), with the request counted in flight until
+        `release`; raises APIError (404 unknown, 400 not loaded without autoload, 503 failed / no room)."""
+        slot = self.slot(name)
+        while True:
+            if slot.status == "loaded" and not slot.unloading and not slot.lock.locked():
+                slot.inflight += 1
+                slot.last_used = time.monotonic()
+                return slot
+            if slot.status == "loaded" or slot.status == "loading" or slot.lock.locked():
+                async with slot.lock:  # a load or unload in progress: wait for it, then look again
+                    pass
+                if slot.status == "loaded" and not slot.unloading:
+                    continue
+            if not self.autoload:
+                raise APIError(400, f"model `{slot.name}` is {slot.status} and --no-models-autoload is set; "
+                               "load it with POST /models/load", "invalid_request_error", "model", "model_not_loaded")
+            if slot.status == "failed":
+                raise APIError(503, f"model `{slot.name}` failed to load: {slot.reason}; retry with POST /models/load",
+                               "server_error", "model", "model_load_failed")
+            await self.load(slot.name)
+
+    async def release(self, slot: ModelSlot) -> None:
+        slot.inflight -= 1
+        slot.last_used = time.monotonic()
+        if slot.inflight == 0:
+            await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    # -- load and unload --------------------------------------------------------------------------
+
+    async def load(self, name: str | None, evict: bool = True) -> ModelSlot:
+        """Load a model (no-op when loaded); raises APIError when it fails (the slot then `failed`).
+        `evict=False` (the start-up loads): only if it fits beside the resident ones, else left unloaded.
+        A caller that goes away (a client disconnecting while its model loads) does not stop the load:
+        it runs to its end in a task of its own, so no half-loaded model is left behind."""
+        return await _unstoppable(self._load(self.slot(name), evict))
+
+    async def unload(self, name: str | None) -> ModelSlot:
+        """Unload a model once its in-flight requests finished (up to `drain_timeout`, then they are
+        aborted with an error); a failed model goes back to `unloaded`. Runs to its end, as `load`."""
+        return await _unstoppable(self._unload(self.slot(name)))
+
+    async def _load(self, slot: ModelSlot, evict: bool) -> ModelSlot:
+        async with slot.lock:
+            if slot.status == "loaded":
+                return slot
+            if not evict and plan_evictions(self._residents(exclude=slot), slot.estimate, self.budget,
+                                            self.models_max) != []:
+                logger.info("model %s (%d bytes) does not fit beside the resident models: left unloaded",
+                            slot.name, slot.estimate)
+                return slot
+            await self._make_room(slot, slot.estimate)
+            slot.status, slot.reason = "loading", None
+            started = time.monotonic()
+            try:
+                handle = await asyncio.to_thread(self.loader, slot.spec)
+                try:
+                    await handle.start()
+                except BaseException:
+                    await handle.stop(0.0)
+                    raise
+            except Exception as exc:  # noqa: BLE001 - the model is `failed`, the others keep serving
+                slot.status, slot.reason = "failed", f"{type(exc).__name__}: {exc}"
+                logger.error("model %s failed to load: %s", slot.name, slot.reason)
+                await self._notify()
+                raise APIError(500, f"model `{slot.name}` failed to load: {slot.reason}", "server_error",
+                               "model", "model_load_failed") from None
+            slot.handle, slot.status = handle, "loaded"
+            slot.loads += 1
+            slot.load_seconds = time.monotonic() - started
+            slot.last_used = time.monotonic()
+            for same in self.slots.values():  # the next load of this source reserves what it really took
+                if same.spec.source == slot.spec.source:
+                    same.estimate = handle.bytes
+            logger.info("model %s loaded in %.1fs: %d bytes resident (%d in all%s)", slot.name, slot.load_seconds,
+                        handle.bytes, self.resident_bytes, f" of {self.budget}" if self.budget else "")
+            over = self.budget is not None and self.resident_bytes > self.budget
+            if over and not evict:
+                logger.info("model %s took %d bytes, more than the room beside the resident models: unloaded again",
+                            slot.name, handle.bytes)
+                del handle  # `_stop` drops the last reference, so the collection frees it
+                await self._stop(slot, 0.0)
+                return slot
+            if over and not await self._evict_for_overrun(slot):
+                reason = (f"resident {handle.bytes} bytes, with the others' {self.resident_bytes - handle.bytes}, "
+                          f"exceed --memory-budget {self.budget}")
+                del handle
+                await self._stop(slot, 0.0)
+                slot.status, slot.reason = "failed", reason
+                raise APIError(503, f"model `{slot.name}`: {reason}", "server_error", "model", "model_load_failed")
+            return slot
+
+    async def _unload(self, slot: ModelSlot) -> ModelSlot:
+        async with slot.lock:
+            if slot.status == "failed":
+                slot.status, slot.reason = "unloaded", None
+            if slot.status != "loaded":
+                return slot
+            slot.unloading = True
+            try:
+                deadline = time.monotonic() + self.drain_timeout
+                async with self._changed:
+                    while slot.inflight > 0 and (left := deadline - time.monotonic()) > 0:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._changed.wait(), left)
+                await self._stop(slot, max(deadline - time.monotonic(), 0.0))
+            finally:
+                slot.unloading = False
+            return slot
+
+    async def _stop(self, slot: ModelSlot, timeout: float) -> None:
+        handle, slot.handle = slot.handle, None
+        slot.status = "unloaded"
+        if handle is not None:
+            await handle.stop(timeout)
+            del handle  # the last reference to the model's app and engine
+            if self.collect is not None:
+                await asyncio.to_thread(self.collect)
+        await self._notify()
+        logger.info("model %s unloaded (%d bytes resident in all)", slot.name, self.resident_bytes)
+
+    async def _make_room(self, slot: ModelSlot, need: int) -> None:
+        """Evict least-recently-used idle models until `need` more bytes fit (waits for busy ones)."""
+        self.check_fits(slot, need)
+        deadline = time.monotonic() + self.load_wait_s
+        while True:
+            async with self._room:
+                plan = plan_evictions(self._residents(exclude=slot), need, self.budget, self.models_max)
+                if plan is not None:
+                    for name in plan:
+                        await self._evict(self.slots[name])
+                    if plan_evictions(self._residents(exclude=slot), need, self.budget, self.models_max) == []:
+                        slot.status = "loading"  # reserve its bytes before the room lock goes
+                        return
+                    continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise APIError(503, f"model `{slot.name}` needs {need} bytes; the resident models are busy "
+                               f"({self.resident_bytes} of {self.budget} bytes); retry later", "server_error",
+                               "model", "model_no_room", headers={"Retry-After": "5"})
+            async with self._changed:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+
+    async def _evict_for_overrun(self, slot: ModelSlot) -> bool:
+        async with self._room:
+            plan = plan_evictions(self._residents(exclude=slot), slot.handle.bytes, self.budget, self.models_max)
+            for name in plan or ():
+                await self._evict(self.slots[name])
+            return plan is not None
+
+    async def _evict(self, slot: ModelSlot) -> None:
+        async with slot.lock:
+            if slot.status == "loaded" and slot.inflight == 0 and not slot.pinned:
+                logger.info("evicting model %s (least recently used, idle) to make room", slot.name)
+                self.evictions += 1
+                await self._stop(slot, 0.0)
+
+    def _residents(self, exclude: ModelSlot) -> list[Resident]:
+        return [Resident(s.name, s.resident_bytes, s.last_used,
+                         s.status == "loaded" and s.inflight == 0 and not s.pinned and not s.unloading
+                         and not s.lock.locked())
+                for s in self.slots.values() if s is not exclude and s.status in ("loaded", "loading")]
+
+    async def close(self, timeout: float) -> None:
+        """Stop every resident model (the server's shutdown), together, within `timeout`."""
+        await asyncio.gather(*(self._stop(s, timeout) for s in self.slots.values() if s.handle is not None))
+
+    # -- views ------------------------------------------------------------------------------------
+
+    def describe(self) -> list[dict]:
+        from .state import now_s
+
+        return [{"id": s.name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
+                 **(s.handle.info if s.handle else {"root": s.spec.source}),
+                 "status": s.status_json(), "resident_bytes": s.resident_bytes, "estimated_bytes": s.estimate,
+                 "pinned": s.pinned, "requests_in_flight": s.inflight} for s in self.slots.values()]
+
+
+
+async def _unstoppable(coro):
+    """`coro` in a task that a cancelled caller does not cancel (its error retrieved either way)."""
+    task = asyncio.ensure_future(coro)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return await asyncio.shield(task)

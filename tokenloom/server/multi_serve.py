@@ -1,0 +1,371 @@
+"""`tokenloom serve A B NAME=SOURCE ...`: several models behind one port (issue 54).
+
+Each model is the app `tokenloom serve MODEL` builds (server/app.py, its own AsyncLLM and engine
+thread), started and stopped by the ModelSet (model_set.py) as it loads and evicts. The front here is a
+pure-ASGI dispatcher: the generation and token routes read the body once, pick the model by its `model`
+field (absent: the first model) and hand the request, body replayed, to that model's app, counted in
+flight until its response (a stream included) is done. The front's own routes: `GET /v1/models` and
+`/models` (every configured model with its status and bytes), `POST /models/load` / `/models/unload`,
+`/health`, `/version`, `/metrics` (every resident model's families merged, each sample labelled by
+`model_name`, plus the set's gauges). Any other path (the dashboard, LoRA routes) goes to the model
+named by `?model=`, else the first. The engines share one ForwardTurn: one forward at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import hmac
+import json
+import logging
+import os
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from .. import __version__
+from ..engine.forward_turn import ForwardTurn
+from .errors import APIError, install_error_handlers
+from .model_set import Handle, ModelSet, ModelSpec, ModelTooLarge, estimate_bytes, parse_model_specs
+
+logger = logging.getLogger("tokenloom.server")
+
+ROUTED_POSTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+FRONT_PATHS = ("/v1/models", "/models", "/models/load", "/models/unload", "/health", "/version", "/metrics")
+DEFAULT_BUDGET_SHARE = 0.8  # of the memory this process may use (the cgroup limit, else MemTotal)
+
+
+def add_multi_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
+                   help="with several models: bytes the resident models' weights and KV pools may take; loading "
+                        "one evicts least-recently-used idle ones (default: 80%% of the memory this process may use)")
+    p.add_argument("--models-max", type=int, default=None, metavar="N",
+                   help="with several models: at most N resident at once (default: no limit but the budget)")
+    p.add_argument("--no-models-autoload", dest="models_autoload", action="store_false",
+                   help="with several models: a request for one not loaded is a 400 naming its status "
+                        "(POST /models/load loads it) instead of loading it")
+
+
+def is_multi(args: argparse.Namespace) -> bool:
+    tags = args.model_tag or []
+    named = len(tags) == 1 and "=" in tags[0] and not os.path.exists(tags[0])
+    return len(tags) > 1 or named or args.memory_budget is not None or args.models_max is not None
+
+
+def default_budget() -> int:
+    limit = None
+    with contextlib.suppress(OSError, ValueError):
+        text = open("/sys/fs/cgroup/memory.max").read().strip()  # noqa: SIM115
+        limit = None if text == "max" else int(text)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(DEFAULT_BUDGET_SHARE * min(limit or total, total))
+
+
+def real_loader(args: argparse.Namespace, turn: ForwardTurn, dashboard):
+    """ModelSpec -> Handle: the model loaded as `serve MODEL` loads it (in a worker thread)."""
+    from ..config import engine_config_from_args
+    from ..model import catalog
+    from .app import build_app
+    from .loading import app_options, load_served_engine
+
+    def load(spec: ModelSpec) -> Handle:
+        ns = argparse.Namespace(**vars(args))
+        ns.model, ns.served_model_name = spec.source, [spec.name]
+        config = engine_config_from_args(ns)
+        catalog.pull_missing(config.model)
+        catalog.pull_missing(config.draft_model, "speculative_config.model")
+        served = load_served_engine(ns, config)
+        served.async_llm.turn = turn
+        app = build_app(served.async_llm, served.names, metrics=served.metrics, model_path=served.path,
+                        dashboard=dashboard, **app_options(ns))
+        stack = contextlib.AsyncExitStack()
+
+        async def start() -> None:
+            await stack.enter_async_context(app.router.lifespan_context(app))
+
+        async def stop(timeout: float) -> None:
+            await stack.aclose()
+            _forget_endpoints()
+
+        engine = served.async_llm.engine
+        return Handle(app, resident_bytes(engine), start, stop, served.async_llm.health_problem,
+                      {"root": served.path, "max_model_len": config.max_model_len}, served.metrics)
+
+    return load
+
+
+def _collect_frozen() -> None:
+    """The unloaded engine's cycles collected now: every engine build freezes what exists (gc.freeze in
+    engine/builder.py, so collections skip the weights), which put the unloaded one out of the
+    collector's reach for good. Unfreeze, collect, freeze the survivors again."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
+def _forget_endpoints() -> None:
+    """FastAPI keeps every endpoint function it has classified in module-level LRU caches (thousands of
+    entries): each of an unloaded model's routes, a closure over its AsyncLLM, kept the whole engine and
+    its weights alive (RSS grew by a model per unload / load). Cleared here; they refill as requests come."""
+    from fastapi.dependencies import models as fastapi_models
+
+    for name in ("_is_gen_callable_cached", "_is_async_gen_callable_cached", "_is_coroutine_callable_cached"):
+        cached = getattr(fastapi_models, name, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+
+
+def resident_bytes(engine) -> int:
+    """The model's weights (parameters and buffers) and its KV pool (device and host-swap tensors)."""
+    from ..model.load import weight_bytes
+
+    runner = engine.runner
+    kv = sum(t.numel() * t.element_size() for t in (getattr(runner, "kv_cache", None),
+                                                     getattr(runner, "host_cache", None)) if t is not None)
+    return (weight_bytes(engine.model) if engine.model is not None else 0) + kv
+
+
+class MultiModelApp:
+    """The pure-ASGI front: dispatches model routes to the models' apps, the rest to `front`."""
+
+    def __init__(self, models: ModelSet, front: FastAPI, api_key: str | None):
+        self.models = models
+        self.front = front
+        self.state = front.state  # the CLI's signal handler finds begin_shutdown here
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan" or scope["path"] in FRONT_PATHS:
+            if self._refused(scope):
+                await _unauthorized()(scope, receive, send)
+                return
+            await self.front(scope, receive, send)
+            return
+        name, replay = None, receive
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ROUTED_POSTS:
+            name, replay = await _model_field(receive)
+        else:
+            query = dict(p.split("=", 1) for p in scope.get("query_string", b"").decode().split("&") if "=" in p)
+            name = query.get("model")
+        try:
+            if self.front.state.tokenloom.shutting_down:
+                raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+            slot = await self.models.acquire(name)
+        except APIError as err:
+            if scope["type"] == "http":
+                await err.response()(scope, replay, send)
+            return
+        try:
+            await slot.handle.app(scope, replay, send)
+        finally:
+            await self.models.release(slot)
+
+    def _refused(self, scope) -> bool:
+        return (self.expected is not None and scope["type"] == "http" and scope["path"].startswith("/models")
+                and not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected))
+
+
+def _unauthorized() -> Response:
+    return APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()
+
+
+async def _model_field(receive):
+    """The body's `model` (None when absent or not JSON: the model's own app answers a bad body) and a
+    receive that replays the body. The body is already bounded by the size-limit middleware."""
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message)
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            break
+    body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
+    try:
+        parsed = json.loads(body)
+        name = parsed.get("model") if isinstance(parsed, dict) else None
+    except ValueError:
+        name = None
+
+    async def replay():
+        return chunks.pop(0) if chunks else await receive()
+
+    return (name if isinstance(name, str) else None), replay
+
+
+class _FrontState:
+    def __init__(self, names: list[str]):
+        self.model_name = ", ".join(names)
+        self.shutting_down = False
+
+
+class _MergedRegistry:
+    """Several Prometheus registries as one (families of one name merged; each sample keeps its labels)."""
+
+    def __init__(self, registries):
+        self.registries = registries
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+
+        families: dict[str, Metric] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                if family.name not in families:
+                    families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                families[family.name].samples.extend(family.samples)
+        return list(families.values())
+
+
+def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutdown_timeout: float,
+                on_start=()) -> FastAPI:
+    """The front's own routes and lifespan (`on_start`: the models to load before serving)."""
+    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+    from ..engine.metrics import CONTENT_TYPE
+    from .tenancy import MetricsAccess, public_metrics
+
+    registry = CollectorRegistry()
+    gauges = {
+        "resident": Gauge("tokenloom:model_resident_bytes", "Bytes a model holds (weights and KV pool).",
+                          ["model_name"], registry=registry),
+        "loaded": Gauge("tokenloom:model_loaded", "1 while a model is resident.", ["model_name"], registry=registry),
+        "loads": Gauge("tokenloom:model_loads", "Loads of a model since start.", ["model_name"], registry=registry),
+        "load_s": Gauge("tokenloom:model_last_load_seconds", "Seconds the model's last load took.",
+                        ["model_name"], registry=registry),
+    }
+    evictions = Gauge("tokenloom:model_evictions", "Models evicted to make room since start.", registry=registry)
+    total = Gauge("tokenloom:models_resident_bytes", "Bytes all resident models hold.", registry=registry)
+    budget = Gauge("tokenloom:models_memory_budget_bytes", "The memory budget (--memory-budget).", registry=registry)
+    access = MetricsAccess(api_key, metrics_token, metrics_open)
+    state = _FrontState(list(models.slots))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        def begin_shutdown() -> None:
+            state.shutting_down = True
+            for slot in models.slots.values():
+                begin = getattr(getattr(slot.handle, "app", None), "state", None)
+                if begin is not None and hasattr(begin, "begin_shutdown"):
+                    begin.begin_shutdown()  # each model refuses new work and drains within --shutdown-timeout
+
+        app.state.begin_shutdown = begin_shutdown
+        for name in on_start:
+            try:
+                await models.load(name, evict=False)  # those that fit beside the ones before
+            except APIError as err:
+                logger.error("model %s not loaded at start: %s", name, err)
+        logger.info("models: %s", "; ".join(f"{s.name} {s.status} ({s.resident_bytes} bytes)"
+                                            for s in models.slots.values()))
+        yield
+        state.shutting_down = True
+        await models.close(shutdown_timeout)
+
+    app = FastAPI(title="tokenloom", version=__version__, lifespan=lifespan)
+    app.state.tokenloom = state
+    install_error_handlers(app)
+
+    @app.get("/v1/models")
+    @app.get("/models")
+    async def list_models():
+        return {"object": "list", "data": models.describe()}
+
+    async def _name(request: Request) -> str:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        name = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(name, str):
+            raise APIError(400, "model: give the model's name, as {\"model\": NAME}", param="model")
+        return name
+
+    @app.post("/models/load")
+    async def load(request: Request):
+        slot = await models.load(await _name(request))
+        return {"success": True, "model": slot.name, "status": slot.status_json()}
+
+    @app.post("/models/unload")
+    async def unload(request: Request):
+        slot = await models.unload(await _name(request))
+        return {"success": True, "model": slot.name, "status": slot.status_json()}
+
+    @app.get("/health")
+    async def health():
+        for slot in models.slots.values():
+            if slot.handle is not None and (problem := slot.handle.health_problem()) is not None:
+                return APIError(503, f"model `{slot.name}`: {problem}", "server_error", code="engine_dead").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics(request: Request):
+        view = access.view(request.headers.get("authorization", "").encode("latin-1"))
+        if view is None:
+            return access.refusal().response()
+        for slot in models.slots.values():
+            gauges["resident"].labels(slot.name).set(slot.resident_bytes)
+            gauges["loaded"].labels(slot.name).set(1 if slot.status == "loaded" else 0)
+            gauges["loads"].labels(slot.name).set(slot.loads)
+            gauges["load_s"].labels(slot.name).set(slot.load_seconds)
+        evictions.set(models.evictions)
+        total.set(models.resident_bytes)
+        budget.set(models.budget or 0)
+        registries = [registry, *(s.handle.metrics.registry for s in models.slots.values()
+                                  if s.handle is not None and s.handle.metrics is not None)]
+        text = generate_latest(_MergedRegistry(registries))
+        return Response(text if view == "full" else public_metrics(text), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
+    """`serve A B ...`: the models checked and sized, the port bound (`bind(host, port)`, cli.py's);
+    returns the app, the sockets and what the start-up line says (cli.py serves them)."""
+    from ..config import engine_config_from_args
+    from ..model import catalog
+    from ..model.load import model_path
+    from .dashboard import DashboardOptions
+    from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+
+    if fleet is not None:
+        raise ValueError("--data-parallel-size: not with several models (serve one model per fleet)")
+    if args.lora_modules:
+        raise ValueError("--lora-modules: not with several models yet (serve one model to use adapters)")
+    if args.model is not None:
+        raise ValueError("--model: with several models give each as a positional MODEL (or NAME=SOURCE)")
+    if args.served_model_name:
+        raise ValueError("--served-model-name: with several models name each one as NAME=SOURCE")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    specs = parse_model_specs(args.model_tag or [None])
+    config = engine_config_from_args(argparse.Namespace(**{**vars(args), "model": specs[0].source}))
+    for spec in specs:
+        catalog.missing_pull(spec.source)  # a bad source fails now, in one line
+    sockets = bind(args.host, args.port)
+    for spec in specs:
+        catalog.pull_missing(spec.source)
+    estimates = {s.name: estimate_bytes(model_path(s.source), config.kv_cache_memory_bytes) for s in specs}
+    budget = args.memory_budget if args.memory_budget is not None else default_budget()
+    dashboard = DashboardOptions(not args.disable_dashboard, args.dashboard_max_viewers, args.dashboard_show_text)
+    try:
+        models = ModelSet(specs, real_loader(args, ForwardTurn(), dashboard), estimates=estimates, budget=budget,
+                          models_max=args.models_max, autoload=args.models_autoload,
+                          drain_timeout=args.shutdown_timeout, collect=_collect_frozen)
+    except ModelTooLarge as exc:
+        for sock in sockets:
+            sock.close()
+        raise ValueError(str(exc)) from None
+    on_start = [s.name for s in specs]  # each loaded at start if it fits beside the ones before it
+    front = build_front(models, api_key=args.api_key, metrics_token=args.metrics_token,
+                        metrics_open=args.metrics_open, shutdown_timeout=args.shutdown_timeout, on_start=on_start)
+    app = MultiModelApp(models, front, args.api_key)
+    wrapped = BodySizeLimitMiddleware(app, max_bytes=args.max_request_body_bytes)
+    if args.api_key:
+        wrapped = APIKeyMiddleware(wrapped, api_key=args.api_key)
+    wrapped.state = front.state
+    logger.info("%d models (%s), memory budget %d bytes, at most %s resident; at start each is loaded that fits",
+                len(specs), ", ".join(f"{s.name}={s.source}" for s in specs), budget, args.models_max or "any number")
+    return wrapped, sockets, f"{len(specs)} models taking turns at the CPU"
