@@ -31,7 +31,7 @@ def test_serve_help_shows_the_real_defaults_and_choices(capsys):
     assert "--quantization {none,auto,int4,q4,q4_1,int8,q8} (default: auto)" in text
     assert "--stall-free-factor STALL_FREE_FACTOR (default: 1.5)" in text
     assert "--dtype {float32,bfloat16,float16} (default: float32)" in text
-    assert "--scheduling-policy {fcfs,sjf,priority} (default: fcfs)" in text
+    assert "--scheduling-policy {fcfs,sjf,priority,slo} (default: fcfs)" in text
     assert "positional arguments: MODEL a catalog name" in text
 
 
