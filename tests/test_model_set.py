@@ -143,7 +143,7 @@ def test_failed_model_keeps_its_reason_and_others_serve_unknown_is_404():
         models = fakes.model_set(budget=1000)
         with pytest.raises(APIError) as info:
             await models.load("bad")
-        assert info.value.status == 500
+        assert info.value.status == 503
         assert models.slots["bad"].status_json() == {"value": "failed", "reason": "OSError: cannot read /m/bad"}
         with pytest.raises(APIError) as info:
             await models.acquire("bad")  # a request does not retry it: 503 with the reason

@@ -19,8 +19,8 @@ def test_whole_answers():
     assert split_reasoning("no <think>here</think>").reasoning is None  # only an answer that opens with one
 
 
-def streamed(chunks: list[str]) -> tuple[str | None, str | None]:
-    splitter, reasoning, content = StreamingReasoningSplitter(), [], []
+def streamed(chunks: list[str], parser: str = "qwen3") -> tuple[str | None, str | None]:
+    splitter, reasoning, content = StreamingReasoningSplitter(parser), [], []
     for i, chunk in enumerate(chunks):
         s = splitter.feed(chunk, final=i == len(chunks) - 1)
         reasoning += [s.reasoning] if s.reasoning else []
@@ -32,13 +32,19 @@ pieces = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">
                   max_size=12)
 
 
-@given(pieces, st.data())
-def test_a_stream_splits_as_the_whole_answer(parts, data):
+@given(pieces, st.data(), st.sampled_from(["qwen3", "deepseek_r1"]))
+def test_a_stream_splits_as_the_whole_answer(parts, data, parser):
     text = "".join(parts)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)] or [""]
-    whole = split_reasoning(text)
-    assert streamed(chunks) == (whole.reasoning or None, whole.content or None)
+    whole = split_reasoning(text, parser)
+    assert streamed(chunks, parser) == (whole.reasoning or None, whole.content or None)
+
+
+def test_deepseek_r1_answers_open_in_reasoning():
+    s = split_reasoning("Add them.\n</think>\n\n4", "deepseek_r1")
+    assert (s.reasoning, s.content) == ("Add them.\n", "\n\n4")
+    assert split_reasoning("still thinking", "deepseek_r1").reasoning == "still thinking"
 
 
 def test_work_per_delta_is_bounded():

@@ -84,9 +84,11 @@ class StallFreeBudget:
 
     def target(self, decode_rows: list[tuple[int, int]]) -> float:
         """Seconds a step of these decode rows plus a prefill slice should take: `factor` x the rows alone,
-        at most `tpot_cap`."""
-        goal = self.factor * self.decode_time(decode_rows)
-        return goal if self.tpot_cap is None else min(goal, self.tpot_cap)
+        at most `tpot_cap` — unless the rows alone already take longer: a cap no step can meet would cut
+        every prompt to `min_chunk` and help none of them."""
+        alone = self.decode_time(decode_rows)
+        goal = self.factor * alone
+        return goal if self.tpot_cap is None or self.tpot_cap <= alone else min(goal, self.tpot_cap)
 
     def decode_time(self, decode_rows: list[tuple[int, int]]) -> float:
         """Predicted seconds of a step of these decode rows [(1, context)] alone."""

@@ -82,8 +82,8 @@ class _ChatView(GenerationView):
         if self.state.reasoning_parser is None:
             return Split(None, d.text)
         if not streaming:
-            return split_reasoning(d.text)
-        splitter = self._thinking.setdefault(d.index, StreamingReasoningSplitter())
+            return split_reasoning(d.text, self.state.reasoning_parser)
+        splitter = self._thinking.setdefault(d.index, StreamingReasoningSplitter(self.state.reasoning_parser))
         return splitter.feed(d.text, final=d.choice.finish_reason is not None)
 
     def render(self, d: ChoiceDelta, streaming: bool) -> dict:

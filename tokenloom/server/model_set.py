@@ -195,9 +195,10 @@ class ModelSet:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    async def acquire(self, name: str | None) -> ModelSlot:
-        """The model a request names, loaded (autoloading it), with the request counted in flight until
-        `release`; raises APIError (404 unknown, 400 not loaded without autoload, 503 failed / no room)."""
+    async def acquire(self, name: str | None, autoload: bool = True) -> ModelSlot:
+        """The model a request names, loaded (autoloading it unless `autoload` is false or the server was
+        started with --no-models-autoload), with the request counted in flight until `release`; raises
+        APIError (404 unknown, 400 not loaded and not to be loaded, 503 failed / no room)."""
         slot = self.slot(name)
         while True:
             if slot.status == "loaded" and not slot.unloading and not slot.lock.locked():
@@ -209,9 +210,10 @@ class ModelSet:
                     pass
                 if slot.status == "loaded" and not slot.unloading:
                     continue
-            if not self.autoload:
-                raise APIError(400, f"model `{slot.name}` is {slot.status} and --no-models-autoload is set; "
-                               "load it with POST /models/load", "invalid_request_error", "model", "model_not_loaded")
+            if not (self.autoload and autoload):
+                why = "--no-models-autoload is set" if not self.autoload else "only a generation request loads one"
+                raise APIError(400, f"model `{slot.name}` is {slot.status} and {why}; load it with POST /models/load",
+                               "invalid_request_error", "model", "model_not_loaded")
             if slot.status == "failed":
                 raise APIError(503, f"model `{slot.name}` failed to load: {slot.reason}; retry with POST /models/load",
                                "server_error", "model", "model_load_failed")
@@ -263,8 +265,10 @@ class ModelSet:
             except Exception as exc:  # noqa: BLE001 - the model is `failed`, the others keep serving
                 slot.status, slot.reason = "failed", f"{type(exc).__name__}: {exc}"
                 logger.error("model %s failed to load: %s", slot.name, slot.reason)
+                if self.collect is not None:  # what the failed load built (frozen by the engine build) goes
+                    await asyncio.to_thread(self.collect)
                 await self._notify()
-                raise APIError(500, f"model `{slot.name}` failed to load: {slot.reason}", "server_error",
+                raise APIError(503, f"model `{slot.name}` failed to load: {slot.reason}", "server_error",
                                "model", "model_load_failed") from None
             slot.handle, slot.status = handle, "loaded"
             slot.loads += 1
@@ -369,11 +373,15 @@ class ModelSet:
 
     # -- views ------------------------------------------------------------------------------------
 
-    def describe(self) -> list[dict]:
+    def describe(self, paths: bool = False) -> list[dict]:
+        """Every configured model; `paths` (the operator's --metrics-token): `root` is its file, else its name."""
         from .state import now_s
 
-        return [{"id": s.name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
-                 **(s.handle.info if s.handle else {"root": s.spec.source}),
+        def info(s: ModelSlot) -> dict:
+            out = dict(s.handle.info) if s.handle else {"root": s.spec.source}
+            return out if paths else out | {"root": s.name}
+
+        return [{"id": s.name, "object": "model", "created": now_s(), "owned_by": "tokenloom", **info(s),
                  "status": s.status_json(), "resident_bytes": s.resident_bytes, "estimated_bytes": s.estimate,
                  "pinned": s.pinned, "requests_in_flight": s.inflight} for s in self.slots.values()]
 

@@ -20,6 +20,7 @@ import hmac
 import json
 import logging
 import os
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -143,15 +144,17 @@ class MultiModelApp:
             await self.front(scope, receive, send)
             return
         name, replay = None, receive
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ROUTED_POSTS:
+        generation = scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ROUTED_POSTS
+        if generation:
             name, replay = await _model_field(receive)
         else:
-            query = dict(p.split("=", 1) for p in scope.get("query_string", b"").decode().split("&") if "=" in p)
-            name = query.get("model")
+            name = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[0]
         try:
             if self.front.state.tokenloom.shutting_down:
                 raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
-            slot = await self.models.acquire(name)
+            # Only a generation request (behind the API key) loads a model: a dashboard or an unknown
+            # path, which the key does not guard, must not make the server load and evict.
+            slot = await self.models.acquire(name, autoload=generation)
         except APIError as err:
             if scope["type"] == "http":
                 await err.response()(scope, replay, send)
@@ -267,8 +270,10 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
 
     @app.get("/v1/models")
     @app.get("/models")
-    async def list_models():
-        return {"object": "list", "data": models.describe()}
+    async def list_models(request: Request):
+        # Filesystem paths only for the operator's --metrics-token, as `serve MODEL` answers.
+        paths = access.operator_token(request.headers.get("authorization", "").encode("latin-1", "replace"))
+        return {"object": "list", "data": models.describe(paths)}
 
     async def _name(request: Request) -> str:
         try:
@@ -364,7 +369,7 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
     app = MultiModelApp(models, front, args.api_key)
     wrapped = BodySizeLimitMiddleware(app, max_bytes=args.max_request_body_bytes)
     if args.api_key:
-        wrapped = APIKeyMiddleware(wrapped, api_key=args.api_key)
+        wrapped = APIKeyMiddleware(wrapped, api_key=args.api_key, operator_token=args.metrics_token)
     wrapped.state = front.state
     logger.info("%d models (%s), memory budget %d bytes, at most %s resident; at start each is loaded that fits",
                 len(specs), ", ".join(f"{s.name}={s.source}" for s in specs), budget, args.models_max or "any number")

@@ -2,7 +2,8 @@
 message's `reasoning_content`, what follows it the `content` (DeepSeek's and vLLM's field name).
 
 One rule for whole responses and streams alike, so both give the same split: an answer that begins
-with `<think>` (after whitespace) is reasoning up to `</think>`, or up to its end if the answer was cut
+with `<think>` (after whitespace; for `deepseek_r1`, whose template opens the block in the prompt, every
+answer) is reasoning up to `</think>`, or up to its end if the answer was cut
 before the block closed (a stream cannot take back what it sent as reasoning); any other answer is all
 content. With `enable_thinking: false` Qwen3's template writes an empty block into the prompt and the
 answer is plain content.
@@ -22,8 +23,12 @@ class Split:
     content: str | None
 
 
-def split_reasoning(text: str) -> Split:
+def split_reasoning(text: str, parser: str = "qwen3") -> Split:
+    """`qwen3`: reasoning only in an answer that opens with `<think>`. `deepseek_r1`: its template puts
+    `<think>` in the prompt, so every answer opens in reasoning (a `<think>` it writes anyway is dropped)."""
     body = text.lstrip()
+    if parser == "deepseek_r1" and not body.startswith(THINK_START):
+        body = THINK_START + body
     if not body.startswith(THINK_START):
         return Split(None, text)
     thought, closed, rest = body[len(THINK_START):].partition(THINK_END)
@@ -42,7 +47,8 @@ class StreamingReasoningSplitter:
     """The same split as `split_reasoning`, fed one delta at a time. Work per delta is bounded by the
     delta and a tag's length: only the held-back tail is scanned again."""
 
-    def __init__(self):
+    def __init__(self, parser: str = "qwen3"):
+        self._parser = parser
         self._mode = "start"  # "start" (before the first text), "reasoning", "content"
         self._pending = ""  # text not sent yet: what could still be part of a tag
 
@@ -57,6 +63,8 @@ class StreamingReasoningSplitter:
             elif THINK_START.startswith(body) and not final:
                 self._pending = pending  # whitespace or a partial "<think" so far
                 return Split(None, None)
+            elif self._parser == "deepseek_r1":
+                self._mode, pending = "reasoning", body
             else:
                 self._mode = "content"
         if self._mode == "reasoning":
