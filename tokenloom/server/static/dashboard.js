@@ -16,7 +16,10 @@
   for (const name of ["ink", "muted", "line", "prefill", "decode", "draft", "queued", "free", "used", "cached",
     "shared", "swapped", "finished", "aborted"]) C[name] = css.getPropertyValue("--" + name).trim();
   const $ = (id) => document.getElementById(id);
-  const streamPath = location.pathname.replace(/\/+$/, "") + "/stream?rate=" + RATE;
+  // The page's own ?model= (a multi-model server) goes to the stream too, so both show one model.
+  const model = new URLSearchParams(location.search).get("model");
+  const streamPath = location.pathname.replace(/\/+$/, "") + "/stream?rate=" + RATE +
+    (model ? "&model=" + encodeURIComponent(model) : "");
 
   // -- the stream ---------------------------------------------------------------------------------
 
