@@ -230,10 +230,12 @@ class SnapshotStream(Response):
 
 
 def parse_stream_query(params) -> float:
-    """The stream's query: `rate` (frames per second, MIN_RATE_HZ..MAX_RATE_HZ) and nothing else."""
+    """The stream's query: `rate` (frames per second, MIN_RATE_HZ..MAX_RATE_HZ) and, from a multi-model
+    server's page, the `model` its front routed by; nothing else."""
     for name in params:
-        if name != "rate":
-            raise APIError(400, f"{name}: unknown parameter; /dashboard/stream takes only 'rate'", param=name)
+        if name not in ("rate", "model"):
+            raise APIError(400, f"{name}: unknown parameter; /dashboard/stream takes only 'rate' and 'model'",
+                           param=name)
     values = params.getlist("rate")
     if not values:
         return DEFAULT_RATE_HZ
