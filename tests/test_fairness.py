@@ -118,3 +118,17 @@ def test_within_one_step_each_admission_goes_to_the_lowest_counter():
     s.add(req("bb", 1, prompt_len=100, arrival=1.0))
     order = [rid for rid, _ in run_step(s, 2.0)]
     assert order == ["a-0", "bb-0", "a-1", "bb-1", "a-2"]  # alternating as each admission charges its tenant
+
+
+def test_a_new_user_every_request_does_not_grow_the_table_without_bound():
+    from tokenloom.engine.fairness import MAX_REMEMBERED_TENANTS
+
+    vtc = VirtualTokenCounter()
+    heavy = req("heavy", 0)
+    vtc.charge(heavy, 500, 0)  # served a lot, and backlogged: never forgotten
+    for i in range(5 * MAX_REMEMBERED_TENANTS):
+        vtc.arrive(req(f"u{i}", i), [heavy])
+    assert len(vtc.counters) <= MAX_REMEMBERED_TENANTS + 1 and vtc.counters["heavy"] == 500
+    assert vtc.counter(req("u-new", 0)) == 0.0
+    vtc.arrive(req("u-new", 0), [heavy])
+    assert vtc.counter(req("u-new", 0)) == 500  # lifted to the floor as before

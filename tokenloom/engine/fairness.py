@@ -25,6 +25,10 @@ from ..step import Sequence
 
 W_INPUT = 1.0
 W_OUTPUT = 2.0
+# Past this many tenants the idle ones at or below the backlog's floor are forgotten: a client that sends
+# a new `user` every request must not grow the table without bound, and a forgotten tenant that comes
+# back is lifted to the floor anyway.
+MAX_REMEMBERED_TENANTS = 1024
 
 
 def tenant_of(seq: Sequence) -> str:
@@ -47,6 +51,8 @@ class VirtualTokenCounter:
         if tenant in backlogged:
             return
         floor = min(self.counters.get(t, 0.0) for t in backlogged) if backlogged else self._last_served
+        if len(self.counters) >= MAX_REMEMBERED_TENANTS:
+            self.counters = {t: c for t, c in self.counters.items() if t in backlogged or c > floor}
         self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
 
     def charge(self, seq: Sequence, prompt_tokens: int, output_tokens: int) -> None:
