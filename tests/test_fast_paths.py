@@ -593,11 +593,13 @@ def teacher_forced_logprobs(model, ids: torch.Tensor, chunk: int = 256) -> torch
 
 def teacher_forced_hidden(model, ids: torch.Tensor) -> torch.Tensor:
     """The final hidden state at every position of one prefill over the whole text, [N, hidden]."""
+    from tokenloom.model import kv_quant
     from tokenloom.model.decoder import ForwardBatch, PrefillSpan
 
     n, cfg = ids.numel(), model.config
     dtype = model.kv_cache_dtype or model.embed_tokens.weight.dtype  # the fast path's float16 cache included
-    kv = torch.zeros(cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.dim_per_head, dtype=dtype)
+    kv = torch.zeros(cfg.num_layers, 2, n, cfg.num_kv_heads, kv_quant.row_elements(dtype, cfg.dim_per_head),
+                     dtype=dtype)  # an int8 cache's rows hold their scales
     kv = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
     idx = torch.arange(n)
     batch = ForwardBatch(idx, idx, 0, 0, torch.empty((0, 0), dtype=torch.long), torch.empty(0, dtype=torch.long),

@@ -184,6 +184,8 @@ def why_no_decoder_loop(model) -> str | None:
         return "the layer ops are torch's (float32 activations and the C library are needed)"
     if not isinstance(model.decode_attention, PagedDecodeAttention):
         return "attention is torch's"
+    if model.kv_cache_dtype == torch.int8:
+        return "an int8 KV cache (its KV write takes float32 or float16)"
     if model.embed_tokens.weight.dtype != torch.float32:
         return f"the residual stream is {model.embed_tokens.weight.dtype}, the loop's is float32"
     kernel = None
