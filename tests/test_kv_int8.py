@@ -142,3 +142,91 @@ def test_the_plan_takes_int8_kv_on_the_c_path_and_torch_reads_it_too():
         assert plan.attention.name.startswith("paged-c") and plan.layer_ops.name == "c", plan.line()
     exact = plan_forward(EngineConfig(quantization="none", kv_cache_dtype="int8"), cfg)
     assert exact.kv_cache == "int8" and exact.attention.name == "torch" and exact.layer_ops.name == "torch"
+
+
+def int8_engine(tokenizer, **kw):
+    """A small random model on the C kernels over an int8 cache, in an engine."""
+    from tokenloom import EngineConfig
+    from tokenloom.engine.llm_engine import LLMEngine
+    from tokenloom.model.config import ModelConfig
+    from tokenloom.model.loader import random_model, use_c_kernels
+
+    cfg = ModelConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                      num_kv_heads=2, max_position_embeddings=512)
+    model = random_model(cfg, seed=3)
+    model.kv_cache_dtype = torch.int8
+    assert use_c_kernels(model, torch.float32) == "an int8 KV cache (its KV write takes float32 or float16)"
+    config = EngineConfig(kv_cache_dtype="int8", max_num_batched_tokens=64, **({"num_kv_blocks": 64} | kw))
+    return LLMEngine(config, model=model, tokenizer=tokenizer)
+
+
+def run_all(engine, prompts, max_tokens=12):
+    from tokenloom import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": p}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0].token_ids
+    return [done[i] for i in range(len(prompts))]
+
+
+PROMPTS = [list(range(100 + 7 * i, 140 + 11 * i)) for i in range(6)]
+
+
+@needs_c
+def test_an_int8_cache_serves_batch_invariant_greedy_with_prefix_hits_swap_and_transfer(tokenizer):
+    """Greedy tokens over an int8 cache: a request's tokens alone equal its tokens in a batch, after a
+    prefix-cache hit, after being swapped out and in (scales move with their blocks), and on an engine
+    that imported another engine's K/V (disaggregated transfer)."""
+    from conftest import assert_engine_clean
+
+    engine = int8_engine(tokenizer)
+    assert engine.runner.kv_cache.dtype == torch.int8 and engine.runner.kv_cache.shape[-1] == 32 + 4
+    alone = []
+    for p in PROMPTS:
+        engine.kv.reset_prefix_cache()
+        alone += run_all(engine, [p])
+    engine.kv.reset_prefix_cache()
+    assert run_all(engine, PROMPTS) == alone  # batch-invariant
+    hits = engine.kv.prefix_hits
+    assert run_all(engine, PROMPTS) == alone and engine.kv.prefix_hits > hits  # from the prefix cache
+    assert_engine_clean(engine)
+
+    tight = int8_engine(tokenizer, num_kv_blocks=14, preemption_mode="swap", enable_prefix_caching=False)
+    assert run_all(tight, PROMPTS, max_tokens=40) == run_all(engine, PROMPTS, max_tokens=40)
+    assert tight.scheduler.num_preemptions > 0 and tight.runner.host_cache.dtype == torch.int8
+    assert_engine_clean(tight)
+
+    prefill, decode = int8_engine(tokenizer), int8_engine(tokenizer)
+    run_all(prefill, [PROMPTS[5]], max_tokens=1)
+    tokens, kv = prefill.export_prefix_kv(PROMPTS[5])
+    assert tokens > 0 and kv.dtype == torch.int8 and kv.shape[-1] == 32 + 4
+    assert decode.import_prefix_kv(PROMPTS[5], kv) == tokens
+    assert run_all(decode, [PROMPTS[5]]) == [alone[5]] and decode.kv.prefix_hits == tokens
+
+
+@pytest.mark.slow
+def test_int8_kv_quality_against_float16_kv_on_smollm2(tokenizer):
+    """The serving default (int4 weights) over an int8 cache against the same over a float16 one,
+    teacher-forced on natural text: the prompt's K/V are written and read back through the cache."""
+    from test_fast_paths import natural_text, teacher_forced_logprobs
+
+    from tokenloom.model.load import model_path
+    from tokenloom.model.loader import ModelSource, load_model
+
+    source = ModelSource.resolve(model_path(None))
+    f16 = load_model(source, quantization="int4")
+    i8 = load_model(source, quantization="int4", kv_cache_dtype="int8")
+    assert f16.kv_cache_dtype == torch.float16 and i8.kv_cache_dtype == torch.int8
+    assert "int8 KV cache" in i8.plan.line() and "an int8 KV cache" in i8.plan.decoder_loop
+    ids = torch.tensor(tokenizer.encode(natural_text()))
+    assert ids.numel() >= 2000, ids.numel()
+    ref, got = teacher_forced_logprobs(f16, ids), teacher_forced_logprobs(i8, ids)
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+    print(f"int8 KV vs float16 KV: top-1 agreement {top1:.4f}, mean KL {kl:.5f} nats over {ids.numel()} positions")
+    assert top1 >= 0.98 and kl <= 0.02, (top1, kl)
