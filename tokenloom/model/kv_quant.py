@@ -18,7 +18,7 @@ SCALE_BYTES = 4  # csrc/kernels.h's KV_SCALE_BYTES
 
 
 def row_elements(dtype: torch.dtype, head_dim: int) -> int:
-    """Elements of one (slot, KV head) row in a cache of `dtype`: the head, plus the scale's bytes for int8."""
+    """Elements of one (slot, KV head) row in a cache of `dtype`: the head, and for int8 the scale's bytes."""
     return head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim
 
 

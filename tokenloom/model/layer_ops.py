@@ -4,8 +4,9 @@ product), behind one interface chosen once at load, as decode attention is:
 - `TorchLayerOps`: torch ops, the float32 reference path (token-exact against transformers).
 - `CLayerOps`: csrc/layer_ops.c, one C call each for float32 activations. At batch 1 a step runs ~150
   of these ops and torch spends several times a C call's time dispatching each. The plan
-  (model/plan.py) takes them only for a float32 residual stream over a float32 or float16 KV cache; a
-  call they were not written for (another dtype, strides) is an error, never a quiet torch op. GeGLU
+  (model/plan.py) takes them only for a float32 residual stream over a float32, float16 or int8 KV
+  cache (model/kv_quant.py); a call they were not written for (another dtype, strides) is an error,
+  never a quiet torch op. GeGLU
   (`gelu_tanh_mul`) has no C version: torch's, for both.
 
 Every op works row by row: a row's result does not depend on the rest of the batch.

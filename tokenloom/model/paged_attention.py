@@ -11,8 +11,10 @@ one interface, chosen once at load:
   once for the group's query heads and up to 8 of a prompt's tokens; csrc/paged_attention_avx512.c
   (head_dim 64, up to 4 query heads per KV head): the same tasks, each K/V row held in registers while
   every query head of the group and row of the run uses it (the gather and SDPA grow with the batch's
-  longest context). Built and checked at first use (model/kernels.py); unavailable (no compiler,
-  missing CPU flags, a failed check) -> the torch path, with the reason logged.
+  longest context). Both read float32, float16 or int8 caches (int8: each row's codes then its scale,
+  model/kv_quant.py; torch's path dequantizes on gather). Built and checked at first use
+  (model/kernels.py); unavailable (no compiler, missing CPU flags, a failed check) -> the torch path,
+  with the reason logged.
 
 Both are per-query computations: a row's result does not depend on the rest of the batch.
 """

@@ -3,7 +3,7 @@
 Definitions:
 - KV bytes per token = 2 (K and V) * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
   (Llama-3-8B in fp16: 2 * 32 * 8 * 128 * 2 = 131072 B = 128 KiB); int8 is the engine's int8 cache, one
-  byte a value and a 4-byte float32 scale per token and KV head (model/kv_quant.py: 66560 B for Llama-3-8B).
+  byte a value and a 4-byte float32 scale per token and KV head (model/kv_quant.py: 67584 B for Llama-3-8B).
 - Pre-allocated: every sequence reserves max_model_len token slots.
 - Paged: a sequence of L tokens holds ceil(L / block_size) blocks = ceil(L / block_size) * block_size
   slots; internal fragmentation = slots - tokens (unused tail of each last block). A model with
