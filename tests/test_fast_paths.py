@@ -565,6 +565,7 @@ def real_models():
     return {name: load_model(source, **kw) for name, kw in [
         ("fp32", {}), ("bf16", {"dtype": "bfloat16"}), ("int4_bf16", {"quantization": "int4", "dtype": "bfloat16"}),
         ("int4", {"quantization": "int4"}), ("int8", {"quantization": "int8"}),
+        ("int4_kv8", {"quantization": "int4", "kv_cache_dtype": "int8"}),  # over an int8 KV cache
     ]} | {"int4_avx2": avx2_kernel(lambda: load_model(source, quantization="int4"))}
 
 
@@ -635,7 +636,7 @@ def test_fast_path_quality_vs_float32(real_models, tokenizer, path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["int4", "int4_avx2"])
+@pytest.mark.parametrize("path", ["int4", "int4_avx2", "int4_kv8"])
 def test_fast_path_greedy_is_batch_invariant(real_models, tokenizer, path):
     from tokenloom import EngineConfig, SamplingParams
     from tokenloom.engine.llm_engine import LLMEngine
