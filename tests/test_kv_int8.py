@@ -144,8 +144,8 @@ def test_the_plan_takes_int8_kv_on_the_c_path_and_torch_reads_it_too():
     assert exact.kv_cache == "int8" and exact.attention.name == "torch" and exact.layer_ops.name == "torch"
 
 
-def int8_engine(tokenizer, **kw):
-    """A small random model on the C kernels over an int8 cache, in an engine."""
+def int8_engine(tokenizer, c_kernels: bool = True, **kw):
+    """A small random model on the C kernels (or torch's ops) over an int8 cache, in an engine."""
     from tokenloom import EngineConfig
     from tokenloom.engine.llm_engine import LLMEngine
     from tokenloom.model.config import ModelConfig
@@ -155,7 +155,8 @@ def int8_engine(tokenizer, **kw):
                       num_kv_heads=2, max_position_embeddings=512)
     model = random_model(cfg, seed=3)
     model.kv_cache_dtype = torch.int8
-    assert use_c_kernels(model, torch.float32) == "an int8 KV cache (its KV write takes float32 or float16)"
+    if c_kernels:
+        assert use_c_kernels(model, torch.float32) == "an int8 KV cache (its KV write takes float32 or float16)"
     config = EngineConfig(kv_cache_dtype="int8", max_num_batched_tokens=64, **({"num_kv_blocks": 64} | kw))
     return LLMEngine(config, model=model, tokenizer=tokenizer)
 
@@ -207,6 +208,16 @@ def test_an_int8_cache_serves_batch_invariant_greedy_with_prefix_hits_swap_and_t
     assert tokens > 0 and kv.dtype == torch.int8 and kv.shape[-1] == 32 + 4
     assert decode.import_prefix_kv(PROMPTS[5], kv) == tokens
     assert run_all(decode, [PROMPTS[5]]) == [alone[5]] and decode.kv.prefix_hits == tokens
+
+
+def test_torchs_path_reads_and_writes_the_same_int8_cache(tokenizer):
+    """The torch ops (the exact path's, and what long prompt chunks read through) quantize on write and
+    dequantize on gather: the same greedy tokens as the C kernels over an int8 cache."""
+    engine = int8_engine(tokenizer, c_kernels=False)
+    assert engine.model.layer_ops.name == "torch" and engine.model.decode_attention.name == "torch"
+    got = run_all(engine, PROMPTS)
+    if LIB is not None and OPS_LIB is not None:
+        assert got == run_all(int8_engine(tokenizer), PROMPTS)
 
 
 @pytest.mark.slow
