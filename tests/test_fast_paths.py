@@ -635,6 +635,18 @@ def test_fast_path_quality_vs_float32(real_models, tokenizer, path):
     assert top1 >= 0.98 and kl <= 0.02, (top1, kl)
 
 
+def run_requests(engine, prompts, params) -> list[list[int]]:
+    """Each prompt (text or {"prompt_token_ids": ...}) a request under `params`, run to the end: their tokens."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0].token_ids
+    return [done[i] for i in range(len(prompts))]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["int4", "int4_avx2", "int4_kv8"])
 def test_fast_path_greedy_is_batch_invariant(real_models, tokenizer, path):
@@ -650,14 +662,7 @@ def test_fast_path_greedy_is_batch_invariant(real_models, tokenizer, path):
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     def run(batch_prompts, params=sp):
-        for i, p in enumerate(batch_prompts):
-            engine.add_request(str(i), p, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[int(out.request_id)] = out.outputs[0].token_ids
-        return [done[i] for i in range(len(batch_prompts))]
+        return run_requests(engine, batch_prompts, params)
 
     engine.kv.reset_prefix_cache()
     alone = [run([p])[0] for p in prompts]

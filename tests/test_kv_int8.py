@@ -162,17 +162,12 @@ def int8_engine(tokenizer, c_kernels: bool = True, **kw):
 
 
 def run_all(engine, prompts, max_tokens=12):
+    from test_fast_paths import run_requests
+
     from tokenloom import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": p}, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out.outputs[0].token_ids
-    return [done[i] for i in range(len(prompts))]
+    return run_requests(engine, [{"prompt_token_ids": p} for p in prompts], params)
 
 
 PROMPTS = [list(range(100 + 7 * i, 140 + 11 * i)) for i in range(6)]
