@@ -121,6 +121,10 @@ def test_int8_blocks_hold_about_twice_float16s_tokens():
     assert f16[2] == 2 * 30 * 16 * 3 * 64 * 2
     assert i8[0] == (1 << 30) // i8[2] and i8[1] == (1 << 30) // i8[2]
     assert 1.85 < i8[0] / f16[0] < 1.9  # 128 / 68
+    from tokenloom.sim.fleet import kv_bytes_per_token
+
+    assert kv_bytes_per_token(cfg, EngineConfig(quantization="int4", kv_cache_dtype="int8")) * 16 == i8[2]
+    assert kv_bytes_per_token(cfg, EngineConfig(quantization="int4")) * 16 == f16[2]  # auto: float16
     shape = kv_calc.load_model_shape("llama-3-8b", "int8")
     assert shape.kv_bytes_per_token == 2 * 32 * 8 * (128 + 4)
     assert shape.kv_bytes_per_token * 16 == kv_calc.load_model_shape("llama-3-8b", "fp16").kv_bytes_per_token * 16 * 132 // 256
