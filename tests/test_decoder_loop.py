@@ -152,12 +152,13 @@ def test_loop_refuses_a_slot_outside_the_cache_and_writes_nothing():
 
 @pytest.mark.slow
 @needs_loop
-def test_real_model_greedy_tokens_are_the_same_with_and_without_the_loop():
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_real_model_greedy_tokens_are_the_same_with_and_without_the_loop(kv):
     from tokenloom import EngineConfig, SamplingParams
     from tokenloom.engine.llm_engine import LLMEngine
 
     def run(loop: bool):
-        engine = LLMEngine(EngineConfig(quantization="auto"))
+        engine = LLMEngine(EngineConfig(quantization="auto", kv_cache_dtype=kv))
         assert engine.runner.model.decoder_loop is not None
         if not loop:
             engine.runner.model.decoder_loop = None
