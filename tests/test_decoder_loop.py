@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tokenloom.model import decoder_loop, kernels
+from tokenloom.model import decoder_loop, kernels, kv_quant
 from tokenloom.model.decoder import ForwardBatch, ModelConfig, PrefillSpan
 from tokenloom.model.layer_ops import TORCH_OPS
 from tokenloom.model.loader import quantize_model, random_model, use_c_kernels
@@ -69,8 +69,13 @@ def decode_step(seed: int = 0, lens=(1, 17, 40, 33, 64)):
     return ids, batch, cache
 
 
+def as_cache(cache: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """A float32 cache in `kv_dtype` (int8: each row's codes and scale, model/kv_quant.py), a copy."""
+    return kv_quant.quantize(cache) if kv_dtype == torch.int8 else cache.to(kv_dtype, copy=True)
+
+
 def forward(model, ids, batch, cache, kv_dtype, loop: bool):
-    cache = cache.to(kv_dtype, copy=True)  # each run writes its own
+    cache = as_cache(cache, kv_dtype)  # each run writes its own
     saved = model.decoder_loop
     model.decoder_loop = saved if loop else None
     try:
@@ -82,7 +87,7 @@ def forward(model, ids, batch, cache, kv_dtype, loop: bool):
 
 
 @needs_loop
-@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32, torch.int8])
 @pytest.mark.parametrize("family", ["native", "avx2"])
 @pytest.mark.parametrize("qwen2", [False, True], ids=["llama", "qwen2-int8-bias"])
 def test_loop_is_bit_for_bit_the_python_layers(family, kv_dtype, qwen2):
@@ -96,7 +101,7 @@ def test_loop_is_bit_for_bit_the_python_layers(family, kv_dtype, qwen2):
     layered = forward(model, ids, batch, cache, kv_dtype, loop=False)
     for a, b in zip(looped, layered, strict=True):
         assert torch.equal(a, b)
-    assert not torch.equal(looped[2], cache.to(kv_dtype))  # the new K/V were written
+    assert not torch.equal(looped[2], as_cache(cache, kv_dtype))  # the new K/V were written
 
 
 @needs_loop
@@ -147,12 +152,13 @@ def test_loop_refuses_a_slot_outside_the_cache_and_writes_nothing():
 
 @pytest.mark.slow
 @needs_loop
-def test_real_model_greedy_tokens_are_the_same_with_and_without_the_loop():
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_real_model_greedy_tokens_are_the_same_with_and_without_the_loop(kv):
     from tokenloom import EngineConfig, SamplingParams
     from tokenloom.engine.llm_engine import LLMEngine
 
     def run(loop: bool):
-        engine = LLMEngine(EngineConfig(quantization="auto"))
+        engine = LLMEngine(EngineConfig(quantization="auto", kv_cache_dtype=kv))
         assert engine.runner.model.decoder_loop is not None
         if not loop:
             engine.runner.model.decoder_loop = None

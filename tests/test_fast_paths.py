@@ -565,6 +565,7 @@ def real_models():
     return {name: load_model(source, **kw) for name, kw in [
         ("fp32", {}), ("bf16", {"dtype": "bfloat16"}), ("int4_bf16", {"quantization": "int4", "dtype": "bfloat16"}),
         ("int4", {"quantization": "int4"}), ("int8", {"quantization": "int8"}),
+        ("int4_kv8", {"quantization": "int4", "kv_cache_dtype": "int8"}),  # over an int8 KV cache
     ]} | {"int4_avx2": avx2_kernel(lambda: load_model(source, quantization="int4"))}
 
 
@@ -593,11 +594,13 @@ def teacher_forced_logprobs(model, ids: torch.Tensor, chunk: int = 256) -> torch
 
 def teacher_forced_hidden(model, ids: torch.Tensor) -> torch.Tensor:
     """The final hidden state at every position of one prefill over the whole text, [N, hidden]."""
+    from tokenloom.model import kv_quant
     from tokenloom.model.decoder import ForwardBatch, PrefillSpan
 
     n, cfg = ids.numel(), model.config
     dtype = model.kv_cache_dtype or model.embed_tokens.weight.dtype  # the fast path's float16 cache included
-    kv = torch.zeros(cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.dim_per_head, dtype=dtype)
+    kv = torch.zeros(cfg.num_layers, 2, n, cfg.num_kv_heads, kv_quant.row_elements(dtype, cfg.dim_per_head),
+                     dtype=dtype)  # an int8 cache's rows hold their scales
     kv = [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)]
     idx = torch.arange(n)
     batch = ForwardBatch(idx, idx, 0, 0, torch.empty((0, 0), dtype=torch.long), torch.empty(0, dtype=torch.long),
@@ -632,8 +635,20 @@ def test_fast_path_quality_vs_float32(real_models, tokenizer, path):
     assert top1 >= 0.98 and kl <= 0.02, (top1, kl)
 
 
+def run_requests(engine, prompts, params) -> list[list[int]]:
+    """Each prompt (text or {"prompt_token_ids": ...}) a request under `params`, run to the end: their tokens."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0].token_ids
+    return [done[i] for i in range(len(prompts))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path", ["int4", "int4_avx2"])
+@pytest.mark.parametrize("path", ["int4", "int4_avx2", "int4_kv8"])
 def test_fast_path_greedy_is_batch_invariant(real_models, tokenizer, path):
     from tokenloom import EngineConfig, SamplingParams
     from tokenloom.engine.llm_engine import LLMEngine
@@ -647,14 +662,7 @@ def test_fast_path_greedy_is_batch_invariant(real_models, tokenizer, path):
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     def run(batch_prompts, params=sp):
-        for i, p in enumerate(batch_prompts):
-            engine.add_request(str(i), p, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[int(out.request_id)] = out.outputs[0].token_ids
-        return [done[i] for i in range(len(batch_prompts))]
+        return run_requests(engine, batch_prompts, params)
 
     engine.kv.reset_prefix_cache()
     alone = [run([p])[0] for p in prompts]

@@ -57,8 +57,10 @@ def test_ctypes_signatures_come_from_the_header():
     assert sigs["rms_norm_f32"] == (None, [p, p, i64, i64, ctypes.c_float, p])
     assert sigs["paged_decode_attention_avx512_f16"] == sigs["paged_decode_attention_f32"]  # a list of instances
     assert sigs["decoder_loop"] == (ctypes.c_int, [p, p, p, p, i64, p, p, p, p, i64, p, i64])  # a prototype
+    assert sigs["paged_decode_attention_q8"] == sigs["paged_decode_attention_avx512_q8"] == sigs["paged_decode_attention_f32"]
+    assert sigs["write_kv_q8"] == (ctypes.c_int, [p, i64, p, i64, i64, i64, i64, p, i64, p, p])
     assert not {name for name in sigs if name.startswith(("gemm_", "top_"))}  # the inline helpers are not functions
-    assert len(sigs) == 16
+    assert len(sigs) == 19
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

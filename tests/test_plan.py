@@ -72,7 +72,7 @@ def test_paged_refuses_shapes_dtypes_and_cpus_it_cannot_serve():
     cases = {"head_dim 48 (it takes a multiple of 32 up to 256)": attention(head_dim=48),
              "head_dim 512 (it takes a multiple of 32 up to 256)": attention(head_dim=512),
              "bfloat16 queries (it takes float32)": attention(dtype=torch.bfloat16),
-             "a bfloat16 KV cache (it reads float32 or float16)": attention(kv_dtype=torch.bfloat16),
+             "a bfloat16 KV cache (it reads float32, float16 or int8)": attention(kv_dtype=torch.bfloat16),
              "3 query heads over 2 KV heads (it takes whole groups)": attention(num_heads=3, num_kv_heads=2),
              "this CPU lacks avx2 f16c fma": attention(NO_SIMD),
              "the C kernels are off (TOKENLOOM_C_KERNELS=0)": attention(dataclasses.replace(HERE, c_kernels=False)),
@@ -97,7 +97,7 @@ def test_c_layer_ops_refuse_other_residual_dtypes_cpus_without_avx2_and_the_exac
 
     assert ops().name == "c" and isinstance(ops().impl, layer_ops.CLayerOps)
     for reason, choice in {"a bfloat16 residual stream (the C ops take float32)": ops(dtype=torch.bfloat16),
-                           "a bfloat16 KV cache (their KV write takes float32 or float16)": ops(kv_dtype=torch.bfloat16),
+                           "a bfloat16 KV cache (their KV write takes float32, float16 or int8)": ops(kv_dtype=torch.bfloat16),
                            "this CPU lacks avx2 f16c fma": ops(NO_SIMD), EXACT_PATH: ops(exact=EXACT_PATH)}.items():
         assert choice.name == "torch" and reasons(choice) == {"c": reason}, (reason, choice)
         assert choice.impl is layer_ops.TORCH_OPS

@@ -13,6 +13,7 @@ from typing import Literal, get_args, get_origin, get_type_hints
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
+KV_CACHE_DTYPES: tuple[str, ...] = (*DTYPES, "int8")  # what --kv-cache-dtype takes besides "auto"
 # The `quantization` names -> the weight format each loads ("auto": the fastest that runs here, chosen at
 # load): defined once, for the flags here and for the loader (model/quant/formats.py).
 QUANTIZATION_NAMES = {"none": "none", "int4": "int4", "q4": "int4", "q4_1": "int4", "int8": "int8", "q8": "int8"}
@@ -103,7 +104,8 @@ class EngineConfig:
     # KV cache
     # "auto": float16 on the quantized fast path (half the bytes decode attention reads, as llama.cpp
     # keeps its cache), else `dtype`: the float32 reference path stays exact.
-    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # "int8": codes with a float32 scale per token and KV head (model/kv_quant.py), about half float16's bytes.
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = "auto"
     block_size: int = 16
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY_BYTES
     num_kv_blocks: int | None = None  # overrides the count derived from kv_cache_memory_bytes
@@ -158,7 +160,7 @@ class EngineConfig:
 
         choices = {
             "dtype": DTYPES,
-            "kv_cache_dtype": ("auto", *DTYPES),
+            "kv_cache_dtype": ("auto", *KV_CACHE_DTYPES),
             "quantization": (None, *QUANTIZATIONS),
             "preemption_mode": ("recompute", "swap"),
             "scheduling_policy": ("fcfs", "sjf", "priority", "slo"),

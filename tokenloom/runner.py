@@ -16,6 +16,7 @@ from itertools import pairwise
 import numpy as np
 import torch
 
+from .model import kv_quant
 from .model.decoder import DecoderModel, ForwardBatch, GroupSlots, PrefillSpan
 from .model.kv_layout import KVLayout, window_start
 from .model.lora import LoRABatch, LoRAStacks
@@ -53,7 +54,8 @@ class ModelRunner(Runner):
         self.layout = KVLayout.of(cfg)
 
         def cache(n: int, device) -> torch.Tensor:  # [layer slot, K/V, slot, kv head, head dim]
-            shape = (self.layout.layers_per_page, 2, n * block_size, cfg.num_kv_heads, cfg.dim_per_head)
+            shape = (self.layout.layers_per_page, 2, n * block_size, cfg.num_kv_heads,
+                     kv_quant.row_elements(self.dtype, cfg.dim_per_head))  # int8: + each row's scale
             return torch.zeros(shape, dtype=self.dtype, device=device)
 
         self.kv_cache = cache(num_blocks, self.device)

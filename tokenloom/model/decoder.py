@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import vocab_select
+from . import kv_quant, vocab_select
 from .config import ModelConfig, RopeScaling
 from .kv_layout import KVLayout
 from .layer_ops import TORCH_OPS, TorchLayerOps
@@ -219,8 +219,8 @@ class Attention(nn.Module):
             # 4-D [1, heads, tokens, head_dim]: SDPA's CPU flash kernel (3-D inputs take the math path,
             # which materialises the whole score matrix: 2.7x slower for 512 queries over 6,000 keys).
             qs = q[span.query_start : span.query_start + span.query_len].transpose(0, 1)[None]
-            ks = k_cache[span.context_slots].to(qs.dtype).transpose(0, 1)[None]  # [1, KVH, C, hd]
-            vs = v_cache[span.context_slots].to(qs.dtype).transpose(0, 1)[None]
+            ks = kv_quant.gather(k_cache, span.context_slots, qs.dtype).transpose(0, 1)[None]  # [1, KVH, C, hd]
+            vs = kv_quant.gather(v_cache, span.context_slots, qs.dtype).transpose(0, 1)[None]
             os_ = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=True)
             out[span.query_start : span.query_start + span.query_len] = os_[0].transpose(0, 1)

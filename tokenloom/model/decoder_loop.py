@@ -15,7 +15,7 @@ import ctypes
 
 import torch
 
-from . import kernels
+from . import kernels, kv_quant
 from .config import SLIDING
 from .layer_ops import LORA_MAX_RANK, CLayerOps
 from .paged_attention import PagedDecodeAttention
@@ -34,7 +34,7 @@ class _Layer(ctypes.Structure):
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("int4_gemm", _p), ("int5_gemm", _p), ("int8_gemm", _p), ("int8g_gemm", _p), ("rms_norm", _p), ("rope", _p), ("write_kv", _p), ("silu_mul", _p),
+    _fields_ = [("int4_gemm", _p), ("int5_gemm", _p), ("int8_gemm", _p), ("int8g_gemm", _p), ("rms_norm", _p), ("rope", _p), ("write_kv", _p), ("write_kv_q8", _p), ("silu_mul", _p),
                 ("attention", _p), ("lora_add", _p), ("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64), ("heads", _i64),
                 ("kv_heads", _i64), ("head_dim", _i64), ("cache_slots", _i64), ("eps", ctypes.c_float),
                 ("scale", ctypes.c_float)]
@@ -82,7 +82,6 @@ class DecoderLoop:
         self._weights = [t for layer in layers for t in (
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
             *(t for proj in _projections(layer) for t in _tensors(proj)))]
-        self._cache_shape = (cfg.num_kv_heads, cfg.dim_per_head)
         self._head_dim = cfg.dim_per_head
         self._layers = (_Layer * len(layers))(*(
             _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
@@ -90,15 +89,19 @@ class DecoderLoop:
                    _weight(layer.mlp.gate_up_proj), _weight(layer.mlp.down_proj))
             for layer in layers))
         self._lora_weights: dict[tuple, tuple | None] = {}  # per set of adapters: its stacks for the loop
-        # One model description per cache dtype the kernels take (the cache comes with each step).
+        # One model description per cache dtype the kernels take (the cache comes with each step): an
+        # int8 cache's KV write takes its heads' shape (model/kv_quant.py).
         self._models = {}
-        for dtype, write in self.ops._write.items():
+        writes = {**{dtype: (write, None) for dtype, write in self.ops._write.items()},
+                  torch.int8: (None, self.ops._write_q8)}
+        for dtype, (write, write_q8) in writes.items():
             attend = self.attention.kernel_for(cfg.num_heads, cfg.num_kv_heads, cfg.dim_per_head, dtype)
             if attend is not None:
                 kernel = first.self_attn.qkv_proj.kernel
                 self._models[dtype] = _Model(
                     _address(kernel._int4), _address(kernel._int5), _address(kernel._int8), _address(kernel._int8g), _address(self.ops._rms_norm),
-                    _address(self.ops._rope), _address(write), _address(self.ops._silu_mul), _address(attend),
+                    _address(self.ops._rope), write and _address(write), write_q8 and _address(write_q8),
+                    _address(self.ops._silu_mul), _address(attend),
                     _address(self.ops._lora_add), len(layers), cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                     cfg.dim_per_head, 0, first.input_layernorm.eps, first.self_attn.scale)
 
@@ -140,7 +143,7 @@ class DecoderLoop:
         tables, context_lens, block_size = prepared
         k0 = kv_caches[0][0]
         model = self._models.get(k0.dtype)
-        if model is None or k0.shape[1:] != self._cache_shape or any(
+        if model is None or k0.shape[1:] != (model.kv_heads, kv_quant.row_elements(k0.dtype, model.head_dim)) or any(
                 not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype == k0.dtype
                      and k.shape == v.shape == k0.shape) for k, v in kv_caches):
             raise ValueError(f"decoder loop: no kernels for a {k0.dtype} KV cache of shape {tuple(k0.shape)}")

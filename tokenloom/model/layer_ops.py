@@ -4,8 +4,9 @@ product), behind one interface chosen once at load, as decode attention is:
 - `TorchLayerOps`: torch ops, the float32 reference path (token-exact against transformers).
 - `CLayerOps`: csrc/layer_ops.c, one C call each for float32 activations. At batch 1 a step runs ~150
   of these ops and torch spends several times a C call's time dispatching each. The plan
-  (model/plan.py) takes them only for a float32 residual stream over a float32 or float16 KV cache; a
-  call they were not written for (another dtype, strides) is an error, never a quiet torch op. GeGLU
+  (model/plan.py) takes them only for a float32 residual stream over a float32, float16 or int8 KV
+  cache (model/kv_quant.py); a call they were not written for (another dtype, strides) is an error,
+  never a quiet torch op. GeGLU
   (`gelu_tanh_mul`) has no C version: torch's, for both.
 
 Every op works row by row: a row's result does not depend on the rest of the batch.
@@ -18,7 +19,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import kernels, kv_quant
 
 
 def fitting(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
@@ -58,9 +59,11 @@ class TorchLayerOps:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
-        """k, v [T, kv_heads, head_dim] into the caches' rows `slots`, cast to the cache's dtype."""
-        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+        """k, v [T, kv_heads, head_dim] into the caches' rows `slots`, cast to the cache's dtype (an int8
+        cache: quantized, each row with its scale: model/kv_quant.py)."""
+        cast = kv_quant.quantize if k_cache.dtype == torch.int8 else (lambda x: x.to(k_cache.dtype))
+        k_cache.index_copy_(0, slots, cast(k))
+        v_cache.index_copy_(0, slots, cast(v))
 
     def lora_add(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
         """y[r] += (x[r] a[slots[r]]) b[slots[r]] row by row in place, if this implementation takes these
@@ -80,6 +83,7 @@ class CLayerOps(TorchLayerOps):
         self._rms_norm, self._rope, self._silu_mul = lib.rms_norm_f32, lib.rope_f32, lib.silu_mul_f32
         self._lora_add = lib.lora_add_bf16
         self._write = {torch.float32: lib.write_kv_f32, torch.float16: lib.write_kv_f16}
+        self._write_q8 = lib.write_kv_q8  # an int8 cache: rows of codes and their scale (model/kv_quant.py)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if (x.dtype != torch.float32 or x.dim() != 2 or weight.dtype != torch.float32
@@ -112,18 +116,22 @@ class CLayerOps(TorchLayerOps):
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor) -> None:
-        fn = self._write.get(k_cache.dtype)
+        q8 = k_cache.dtype == torch.int8
+        fn = self._write_q8 if q8 else self._write.get(k_cache.dtype)
         rows, kv_heads, head_dim = k.shape
         fits = (fn is not None and k.dtype == v.dtype == torch.float32 and k.shape == v.shape
                 and slots.dtype == torch.int64 and slots.shape == (rows,)
                 and all(t.stride(1) == head_dim and t.stride(2) == 1 for t in (k, v))
                 and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
-                and k_cache.shape == v_cache.shape and k_cache.shape[1:] == (kv_heads, head_dim))
+                and k_cache.shape == v_cache.shape
+                and k_cache.shape[1:] == (kv_heads, kv_quant.row_elements(k_cache.dtype, head_dim))
+                and (not q8 or head_dim % 8 == 0))
         if not fits:
-            _unfit("write_kv", k, f"float32 K/V [rows, kv_heads, head_dim] into a float32 or float16 cache "
+            _unfit("write_kv", k, f"float32 K/V [rows, kv_heads, head_dim] into a float32, float16 or int8 cache "
                    f"(the cache: {k_cache.dtype} {tuple(k_cache.shape)})")
         slots = slots.contiguous()
-        if fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), rows, kv_heads * head_dim, slots.data_ptr(),
+        shape = (kv_heads, head_dim) if q8 else (kv_heads * head_dim,)
+        if fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), rows, *shape, slots.data_ptr(),
               k_cache.shape[0], k_cache.data_ptr(), v_cache.data_ptr()):
             raise IndexError(f"KV write: a slot outside the cache's {k_cache.shape[0]} rows")
 
@@ -160,8 +168,9 @@ class CLayerOpsStrategy:
             return False, needs.exact
         if needs.dtype != torch.float32:
             return False, f"a {str(needs.dtype).removeprefix('torch.')} residual stream (the C ops take float32)"
-        if needs.kv_dtype not in (torch.float32, torch.float16):
-            return False, f"a {str(needs.kv_dtype).removeprefix('torch.')} KV cache (their KV write takes float32 or float16)"
+        if needs.kv_dtype not in (torch.float32, torch.float16, torch.int8):
+            return False, (f"a {str(needs.kv_dtype).removeprefix('torch.')} KV cache (their KV write takes "
+                           "float32, float16 or int8)")
         lib, reason = cpu.library(SPEC)
         return lib is not None, reason
 

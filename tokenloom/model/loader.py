@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig
-from . import architectures, layer_ops, paged_attention
+from . import architectures, kv_quant, layer_ops, paged_attention
 from .config import ModelConfig
 from .decoder import DecoderModel
 from .decoder_loop import decoder_loop_for
@@ -53,7 +53,7 @@ def bundled_model_path() -> str:
 def kv_bytes_per_block_for(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one block: across all layers, or one KV group's (model/kv_layout.py)."""
     layers = KVLayout.of(config).layers_per_page
-    return 2 * layers * block_size * config.num_kv_heads * config.dim_per_head * dtype.itemsize
+    return 2 * layers * block_size * config.num_kv_heads * kv_quant.row_bytes(dtype, config.dim_per_head)
 
 
 @dataclass

@@ -11,8 +11,10 @@ one interface, chosen once at load:
   once for the group's query heads and up to 8 of a prompt's tokens; csrc/paged_attention_avx512.c
   (head_dim 64, up to 4 query heads per KV head): the same tasks, each K/V row held in registers while
   every query head of the group and row of the run uses it (the gather and SDPA grow with the batch's
-  longest context). Built and checked at first use (model/kernels.py); unavailable (no compiler,
-  missing CPU flags, a failed check) -> the torch path, with the reason logged.
+  longest context). Both read float32, float16 or int8 caches (int8: each row's codes then its scale,
+  model/kv_quant.py; torch's path dequantizes on gather). Built and checked at first use
+  (model/kernels.py); unavailable (no compiler, missing CPU flags, a failed check) -> the torch path,
+  with the reason logged.
 
 Both are per-query computations: a row's result does not depend on the rest of the batch.
 """
@@ -24,7 +26,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from . import kernels, kv_quant
 
 MAX_HEAD_DIM = 256  # csrc/paged_attention.c's float32 tile of K or V rows is sized for it
 
@@ -60,24 +62,27 @@ class TorchDecodeAttention:
 
     def __call__(self, prepared, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
         slots, mask = prepared
-        kd = k_cache[slots].to(q.dtype).transpose(1, 2)  # [D, KVH, L, hd]
-        vd = v_cache[slots].to(q.dtype).transpose(1, 2)
+        kd = kv_quant.gather(k_cache, slots, q.dtype).transpose(1, 2)  # [D, KVH, L, hd]
+        vd = kv_quant.gather(v_cache, slots, q.dtype).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, scale=scale, enable_gqa=True)
         return out.squeeze(2)  # [D, H, hd]
 
 
 class PagedDecodeAttention:
-    """The C kernel. q [D, H, hd] float32, caches [slots, KVH, hd] float32 or float16."""
+    """The C kernel. q [D, H, hd] float32, caches [slots, KVH, hd] float32 or float16, or int8 rows of
+    hd codes and their scale (model/kv_quant.py)."""
 
     name = "paged-c"
     takes_prefill_rows = True  # a prompt token is a query with its own context length (the causal mask)
 
     def __init__(self, lib: ctypes.CDLL, lib512: ctypes.CDLL | None = None):
         """`lib512`: the AVX-512 kernel for head_dim 64 and up to 4 query heads per KV head, when it runs."""
-        self._fns = {torch.float32: lib.paged_decode_attention_f32, torch.float16: lib.paged_decode_attention_f16}
+        self._fns = {torch.float32: lib.paged_decode_attention_f32, torch.float16: lib.paged_decode_attention_f16,
+                     torch.int8: lib.paged_decode_attention_q8}
         self._fns512 = {} if lib512 is None else {
             torch.float32: lib512.paged_decode_attention_avx512_f32,
-            torch.float16: lib512.paged_decode_attention_avx512_f16}
+            torch.float16: lib512.paged_decode_attention_avx512_f16,
+            torch.int8: lib512.paged_decode_attention_avx512_q8}
         if self._fns512:
             self.name = "paged-c-avx512"
 
@@ -99,6 +104,7 @@ class PagedDecodeAttention:
         tables, context_lens, block_size = prepared
         fn = self.kernel_for(q.shape[1], k_cache.shape[1], q.shape[-1], k_cache.dtype)
         if (fn is None or q.dtype != torch.float32 or v_cache.dtype != k_cache.dtype or q.shape[0] != len(tables)
+                or k_cache.shape[-1] != kv_quant.row_elements(k_cache.dtype, q.shape[-1])
                 or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
             raise ValueError(f"paged attention kernel: no kernel for {q.dtype} queries over a "
                              f"{k_cache.dtype} cache (load the model with the KV cache dtype it will serve)")
@@ -128,8 +134,8 @@ def _paged_fits(needs) -> str | None:
         return needs.exact
     if needs.dtype != torch.float32:
         return f"{_dtype(needs.dtype)} queries (it takes float32)"
-    if needs.kv_dtype not in (torch.float32, torch.float16):
-        return f"a {_dtype(needs.kv_dtype)} KV cache (it reads float32 or float16)"
+    if needs.kv_dtype not in (torch.float32, torch.float16, torch.int8):
+        return f"a {_dtype(needs.kv_dtype)} KV cache (it reads float32, float16 or int8)"
     if needs.head_dim % 32 or needs.head_dim > MAX_HEAD_DIM:
         return f"head_dim {needs.head_dim} (it takes a multiple of 32 up to {MAX_HEAD_DIM})"
     if needs.num_heads % needs.num_kv_heads:

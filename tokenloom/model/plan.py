@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import DTYPES, EngineConfig
+from ..config import KV_CACHE_DTYPES, EngineConfig
 from . import layer_ops, paged_attention
 from .config import SLIDING, ModelConfig
 from .kernels import CPU
@@ -30,7 +30,7 @@ from .quant import probe
 # strategies refuse it, and why the decoder loop is off.
 EXACT_PATH = "the exact path (--quantization none)"
 EXACT_PATH_LOOP = "the exact float32 path (--quantization none) runs torch's ops"
-_DTYPES = {name: getattr(torch, name) for name in DTYPES}
+_DTYPES = {name: getattr(torch, name) for name in KV_CACHE_DTYPES}
 
 
 def torch_dtype(name: str) -> torch.dtype:

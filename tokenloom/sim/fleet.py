@@ -57,14 +57,14 @@ from ..model.plan import kv_cache_dtype_for
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .cost_model import CostModel
-from .kv_calc import ModelShape
+from .kv_calc import KV_SCALE_BYTES, ModelShape
 from .simulator import build_sim_engine
 
 # Event order at equal times: a step's results first, then arrivals, then steps starting.
 STEP_END, ARRIVAL, STEP_START = 0, 1, 2
 IDLE_TICK_S = 0.001  # as `replay`: the clock always moves on after an empty step
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ def kv_bytes_per_token(model_config: ModelConfig, config: EngineConfig) -> int:
     quantization = "none" if config.quantization in (None, "none") else config.quantization
     dtype = kv_cache_dtype_for(quantization, config.dtype, config.kv_cache_dtype)
     shape = ModelShape(model_config.num_layers, model_config.num_kv_heads, model_config.dim_per_head,
-                       DTYPE_BYTES[dtype])
+                       DTYPE_BYTES[dtype], scale_bytes=KV_SCALE_BYTES.get(dtype, 0))
     return shape.kv_bytes_per_token
 
 

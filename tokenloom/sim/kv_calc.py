@@ -1,8 +1,9 @@
 """KV-cache memory calculator: pre-allocated (max_model_len per sequence) vs paged (block-granular).
 
 Definitions:
-- KV bytes per token = 2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes
-  (Llama-3-8B in fp16: 2 * 32 * 8 * 128 * 2 = 131072 B = 128 KiB).
+- KV bytes per token = 2 (K and V) * num_layers * num_kv_heads * (head_dim * dtype_bytes + scale_bytes)
+  (Llama-3-8B in fp16: 2 * 32 * 8 * 128 * 2 = 131072 B = 128 KiB); int8 is the engine's int8 cache, one
+  byte a value and a 4-byte float32 scale per token and KV head (model/kv_quant.py: 67584 B for Llama-3-8B).
 - Pre-allocated: every sequence reserves max_model_len token slots.
 - Paged: a sequence of L tokens holds ceil(L / block_size) blocks = ceil(L / block_size) * block_size
   slots; internal fragmentation = slots - tokens (unused tail of each last block). A model with
@@ -25,14 +26,16 @@ import argparse
 import json
 import math
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..model.architectures.gemma3 import layer_types_of as gemma3_layer_types
 from ..model.config import SLIDING
+from ..model.kv_quant import SCALE_BYTES
 
-DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1}
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1, "int8": 1}
+KV_SCALE_BYTES = {"int8": SCALE_BYTES}  # per token and KV head, beside its values (K's and V's each)
 GIB = 1 << 30
 
 
@@ -45,6 +48,7 @@ class ModelShape:
     name: str = "custom"
     sliding_layers: int = 0  # of num_layers, those that see only the last `sliding_window` positions
     sliding_window: int | None = None
+    scale_bytes: int = 0  # per token, KV head and K or V: a quantized cache's scale
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -52,7 +56,7 @@ class ModelShape:
 
     @property
     def layer_bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_kv_heads * (self.head_dim * self.dtype_bytes + self.scale_bytes)
 
     def paged_bytes(self, length: int, block_size: int) -> int:
         """K/V bytes a sequence of `length` tokens holds in blocks of `block_size` (see module docstring)."""
@@ -124,7 +128,10 @@ def load_model_shape(model: str, dtype: str = "fp16") -> ModelShape:
     """A preset name, a HF config.json (or a directory holding one), or a .gguf file."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}: choose from {sorted(DTYPE_BYTES)}")
-    nbytes = DTYPE_BYTES[dtype]
+    return replace(_model_shape(model, DTYPE_BYTES[dtype]), scale_bytes=KV_SCALE_BYTES.get(dtype, 0))
+
+
+def _model_shape(model: str, nbytes: int) -> ModelShape:
     if model.lower() in PRESETS:
         sliding_layers, window = SLIDING_PRESETS.get(model.lower(), (0, None))
         return ModelShape(*PRESETS[model.lower()], nbytes, model.lower(), sliding_layers, window)

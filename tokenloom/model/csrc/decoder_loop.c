@@ -62,8 +62,12 @@ int decoder_loop(const Model *m, const Layer *layers, const LoRAStep *lora, floa
             break;
         }
         m->rope(wide, rows, qkv_size, m->heads + m->kv_heads, m->head_dim, cos, sin);
-        if (m->write_kv(wide + q_size, qkv_size, wide + q_size + kv_size, qkv_size, rows, kv_size, slots,
-                        m->cache_slots, L->k_cache, L->v_cache)) {
+        const int wrote = m->write_kv_q8
+            ? m->write_kv_q8(wide + q_size, qkv_size, wide + q_size + kv_size, qkv_size, rows, m->kv_heads,
+                             m->head_dim, slots, m->cache_slots, L->k_cache, L->v_cache)
+            : m->write_kv(wide + q_size, qkv_size, wide + q_size + kv_size, qkv_size, rows, kv_size, slots,
+                          m->cache_slots, L->k_cache, L->v_cache);
+        if (wrote) {
             status = 1;
             break;
         }

@@ -27,6 +27,7 @@ typedef struct DecoderModel {  /* the kernels (kernels.h) and the shapes, fixed 
     rms_norm_fn *rms_norm;
     rope_fn *rope;
     write_kv_fn *write_kv;
+    write_kv_q8_fn *write_kv_q8;  /* non-NULL: an int8 cache, written through it (write_kv unused) */
     silu_mul_fn *silu_mul;
     attention_fn *attention;
     lora_add_fn *lora_add;

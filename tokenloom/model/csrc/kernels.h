@@ -81,15 +81,25 @@ rope_fn rope_f32;
 silu_mul_fn silu_mul_f32;
 write_kv_fn write_kv_f32;  /* the cache's element: float */
 write_kv_fn write_kv_f16;  /* the cache's element: IEEE half in uint16_t */
+/* An int8 cache (KV_SCALE_BYTES below): each (slot, KV head) row is head_dim codes, then its float32 scale. */
+typedef int write_kv_q8_fn(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t rows,
+                           int64_t kv_heads, int64_t head_dim, const int64_t *slots, int64_t num_slots, void *k_cache,
+                           void *v_cache);
+write_kv_q8_fn write_kv_q8;
 lora_add_fn lora_add_bf16;  /* y[r] += (x[r] A[slot[r]]) B[slot[r]], A and B bfloat16: each row its own adapter */
 
+/* The int8 KV cache's row of one (slot, KV head): head_dim int8 codes, then the row's scale as a float32
+ * in KV_SCALE_BYTES bytes (a value is code * scale; scale = max |x| / 127, written with the token). */
+#define KV_SCALE_BYTES 4
+
 /* paged_attention.c (AVX2; any head_dim multiple of 32 up to 256) and paged_attention_avx512.c
- * (head_dim 64, up to 4 query heads per KV head); _f32 over a float cache, _f16 over a half one. */
+ * (head_dim 64, up to 4 query heads per KV head); _f32 over a float cache, _f16 over a half one, _q8
+ * over an int8 one (rows of head_dim + KV_SCALE_BYTES bytes). */
 typedef int attention_fn(const float *q, const void *k_cache, const void *v_cache, const int64_t *tables,
                          int64_t max_blocks, const int64_t *context_lens, int64_t rows, int64_t heads,
                          int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out);
-attention_fn paged_decode_attention_f32, paged_decode_attention_f16;
-attention_fn paged_decode_attention_avx512_f32, paged_decode_attention_avx512_f16;
+attention_fn paged_decode_attention_f32, paged_decode_attention_f16, paged_decode_attention_q8;
+attention_fn paged_decode_attention_avx512_f32, paged_decode_attention_avx512_f16, paged_decode_attention_avx512_q8;
 
 /* decoder_loop.c: every layer of a step in one call over the kernels above (its structs in
  * decoder_loop.h; `lora` NULL: no row under an adapter). */

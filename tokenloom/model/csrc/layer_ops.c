@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -121,6 +122,44 @@ int write_kv_f16(const float *src_k, int64_t k_stride, const float *src_v, int64
             vd[i] = (uint16_t)_cvtss_sh(v[i], _MM_FROUND_TO_NEAREST_INT);
         }
     }
+    return 0;
+}
+
+/* One row of head_dim floats as int8 codes and their scale (kernels.h's KV_SCALE_BYTES layout): scale =
+ * max |x| / 127, code = x * (127 / max |x|) rounded to nearest even; a row of zeros has scale 0. The
+ * same float32 operations as model/kv_quant.py's quantize, so both write the same bytes. */
+static void quantize_row_q8(const float *x, int64_t head_dim, int8_t *dst) {
+    __m256 m = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < head_dim; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, m);
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    const __m256 iv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    for (int64_t i = 0; i < head_dim; i += 8) {
+        __m256 c = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        c = _mm256_min_ps(_mm256_max_ps(c, lo), hi);
+        const __m256i w = _mm256_cvtps_epi32(c);  /* 8 x int32 in [-127, 127] -> 8 x int8 */
+        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+        _mm_storel_epi64((__m128i *)(dst + i), _mm_packs_epi16(w16, w16));
+    }
+    memcpy(dst + head_dim, &scale, KV_SCALE_BYTES);
+}
+
+/* As write_kv_f32 into an int8 cache: each (row, KV head)'s head_dim values (a multiple of 8) become one
+ * cache row of codes and scale, at slot slots[r]. */
+int write_kv_q8(const float *src_k, int64_t k_stride, const float *src_v, int64_t v_stride, int64_t rows,
+                int64_t kv_heads, int64_t head_dim, const int64_t *slots, int64_t num_slots, void *k_dest,
+                void *v_dest) {
+    if (check_slots(slots, rows, num_slots)) return 1;
+    const int64_t row = head_dim + KV_SCALE_BYTES;
+    int8_t *k_cache = k_dest, *v_cache = v_dest;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            quantize_row_q8(src_k + r * k_stride + h * head_dim, head_dim, k_cache + (slots[r] * kv_heads + h) * row);
+            quantize_row_q8(src_v + r * v_stride + h * head_dim, head_dim, v_cache + (slots[r] * kv_heads + h) * row);
+        }
     return 0;
 }
 

@@ -74,10 +74,22 @@ static void softmax_row(float *sc, int64_t ctx) {
     for (; t < ctx; t++) sc[t] *= inv;
 }
 
-/* The cache holds float32 or float16; the arithmetic reads float32 tiles (F16C converts 8 at a time). */
-static inline void store8_f32(float *dst, const float *src) { _mm256_storeu_ps(dst, _mm256_loadu_ps(src)); }
-static inline void store8_f16(float *dst, const uint16_t *src) {
-    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src)));
+/* The cache holds float32, float16 or int8 rows (kernels.h's KV_SCALE_BYTES: codes, then the row's scale);
+ * the arithmetic reads float32 tiles: 8 elements from i of a row of head_dim (F16C converts 8 at a time,
+ * int8 codes become code * scale, one float32 product each). */
+static inline void store8_f32(float *dst, const float *row, int64_t i, int64_t head_dim) {
+    (void)head_dim;
+    _mm256_storeu_ps(dst, _mm256_loadu_ps(row + i));
+}
+static inline void store8_f16(float *dst, const uint16_t *row, int64_t i, int64_t head_dim) {
+    (void)head_dim;
+    _mm256_storeu_ps(dst, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + i))));
+}
+static inline void store8_q8(float *dst, const int8_t *row, int64_t i, int64_t head_dim) {
+    float scale;
+    memcpy(&scale, row + head_dim, sizeof scale);
+    const __m256 codes = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
+    _mm256_storeu_ps(dst, _mm256_mul_ps(codes, _mm256_set1_ps(scale)));
 }
 
 /* Positions converted to float32 at a time (8 KB at head_dim 64: they stay in L1 while every query of
@@ -215,12 +227,12 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
  * tile at a time, and uses it for every query head of the GQA group and every row of the run; each
  * query's arithmetic is what it would be alone (scores, a two-pass softmax, the weighted sum of V),
  * so a row's result depends on nothing else in the batch. */
-#define DEFINE_ATTENTION(SUFFIX, T, STORE8)                                                                   \
+#define DEFINE_ATTENTION(SUFFIX, T, STORE8, PAD) /* PAD: bytes after a row's head_dim elements */                                                                   \
 static void gather_tile_##SUFFIX(const T *cache, const int64_t *offsets, int64_t from, int64_t to,          \
                                  int64_t ctx, int64_t head_dim, float *tile) {                              \
     for (int64_t t = from; t < to; t++) {                                                                   \
         if (t + KV_TILE < ctx) prefetch_row(cache + offsets[t + KV_TILE], (size_t)head_dim * sizeof(T));    \
-        for (int64_t i = 0; i < head_dim; i += 8) STORE8(tile + (t - from) * head_dim + i, cache + offsets[t] + i); \
+        for (int64_t i = 0; i < head_dim; i += 8) STORE8(tile + (t - from) * head_dim + i, cache + offsets[t], i, head_dim); \
     }                                                                                                       \
 }                                                                                                           \
                                                                                                             \
@@ -231,7 +243,7 @@ int paged_decode_attention_##SUFFIX(const float *q, const void *k_cache, const v
     const T *k = k_cache, *v = v_cache;                                                                     \
     if (head_dim > MAX_HEAD_DIM || head_dim % 32) return -2;                                                \
     const int64_t group = num_heads / num_kv_heads;                                                         \
-    const int64_t slot_stride = num_kv_heads * head_dim;                                                    \
+    const int64_t row = head_dim + PAD, slot_stride = num_kv_heads * row;                                 \
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));                                     \
     if (!starts) return -1;                                                                                 \
     const int64_t num_runs = context_runs(tables, max_blocks, context_lens, num_seqs, block_size,             \
@@ -250,7 +262,7 @@ int paged_decode_attention_##SUFFIX(const float *q, const void *k_cache, const v
         if (!offsets) { failed = 1; continue; }                                                             \
         float *scores = (float *)(offsets + n);                                                             \
         float tile[KV_TILE * MAX_HEAD_DIM];                                                                 \
-        context_offsets(tables + longest * max_blocks, ctx, block_size, slot_stride, kvh * head_dim, offsets); \
+        context_offsets(tables + longest * max_blocks, ctx, block_size, slot_stride, kvh * row, offsets);     \
         for (int64_t from = 0; from < ctx; from += KV_TILE) {                                               \
             const int64_t to = from + KV_TILE < ctx ? from + KV_TILE : ctx;                                 \
             gather_tile_##SUFFIX(k, offsets, from, to, ctx, head_dim, tile);                                \
@@ -290,9 +302,11 @@ int paged_decode_attention_##SUFFIX(const float *q, const void *k_cache, const v
 }
 
 /* q:      [num_seqs, num_heads, head_dim] float32 (num_seqs: rows, one query each)
- * k, v:   [num_slots, num_kv_heads, head_dim] in the cache's type (one layer; slot = block * block_size + offset)
+ * k, v:   [num_slots, num_kv_heads, head_dim] in the cache's type (one layer; slot = block * block_size + offset);
+ *         int8: [num_slots, num_kv_heads, head_dim + KV_SCALE_BYTES], each row's codes then its scale
  * tables: [num_seqs, max_blocks] block ids;  context_lens: [num_seqs]
  * out:    [num_seqs, num_heads, head_dim] float32
  * Returns 0; -1 if memory ran out; -2 for a head_dim that is not a multiple of 32 up to MAX_HEAD_DIM. */
-DEFINE_ATTENTION(f32, float, store8_f32)
-DEFINE_ATTENTION(f16, uint16_t, store8_f16)
+DEFINE_ATTENTION(f32, float, store8_f32, 0)
+DEFINE_ATTENTION(f16, uint16_t, store8_f16, 0)
+DEFINE_ATTENTION(q8, int8_t, store8_q8, KV_SCALE_BYTES)

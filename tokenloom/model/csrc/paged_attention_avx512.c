@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -26,8 +27,17 @@
 #define MAX_RUN 8    /* rows reading one context (a prompt's tokens, a row's drafts) that share a task */
 #define V_CHUNK 6    /* query heads whose weighted sums of V are held in registers at once */
 
-static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+/* Elements [16 i, 16 i + 16) of a cache row as float32 (int8: code * the row's scale, kernels.h's layout). */
+static inline __m512 load16_f32(const float *row, int i) { return _mm512_loadu_ps(row + 16 * i); }
+static inline __m512 load16_f16(const uint16_t *row, int i) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 16 * i)));
+}
+static inline __m512 load16_q8(const int8_t *row, int i) {
+    float scale;
+    memcpy(&scale, row + HD, sizeof scale);
+    const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * i))));
+    return _mm512_mul_ps(codes, _mm512_set1_ps(scale));
+}
 
 /* exp(x) for x <= 0, 16 lanes: 2^n * p(r), the Cephes polynomial of simd_avx2.h's exp8 (x clamped at -87,
  * where the scalar tail of the AVX2 kernel returns 0: both below float32's resolution after the sum). */
@@ -115,7 +125,7 @@ static void scores_##SUFFIX(const Queries *qs, int64_t ctx, const T *k, const in
         __m512 kr[4][HD / 16];                                                                              \
         for (int u = 0; u < 4; u++) {                                                                       \
             if (t + u + PREFETCH_AHEAD < ctx) prefetch_row(k + offsets[t + u + PREFETCH_AHEAD], HD * sizeof(T)); \
-            for (int i = 0; i < HD / 16; i++) kr[u][i] = LOAD16(k + offsets[t + u] + 16 * i);              \
+            for (int i = 0; i < HD / 16; i++) kr[u][i] = LOAD16(k + offsets[t + u], i);                    \
         }                                                                                                   \
         for (int64_t a = 0; a < qs->heads; a++) {                                                           \
             const float *q = qs->q[a];                                                                      \
@@ -134,7 +144,7 @@ static void scores_##SUFFIX(const Queries *qs, int64_t ctx, const T *k, const in
     }                                                                                                       \
     for (; t < ctx; t++) {                                                                                  \
         const T *kt = k + offsets[t];                                                                       \
-        const __m512 k0 = LOAD16(kt), k1 = LOAD16(kt + 16), k2 = LOAD16(kt + 32), k3 = LOAD16(kt + 48);     \
+        const __m512 k0 = LOAD16(kt, 0), k1 = LOAD16(kt, 1), k2 = LOAD16(kt, 2), k3 = LOAD16(kt, 3);         \
         for (int64_t a = 0; a < qs->heads; a++)                                                             \
             if (t < qs->ctx[a]) scores[a * qs->n + t] = one_score(qs->q[a], k0, k1, k2, k3, scale);         \
     }                                                                                                       \
@@ -155,7 +165,7 @@ static void values_##SUFFIX(const Queries *qs, const T *v, const int64_t *offset
         for (int64_t t = 0; t < ctx; t++) {                                                                 \
             if (t + PREFETCH_AHEAD < ctx) prefetch_row(v + offsets[t + PREFETCH_AHEAD], HD * sizeof(T));    \
             const T *vt = v + offsets[t];                                                                   \
-            const __m512 v0 = LOAD16(vt), v1 = LOAD16(vt + 16), v2 = LOAD16(vt + 32), v3 = LOAD16(vt + 48); \
+            const __m512 v0 = LOAD16(vt, 0), v1 = LOAD16(vt, 1), v2 = LOAD16(vt, 2), v3 = LOAD16(vt, 3);     \
             for (int c = 0; c < V_CHUNK; c++) if (t < ctxs[c]) {                                            \
                 const __m512 p = _mm512_set1_ps(scores[(c0 + c) * qs->n + t]);                              \
                 acc[c][0] = _mm512_fmadd_ps(p, v0, acc[c][0]);                                              \
@@ -170,14 +180,14 @@ static void values_##SUFFIX(const Queries *qs, const T *v, const int64_t *offset
 }
 
 /* The entry point: one OpenMP task per (run of up to MAX_RUN rows reading one context, KV head). */
-#define DEFINE_ATTENTION(SUFFIX, T)                                                                           \
+#define DEFINE_ATTENTION(SUFFIX, T, PAD)                                                                      \
 int paged_decode_attention_avx512_##SUFFIX(const float *q, const void *k_cache, const void *v_cache,       \
                                            const int64_t *tables, int64_t max_blocks,                       \
                                            const int64_t *context_lens, int64_t num_seqs, int64_t num_heads, \
                                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,      \
                                            float scale, float *out) {                                       \
     const int64_t group = num_heads / num_kv_heads;                                                         \
-    const int64_t slot_stride = num_kv_heads * head_dim;                                                    \
+    const int64_t slot_stride = num_kv_heads * (HD + PAD);                                                  \
     if (head_dim != HD || group > MAX_GROUP) return -2;                                                     \
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));                                     \
     if (!starts) return -1;                                                                                 \
@@ -202,7 +212,7 @@ int paged_decode_attention_avx512_##SUFFIX(const float *q, const void *k_cache, 
         int64_t *offsets = task_buffer(qs.n, qs.heads, stack_buf); /* then a score row per head */         \
         if (!offsets) { failed = 1; continue; }                                                             \
         float *scores = (float *)(offsets + qs.n);                                                          \
-        context_offsets(tables + longest * max_blocks, ctx, block_size, slot_stride, kvh * HD, offsets);    \
+        context_offsets(tables + longest * max_blocks, ctx, block_size, slot_stride, kvh * (HD + PAD), offsets);\
         scores_##SUFFIX(&qs, ctx, k_cache, offsets, scale, scores);                                         \
         for (int64_t a = 0; a < qs.heads; a++) softmax_row(scores + a * qs.n, qs.ctx[a]);             \
         values_##SUFFIX(&qs, v_cache, offsets, scores, outs);                                               \
@@ -214,8 +224,10 @@ int paged_decode_attention_avx512_##SUFFIX(const float *q, const void *k_cache, 
 
 DEFINE_TASK(f32, float, load16_f32)
 DEFINE_TASK(f16, uint16_t, load16_f16)
+DEFINE_TASK(q8, int8_t, load16_q8)
 
 /* Arguments as paged_decode_attention_f32/_f16 in paged_attention.c; returns -2 for a shape it does
  * not handle (head_dim != 64 or more than 4 query heads per KV head). */
-DEFINE_ATTENTION(f32, float)
-DEFINE_ATTENTION(f16, uint16_t)
+DEFINE_ATTENTION(f32, float, 0)
+DEFINE_ATTENTION(f16, uint16_t, 0)
+DEFINE_ATTENTION(q8, int8_t, KV_SCALE_BYTES)

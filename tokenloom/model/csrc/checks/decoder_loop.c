@@ -85,7 +85,7 @@ static int lora_add(const float *x, int64_t rows, int64_t k, const int64_t *slot
 int main(int argc, char **argv) {
     void *lib = open_library(argc, argv);
     __typeof__(&decoder_loop) loop = symbol(lib, "decoder_loop");  /* as kernels.h declares it */
-    const Model m = {gemm4, gemm5, gemm8, gemm8g, norm, rope, write_kv, silu_mul, attention, lora_add,
+    const Model m = {gemm4, gemm5, gemm8, gemm8g, norm, rope, write_kv, NULL, silu_mul, attention, lora_add,
                      LAYERS, HID, INTER, HEADS, KVH, HD, CACHE_SLOTS, 1e-5f, 0.5f};
     static const float norms[LAYERS][HID] = {{1.0f, 2.0f, 0.5f, 1.0f}, {0.5f, 0.5f, 1.0f, 2.0f}};
     static const float codes[LAYERS][4] = {{0.25f, 0.5f, 1.0f, -0.125f}, {0.75f, 0.5f, 0.25f, 1.0f}};

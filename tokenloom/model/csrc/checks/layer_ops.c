@@ -1,5 +1,5 @@
 /* The check of csrc/layer_ops.c: one small case of each op against a direct computation (RMSNorm, RoPE
- * on rows with a stride, SiLU times up, the KV write into a half cache with a slot outside it, the LoRA
+ * on rows with a stride, SiLU times up, the KV write into a half cache and an int8 one with a slot outside it, the LoRA
  * product of rows under different adapters and none, with a rank above its bound). */
 #include "check.h"
 
@@ -61,6 +61,27 @@ int main(int argc, char **argv) {
             CHECK(vc[slots[r] * W + i] == half_bits(v[r * STRIDE + i]), "kv: V row %d, %d", r, i);
         }
     CHECK(write_kv(k, STRIDE, v, STRIDE, R, W, outside, CACHE_SLOTS, kc, vc) == 1, "write_kv_f16: a slot outside");
+
+    /* The int8 write (KV heads of Q8_HD values): each (slot, head) row's codes x * (127 / max |x|) rounded
+     * to nearest, then its scale max |x| / 127 (kernels.h's KV_SCALE_BYTES layout). */
+    enum { Q8_HEADS = 2, Q8_HD = 16, Q8_ROW = Q8_HD + KV_SCALE_BYTES };
+    write_kv_q8_fn *write_kv_q8 = (write_kv_q8_fn *)symbol(lib, "write_kv_q8");
+    int8_t k8[CACHE_SLOTS * Q8_HEADS * Q8_ROW] = {0}, v8[CACHE_SLOTS * Q8_HEADS * Q8_ROW] = {0};
+    CHECK(write_kv_q8(k, STRIDE, v, STRIDE, R, Q8_HEADS, Q8_HD, slots, CACHE_SLOTS, k8, v8) == 0, "write_kv_q8 failed");
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < Q8_HEADS; h++)
+            for (int kv = 0; kv < 2; kv++) {
+                const float *x = (kv ? v : k) + r * STRIDE + h * Q8_HD;
+                const int8_t *row = (kv ? v8 : k8) + (slots[r] * Q8_HEADS + h) * Q8_ROW;
+                float amax = 0, scale;
+                for (int i = 0; i < Q8_HD; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+                memcpy(&scale, row + Q8_HD, sizeof scale);
+                CHECK(scale == amax / 127.0f, "write_kv_q8: row %d head %d: scale %g", r, h, scale);
+                for (int i = 0; i < Q8_HD; i++)
+                    CHECK(row[i] == lrintf(x[i] * (127.0f / amax)), "write_kv_q8: row %d head %d, %d", r, h, i);
+            }
+    CHECK(write_kv_q8(k, STRIDE, v, STRIDE, R, Q8_HEADS, Q8_HD, outside, CACHE_SLOTS, k8, v8) == 1,
+          "write_kv_q8: a slot outside");
 
     float lx[R * LK], y0[R * LN], y[R * LN], a[ADAPTERS * LK * RANK], b[ADAPTERS * RANK * LN];
     uint16_t a_bits[ADAPTERS * LK * RANK], b_bits[ADAPTERS * RANK * LN];
