@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .tool_parser import partial_tag_at_end
+
 THINK_START, THINK_END = "<think>", "</think>"
 REASONING_PARSERS = ("qwen3", "deepseek_r1")  # both mark their thoughts the same way
 
@@ -33,14 +35,6 @@ def split_reasoning(text: str, parser: str = "qwen3") -> Split:
         return Split(None, text)
     thought, closed, rest = body[len(THINK_START):].partition(THINK_END)
     return Split(thought, rest or None) if closed else Split(thought, None)
-
-
-def _held_back(text: str, tag: str) -> int:
-    """How many characters at the end of `text` could be the start of `tag` (kept until the next text)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
 
 
 class StreamingReasoningSplitter:
@@ -73,7 +67,7 @@ class StreamingReasoningSplitter:
                 reasoning.append(thought)
                 self._mode, pending = "content", rest
             else:
-                keep = 0 if final else _held_back(thought, THINK_END)
+                keep = 0 if final else partial_tag_at_end(thought, THINK_END)
                 reasoning.append(thought[: len(thought) - keep])
                 self._pending, pending = thought[len(thought) - keep:], ""
         if self._mode == "content" and pending:

@@ -118,7 +118,7 @@ def _blocks(text: str) -> list[str]:
     return bodies
 
 
-def _partial_tag_at_end(text: str, tag: str) -> int:
+def partial_tag_at_end(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper start of `tag` (0 if none)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -198,7 +198,7 @@ class StreamingToolCallParser:
             if self.call is None:
                 start = rest.find(CALL_START)
                 if start < 0:
-                    keep = 0 if final else _partial_tag_at_end(rest, CALL_START)
+                    keep = 0 if final else partial_tag_at_end(rest, CALL_START)
                     self._emit_text(rest[:len(rest) - keep], content)
                     self.pending = rest[len(rest) - keep:]
                     break
@@ -210,7 +210,7 @@ class StreamingToolCallParser:
                 continue
             end = rest.find(CALL_END)
             if end < 0:
-                keep = 0 if final else _partial_tag_at_end(rest, CALL_END)
+                keep = 0 if final else partial_tag_at_end(rest, CALL_END)
                 taken = rest[:len(rest) - keep]
                 self.pending = rest[len(rest) - keep:]
                 self.call.add(taken)
