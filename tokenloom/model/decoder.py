@@ -130,7 +130,7 @@ class RotaryEmbedding(nn.Module):
         # On the CPU even where the model is built on the meta device (loader.py): the frequencies are
         # computed, not loaded, and torch's meta-device ops import torch._dynamo and sympy (75 MB).
         inv_freq, self.attention_factor = inv_frequencies(head_dim, theta, scaling)
-        self.theta, self.key = theta, (theta, scaling)
+        self.key = (theta, scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
