@@ -17,6 +17,7 @@ from tokenloom.model.layer_ops import TORCH_OPS
 from tokenloom.model.loader import quantize_model, random_model, use_c_kernels
 from tokenloom.model.quant import gemm
 from tokenloom.model.quant.gemm import quant_gemm, quant_gemm_avx2
+from tokenloom.model.quant.head import INT4_RESCORED
 from tokenloom.model.quant.layouts import q4_1_from_dense
 from tokenloom.model.quant.modules import Int8Linear
 
@@ -41,7 +42,7 @@ def fast_model(kernel_family: str, kv_dtype: torch.dtype = torch.float16, qwen2:
     blocks = {f"layers.{i}.mlp.gate_up_proj.weight": q4_1_from_dense(layer.mlp.gate_up_proj.weight)
               for i, layer in enumerate(model.layers)} if qwen2 else None
     with mock.patch.object(gemm, "quant_gemm", quant):
-        quantize_model(model, "int4", blocks, lm_head="rescored", wider_as_int8=qwen2)
+        quantize_model(model, "int4", blocks, lm_head=INT4_RESCORED, wider_as_int8=qwen2)
     model.kv_cache_dtype = kv_dtype
     use_c_kernels(model, torch.float32)
     assert model.decoder_loop is not None

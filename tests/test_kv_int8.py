@@ -232,7 +232,7 @@ def test_int8_kv_quality_against_float16_kv_on_smollm2(tokenizer):
     f16 = load_model(source, quantization="int4")
     i8 = load_model(source, quantization="int4", kv_cache_dtype="int8")
     assert f16.kv_cache_dtype == torch.float16 and i8.kv_cache_dtype == torch.int8
-    assert "int8 KV cache" in i8.plan.line() and (i8.plan.decoder_loop == "on") == (f16.plan.decoder_loop == "on")
+    assert "int8 KV cache" in i8.plan.line() and i8.plan.decoder_loop.name == f16.plan.decoder_loop.name
     ids = torch.tensor(tokenizer.encode(natural_text()))
     assert ids.numel() >= 2000, ids.numel()
     ref, got = teacher_forced_logprobs(f16, ids), teacher_forced_logprobs(i8, ids)

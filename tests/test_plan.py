@@ -153,7 +153,7 @@ def test_a_load_on_an_avx2_cpu_runs_and_names_the_avx2_kernels(monkeypatch):
     line = model.plan.line()
     assert "weights int4 (c-avx2 kernels; not c-avx512: this CPU lacks avx512" in line, line
     assert "attention paged-c (not paged-c-avx512: this CPU lacks avx512f); layer ops c;" in line, line
-    assert "decoder loop on" in line, line
+    assert "decoder loop c" in line and model.decoder_loop is not None, line
     assert model.decode_attention.name == "paged-c" and model.layer_ops.name == "c"
     assert all(m.kernel is probe.gemm.quant_gemm_avx2() for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)))
 
@@ -177,15 +177,18 @@ def test_a_projection_the_kernels_cannot_take_gets_torch_s_op_and_the_line_says_
     model = quantize_model(random_model(config), "int8", kernel=kernel)  # torch's int4 op cannot take it either
     assert model.layers[0].self_attn.qkv_proj.kernel is None and model.layers[0].mlp.down_proj.kernel is kernel
     planned = plan_forward(EngineConfig(quantization="int8"), config, HERE)
-    line = resolve_plan(model, Counter(), "-", planned).line()
+    line = resolve_plan(model, Counter(), planned).line()
     assert (f"weights int8 ({kernel.name}, torch kernels; torch for qkv: 200 outputs, not a multiple of 16; "
             "torch for o: 120 inputs, not a multiple of 32)") in line, line
+    # ... decided by the plan from the shapes alone, which also keeps the decoder loop off for it.
+    assert planned.on_torch == (("qkv", "200 outputs, not a multiple of 16"), ("o", "120 inputs, not a multiple of 32"))
+    if planned.layer_ops.name == "c" and planned.attention.name.startswith("paged-c"):
+        assert "decoder loop off (not c: qkv runs torch's op (200 outputs, not a multiple of 16))" in line, line
 
 
 def test_a_load_with_the_c_kernels_off_runs_torch_s_ops_and_says_so(monkeypatch):
     """TOKENLOOM_C_KERNELS=0: every C strategy refuses with that reason, in the line, and the model holds
     torch's implementations (the weights' format was chosen before, by what runs here)."""
-    from tokenloom.model.decoder_loop import why_no_decoder_loop
     from tokenloom.model.loader import ModelSource, bundled_model_path, load_model
     from tokenloom.model.quant.modules import Int4Linear, Int8Linear
 
@@ -197,6 +200,85 @@ def test_a_load_with_the_c_kernels_off_runs_torch_s_ops_and_says_so(monkeypatch)
     line = model.plan.line()
     assert f"weights int8 (torch kernels; not c-avx512, c-avx2: {off})" in line, line
     assert f"attention torch (not paged-c-avx512, paged-c: {off}); layer ops torch (not c: {off})" in line, line
-    assert f"decoder loop off: {why_no_decoder_loop(model)}" in line, line
+    assert "decoder loop off (not c: the layer ops are torch's)" in line and model.decoder_loop is None, line
     assert model.layer_ops is layer_ops.TORCH_OPS and model.decode_attention.name == "torch"
     assert all(m.kernel is None for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)))
+
+
+def after(cpu: CPU = HERE, quantization: str = "int4", config: ModelConfig = CONFIG, **changes) -> ForwardNeeds:
+    """The needs of the choices made after attention, layer ops and projections (the head, the loop)."""
+    base = dataclasses.replace(ForwardNeeds.of(config, torch.float32, torch.float16, quantization=quantization), **changes)
+    before = {"attention": first_that_runs(paged_attention.STRATEGIES, base, cpu),
+              "layer_ops": first_that_runs(layer_ops.STRATEGIES, base, cpu),
+              "projections": first_that_runs(probe.STRATEGIES, base, cpu)}
+    return dataclasses.replace(base, before=before)
+
+
+def test_the_lm_head_is_int4_rescored_where_its_scan_runs_and_says_why_not_elsewhere():
+    from tokenloom.model.quant import head
+
+    def choose(cpu: CPU = HERE, **changes) -> Choice:
+        return first_that_runs(head.STRATEGIES, after(cpu, **changes), cpu)
+
+    exact = choose(exact=EXACT_PATH, quantization="none")
+    assert exact.name == head.DENSE and reasons(exact) == {head.INT4_RESCORED: EXACT_PATH, head.INT8_RESCORED: EXACT_PATH}
+    assert str(choose(quantization="int8")) == "dense (not int4 rescored, int8 rescored: int8 weights keep the dense head)"
+    no_kernels = choose(NO_SIMD)
+    assert no_kernels.name == head.INT8_RESCORED
+    assert reasons(no_kernels) == {head.INT4_RESCORED: "its scan runs on the C kernels, and they do not run here"}
+    if probe.gemm.quant_gemm() is not None:
+        assert choose().name == head.INT4_RESCORED and not choose().refused
+        odd = choose(config=dataclasses.replace(CONFIG, vocab_size=500))
+        assert odd.name == head.INT8_RESCORED
+        assert reasons(odd) == {head.INT4_RESCORED: "the head's 500 outputs, not a multiple of 16"}
+
+
+def test_the_decoder_loop_runs_over_the_c_choices_and_says_why_not_otherwise(monkeypatch):
+    from tokenloom.model import decoder_loop
+
+    def loop(cpu: CPU = HERE, **changes) -> Choice:
+        return first_that_runs(decoder_loop.STRATEGIES, after(cpu, **changes), cpu)
+
+    def why(choice: Choice) -> str:
+        assert choice.name == decoder_loop.OFF and choice.impl is None, choice
+        return reasons(choice)[decoder_loop.LOOP]
+
+    assert why(loop(exact=EXACT_PATH, quantization="none")) == EXACT_PATH
+    qk = dataclasses.replace(CONFIG, qk_norm=True, architecture="qwen3")
+    assert why(loop(config=qk)).startswith("qwen3 layers (QK-norm, GeGLU, extra norms or sliding windows)")
+    assert why(loop(NO_SIMD)) == "the layer ops are torch's"
+    if kernels.load(decoder_loop.SPEC) is None or probe.gemm.quant_gemm() is None:
+        pytest.skip("the decoder loop's library or the C projections do not run here")
+    assert loop().name == decoder_loop.LOOP and callable(loop().impl)
+    assert why(loop(dtype=torch.bfloat16)) == "the layer ops are torch's"  # the C ops take float32 alone
+    wide = dataclasses.replace(CONFIG, intermediate_size=200)
+    assert why(loop(config=wide)) == "down runs torch's op (200 inputs, not a multiple of 32)"
+    load = kernels.load
+    monkeypatch.setattr(kernels, "load", lambda spec: None if spec is decoder_loop.SPEC else load(spec))
+    assert why(loop()) == "its C library did not build or check"
+
+
+def test_a_loop_over_a_model_that_is_not_what_the_plan_said_is_an_error():
+    from tokenloom.model import decoder_loop
+    from tokenloom.model.loader import random_model
+
+    lib = kernels.load(decoder_loop.SPEC)
+    if lib is None:
+        pytest.skip("the decoder loop's library does not build here")
+    with pytest.raises(ValueError, match="not what the plan built it for: the layer ops are torch's"):
+        decoder_loop.DecoderLoop(lib, random_model(CONFIG))  # dense weights on torch's ops
+
+
+def test_an_int4_load_without_the_c_kernels_rescores_the_head_in_int8_and_says_so(monkeypatch):
+    from tokenloom.model.loader import ModelSource, bundled_model_path, load_model
+    from tokenloom.model.quant import head
+    from tokenloom.model.quant.modules import Int8Linear
+
+    monkeypatch.setenv("TOKENLOOM_C_KERNELS", "0")
+    model = load_model(ModelSource.resolve(bundled_model_path()), quantization="int4")
+    if model.plan.quantization != "int4":
+        pytest.skip("int4 does not run here without the C kernels")
+    line = model.plan.line()
+    assert ("LM head int8 rescored (not int4 rescored: its scan runs on the C kernels, and they do not run here), "
+            "top 16 in float32") in line, line
+    assert isinstance(model.logits_proj, head.RescoredHead) and isinstance(model.logits_proj.approx, Int8Linear)

@@ -11,6 +11,7 @@ the submodule `pkg.name` when there is one, else of `pkg`.
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -168,3 +169,21 @@ def test_the_base_layer_loads_neither_torch_nor_llguidance():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             cwd=ROOT.parent).stdout.strip()
     assert loaded == "", loaded
+
+
+def test_a_plain_serve_neither_loads_ray_nor_paces_it():
+    """`tokenloom serve`'s parser carries the fleet's flags, but only a fleet imports Ray and sets Ray
+    Serve's pacing (fleet/ray_env.py); the fleet's modules that import Ray set it first."""
+    code = ("import os, sys, tokenloom.cli as c; c.build_parser().parse_args(['serve']); "
+            "print(sorted(m for m in ('ray', 'tokenloom.fleet.ray_env') if m in sys.modules), "
+            "[k for k in os.environ if k.startswith('RAY_SERVE_')]); "
+            "import tokenloom.fleet.routing; from tokenloom.fleet import ray_env; "
+            "print(all(os.environ[k] == v for k, v in ray_env.SERVE_HOUSEKEEPING.items()))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT.parent, env=env).stdout.split("\n")
+    assert out[:2] == ["[] []", "True"], out
+    for name in ("app", "client", "ray_router", "replica", "board"):
+        text = (ROOT / "fleet" / f"{name}.py").read_text()
+        head, found, _ = text.partition("from . import ray_env")
+        assert found and "import ray" not in head and "from ray" not in head, name

@@ -23,6 +23,9 @@ import argparse
 import functools
 import logging
 
+from . import ray_env  # noqa: F401  (before Ray: Ray Serve reads its pacing when imported)
+
+# isort: split
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig

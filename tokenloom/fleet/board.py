@@ -20,6 +20,8 @@ import json
 import logging
 import time
 
+from . import ray_env  # noqa: F401  (before Ray, imported in the functions below: its pacing)
+
 REPORT_PERIOD_S = 1.0
 STALE_S = 5.0
 FORGET_S = 60.0

@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from types import SimpleNamespace
 
+from . import ray_env  # noqa: F401  (before Ray: Ray Serve reads its pacing when imported)
+
+# isort: split
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
 

@@ -11,6 +11,9 @@ restarted) learns where the fleet's earlier prompts are cached.
 
 from __future__ import annotations
 
+from . import ray_env  # noqa: F401  (before Ray: Ray Serve reads its pacing when imported)
+
+# isort: split
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from . import board

@@ -33,6 +33,7 @@ from contextlib import aclosing
 from ..engine.step_log import replica_path
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from . import ray_env  # noqa: F401  (before Ray, imported in the functions below: its pacing)
 from .board import REPORT_PERIOD_S
 from .outbox import Outbox
 from .prefix_summary import PrefixSummary

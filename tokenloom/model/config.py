@@ -72,6 +72,14 @@ class ModelConfig:
     def dim_per_head(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
 
+    @property
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(outputs, inputs) of each layer's projections as the model holds them (QKV and gate/up fused)."""
+        d, q, kv = self.dim_per_head, self.num_heads, self.num_kv_heads
+        return {"qkv": ((q + 2 * kv) * d, self.hidden_size), "o": (self.hidden_size, q * d),
+                "gate_up": (2 * self.intermediate_size, self.hidden_size),
+                "down": (self.hidden_size, self.intermediate_size)}
+
     def layer_type(self, layer: int) -> str:
         return FULL if self.layer_types is None else self.layer_types[layer]
 

@@ -2,7 +2,8 @@
 the C kernels anyway: int4, int5 or int8 projections (with or without biases), C layer ops, the paged C
 attention, rows that are single queries (decode tokens, short prompt chunks), a float32 residual
 stream, and layers of the Llama / Qwen2 shape (pre-norm, SwiGLU, every layer attending to the whole
-context). Rows under LoRA adapters add their products through the same C kernel the Python layers
+context). The plan decides whether it runs (`STRATEGIES`, asked by model/plan.py); the loader builds it
+over the loaded model, which must then be what the plan said (else an error). Rows under LoRA adapters add their products through the same C kernel the Python layers
 call (layer_ops.c's lora_add_bf16). The loop calls the kernels the Python layers would call, in their
 order, on the same values, so a step's output is bit for bit the same (tests/test_decoder_loop.py);
 what goes is the Python between ~400 kernel calls a step (about half a one-row step:
@@ -12,6 +13,7 @@ benchmarks/results/peers-*/). Any other step (long prefill chunks, the torch ops
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -19,6 +21,7 @@ from . import kernels, kv_quant
 from .config import SLIDING
 from .layer_ops import LORA_MAX_RANK, CLayerOps
 from .paged_attention import PagedDecodeAttention
+from .quant import gemm
 from .quant.modules import Int4Linear, Int8Linear
 
 _p, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -70,9 +73,11 @@ def _tensors(linear: Int4Linear | Int8Linear) -> list[torch.Tensor]:
 
 
 class DecoderLoop:
-    """Built at load for a model whose layers all run the C kernels (`decoder_loop_for`)."""
+    """Built at load for a model whose layers all run the C kernels (the plan's `CLoopStrategy`)."""
 
     def __init__(self, lib: ctypes.CDLL, model) -> None:
+        if (reason := why_not_built(model)) is not None:
+            raise ValueError(f"decoder loop: the model is not what the plan built it for: {reason}")
         self._run = lib.decoder_loop  # typed from csrc/kernels.h (kernels.load)
         cfg, layers = model.config, model.layers
         self.ops, self.attention = model.layer_ops, model.decode_attention  # what the loop was built from
@@ -81,7 +86,7 @@ class DecoderLoop:
         # the model's modules were swapped later (the loop is built for the weights as loaded).
         self._weights = [t for layer in layers for t in (
             layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            *(t for proj in _projections(layer) for t in _tensors(proj)))]
+            *(t for proj in projections(layer) for t in _tensors(proj)))]
         self._head_dim = cfg.dim_per_head
         self._layers = (_Layer * len(layers))(*(
             _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
@@ -173,25 +178,32 @@ class DecoderLoop:
         return x
 
 
-def _projections(layer) -> tuple:
+def projections(layer) -> tuple:
+    """A layer's four projections, in the C loop's order (`_PROJECTIONS`)."""
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
-def why_no_decoder_loop(model) -> str | None:
-    """Why the loop cannot run `model` (None: it can, if its library builds and checks)."""
-    cfg = model.config
-    if cfg.qk_norm or cfg.sandwich_norms or cfg.hidden_act != "silu" or SLIDING in (cfg.layer_types or ()):
-        return (f"{cfg.architecture} layers (QK-norm, GeGLU, extra norms or sliding windows) are not the shape "
+def why_not_layers(config) -> str | None:
+    """Why layers of `config`'s shape are not the loop's (None: they are)."""
+    if config.qk_norm or config.sandwich_norms or config.hidden_act != "silu" or SLIDING in (config.layer_types or ()):
+        return (f"{config.architecture} layers (QK-norm, GeGLU, extra norms or sliding windows) are not the shape "
                 "it was written and checked for")
+    return None
+
+
+def why_not_built(model) -> str | None:
+    """Why the loop cannot run `model` as built (None: it can)."""
+    if (reason := why_not_layers(model.config)) is not None:
+        return reason
     if not isinstance(model.layer_ops, CLayerOps):
-        return "the layer ops are torch's (float32 activations and the C library are needed)"
+        return "the layer ops are torch's"
     if not isinstance(model.decode_attention, PagedDecodeAttention):
         return "attention is torch's"
     if model.embed_tokens.weight.dtype != torch.float32:
         return f"the residual stream is {model.embed_tokens.weight.dtype}, the loop's is float32"
     kernel = None
     for layer in model.layers:
-        for proj in _projections(layer):
+        for proj in projections(layer):
             if not isinstance(proj, (Int4Linear, Int8Linear)) or proj.kernel is None:
                 return "a projection is not an int4 or int8 weight on the C kernels"
             if proj.kernel is not (kernel or proj.kernel):
@@ -203,14 +215,54 @@ def why_no_decoder_loop(model) -> str | None:
     return None
 
 
-def decoder_loop_for(model) -> tuple[DecoderLoop | None, str | None]:
-    """(the loop, None) when every layer of `model` runs the C kernels and the library builds and
-    checks, else (None, why not)."""
-    reason = why_no_decoder_loop(model)
-    if reason is not None:
-        return None, reason
-    lib = kernels.load(SPEC)
-    return (DecoderLoop(lib, model), None) if lib is not None else (None, "its C library did not build or check")
+LOOP, OFF = "c", "off"
+
+
+class CLoopStrategy:
+    """The loop, over the plan's earlier choices (`needs.before`): C layer ops, the paged C attention and
+    every projection on the C kernels, a float32 residual stream, layers of the shape it was written for,
+    and its library built and checked."""
+
+    name = LOOP
+
+    def can_implement(self, needs, cpu: kernels.CPU) -> tuple[bool, str | None]:
+        before, config = needs.before, needs.config
+        if needs.exact:
+            return False, needs.exact
+        if (reason := why_not_layers(config)) is not None:
+            return False, reason
+        if before["layer_ops"].name != CLayerOps.name:
+            return False, "the layer ops are torch's"
+        if not isinstance(before["attention"].impl, PagedDecodeAttention):
+            return False, "attention is torch's"
+        if needs.dtype != torch.float32:
+            return False, f"a {str(needs.dtype).removeprefix('torch.')} residual stream (the loop's is float32)"
+        if before["projections"].impl is None:
+            return False, "the projections run torch's ops"
+        for name, shape in config.projection_shapes.items():
+            if (why := gemm.why_not(*shape)) is not None:
+                return False, f"{name} runs torch's op ({why})"
+        if kernels.load(SPEC) is None:
+            return False, "its C library did not build or check"
+        return True, None
+
+    def build(self, needs, cpu: kernels.CPU):
+        return functools.partial(DecoderLoop, kernels.load(SPEC))  # called with the loaded model
+
+
+class OffStrategy:
+    """Every step's layers in Python."""
+
+    name = OFF
+
+    def can_implement(self, needs, cpu: kernels.CPU) -> tuple[bool, str | None]:
+        return True, None
+
+    def build(self, needs, cpu: kernels.CPU) -> None:
+        return None
+
+
+STRATEGIES = (CLoopStrategy(), OffStrategy())  # in order of preference
 
 
 # csrc/checks/decoder_loop.c: two layers over stand-in kernels against the same arithmetic done directly.

@@ -11,6 +11,7 @@ the architecture does not know (a RoPE-scaling table, an adapter) is refused, ne
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -21,18 +22,17 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig
-from . import architectures, kv_quant, layer_ops, paged_attention
+from . import architectures, decoder_loop, kv_quant, layer_ops, paged_attention
 from .config import ModelConfig
 from .decoder import DecoderModel
-from .decoder_loop import decoder_loop_for
 from .gguf_blocks import LOW_BIT_BLOCKS
 from .gguf_tensors import StoredEmbedding, StoredRows, dequantize, release_mapped_pages
 from .heap import trim_heap
 from .kernels import CPU
 from .kv_layout import KVLayout
-from .plan import EXACT_PATH_LOOP, ForwardNeeds, first_that_runs, plan_forward, resolve_plan, torch_dtype
+from .plan import Choice, ForwardNeeds, first_that_runs, plan_forward, resolve_plan, torch_dtype
 from .quant import gemm, probe
-from .quant.head import RescoredHead, int4_head
+from .quant.head import DENSE, INT4_RESCORED, INT8_RESCORED, RescoredHead, int4_head
 from .quant.layouts import dequantize_blocks, q4_1_from_dense
 from .quant.modules import Int4Linear, Int8Linear
 
@@ -96,14 +96,14 @@ def load_model(
     model = _empty_model(config)
     deferred = _assemble(model, state, dtype, device, defer=method == "int4" and dtype == "float32")
     del state
-    if method == "int4":  # int4/int5 from the file's 4/5-bit blocks, int8 grouped from wider ones, the head int8
+    if method == "int4":  # int4/int5 from the file's 4/5-bit blocks, int8 grouped from wider ones, the head
         # rescored (model/quant/head.py), every row through them: a bfloat16 copy of the weights for long
         # prefill chunks (quantize_model's dense_prefill) costs 1.5x the file's size in memory for little
         # (benchmarks/forward_levers.py measures it)
-        quantize_model(model, method, blocks, lm_head="rescored", weights=deferred,
+        quantize_model(model, method, blocks, lm_head=plan.lm_head.name, weights=deferred,
                        wider_as_int8=source.kind == "gguf", kernel=plan.projections.impl)
     elif method != "none":
-        quantize_model(model, method, kernel=plan.projections.impl)
+        quantize_model(model, method, lm_head=plan.lm_head.name, kernel=plan.projections.impl)
     del blocks
     if deferred:
         model.lm_head = None  # its exact rows are the rescored head's (model.logits_proj)
@@ -112,24 +112,32 @@ def load_model(
     model.quantization = method
     model.kv_cache_dtype = torch_dtype(plan.kv_cache)
     # The plan's layer ops and attention (float32 "none" stays on torch's ops, token-exact against
-    # transformers), and the decoder loop over them where every layer runs the C kernels.
+    # transformers), and the decoder loop over them where the plan runs it.
     model.layer_ops, model.decode_attention = plan.layer_ops.impl, plan.attention.impl
-    loop_reason = EXACT_PATH_LOOP
-    if method != "none":
-        model.decoder_loop, loop_reason = decoder_loop_for(model)
-    model.plan = resolve_plan(model, source_types, loop_reason, plan)
+    model.decoder_loop = _build_loop(plan.decoder_loop, model)
+    model.plan = resolve_plan(model, source_types, plan)
     return model
+
+
+def _build_loop(choice: Choice, model: DecoderModel):
+    return choice.impl(model) if choice.impl is not None else None
 
 
 def use_c_kernels(model: DecoderModel, dtype: torch.dtype) -> str | None:
     """For a model built by hand (the tests'): the layer ops, attention (over `model.kv_cache_dtype`) and
-    decoder loop the plan's strategies choose on a quantized path; the plan is not redone. Returns why the
-    decoder loop is off (None: it is on)."""
-    cpu, needs = CPU.here(), ForwardNeeds.of(model.config, dtype, model.kv_cache_dtype)
-    model.layer_ops = first_that_runs(layer_ops.STRATEGIES, needs, cpu).impl
-    model.decode_attention = first_that_runs(paged_attention.STRATEGIES, needs, cpu).impl
-    model.decoder_loop, reason = decoder_loop_for(model)
-    return reason
+    decoder loop the plan's strategies choose for its modules on a quantized path; the plan is not redone.
+    Returns why the decoder loop is off (None: it is on)."""
+    first = model.layers[0].self_attn.qkv_proj
+    kernel = getattr(first, "kernel", None)
+    quantization = "int4" if isinstance(first, Int4Linear) else "int8" if isinstance(first, Int8Linear) else "none"
+    cpu, needs = CPU.here(), ForwardNeeds.of(model.config, dtype, model.kv_cache_dtype, quantization=quantization)
+    before = {"layer_ops": first_that_runs(layer_ops.STRATEGIES, needs, cpu),
+              "attention": first_that_runs(paged_attention.STRATEGIES, needs, cpu),
+              "projections": Choice(kernel.name if kernel is not None else "torch", impl=kernel)}
+    model.layer_ops, model.decode_attention = before["layer_ops"].impl, before["attention"].impl
+    loop = first_that_runs(decoder_loop.STRATEGIES, dataclasses.replace(needs, before=before), cpu)
+    model.decoder_loop = _build_loop(loop, model)
+    return loop.refused[0][1] if loop.refused else None
 
 
 # --- model surgery: the quantized modules in place of the dense ones ------------------------------
@@ -144,7 +152,9 @@ def quantize_model(model: DecoderModel, method: str, blocks: dict[str, torch.Ten
     from the dense weight, or, with `wider_as_int8` (a GGUF whose weight came in a wider format:
     re-quantizing Q6_K/Q8_0 to 4 bits costs top-1 agreement, checked in tests/test_architectures.py),
     to int8 with a scale per group of 32 (a scale per column costs more). `dense_prefill` (int4):
-    prefill rows use the weights dequantized to bfloat16. The LM head (tied embedding) stays dense, or lm_head="int8" (plain) / "rescored".
+    prefill rows use the weights dequantized to bfloat16. The LM head (tied embedding) stays dense
+    (DENSE), or is int8 ("int8", plain) or one of the plan's rescored heads (INT4_RESCORED: its scan on
+    `kernel`; INT8_RESCORED).
     `weights` (the loader's deferred ones): a builder of each projection's float32 weight, whose module
     is still on the meta device, and "lm_head.weight", the head's (a tensor or `StoredRows`). `kernel`: the
     C kernels the plan chose (None: torch's ops); "detect": the fastest that runs here (a model built by hand)."""
@@ -185,12 +195,15 @@ def quantize_model(model: DecoderModel, method: str, blocks: dict[str, torch.Ten
     head_kernel = kernel if gemm.why_not(*head.shape) is None else None
     if lm_head == "int8":
         model.logits_proj = Int8Linear(head, dtype, head_kernel)
-    elif lm_head == "rescored":
-        scan = int4_head(head, kernel) if kernel is not None else None
-        model.logits_proj = RescoredHead(scan if scan is not None else Int8Linear(head, dtype, head_kernel), head)
-    elif lm_head != "dense" or isinstance(head, StoredRows):
+    elif lm_head == INT4_RESCORED:
+        if kernel is None:
+            raise ValueError("lm_head: an int4 rescored head scans on the C kernels, and none were given")
+        model.logits_proj = RescoredHead(int4_head(head, kernel), head)
+    elif lm_head == INT8_RESCORED:
+        model.logits_proj = RescoredHead(Int8Linear(head, dtype, head_kernel), head)
+    elif lm_head != DENSE or isinstance(head, StoredRows):
         raise ValueError(f"lm_head: {lm_head!r}" + (" (a head left in the file needs int8 or rescored)"
-                                                     if lm_head == "dense" else ""))
+                                                     if lm_head == DENSE else ""))
     return model
 
 
@@ -207,7 +220,7 @@ def random_model(config: ModelConfig, dtype: str = "float32", device: str = "cpu
             state[name] = torch.randn(shape, generator=gen) * 0.05
     model = _empty_model(config)
     _assemble(model, state, dtype, device)
-    model.plan = resolve_plan(model, Counter(), "random weights on torch's ops")
+    model.plan = resolve_plan(model, Counter(), unplanned="random weights on torch's ops")
     return model
 
 

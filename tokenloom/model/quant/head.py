@@ -2,7 +2,7 @@
 the C kernels; int8 without them), then each row's best candidates recomputed exactly in float32: the
 argmax is the float32 head's, the rest within the scan's error. A greedy row's argmax alone comes from a
 scan that keeps each row's best few values and never stores its logits (`RescoredHead.argmax`, the
-kernels' `int4_top`)."""
+kernels' `int4_top`). Which head a model gets is the plan's choice (`STRATEGIES`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 from .. import vocab_select
 from ..gguf_tensors import StoredRows
 from ..heap import trim_heap
-from .gemm import QuantGemm
+from .gemm import QuantGemm, why_not
 from .layouts import q4_1_from_dense
 from .modules import Int4Linear
 
@@ -83,17 +83,15 @@ class RescoredHead(nn.Module):
         return token
 
 
-def int4_head(weight: torch.Tensor | StoredRows, kernel: QuantGemm, rows: int = 2048) -> Int4Linear | None:
+def int4_head(weight: torch.Tensor | StoredRows, kernel: QuantGemm, rows: int = 2048) -> Int4Linear:
     """The head's scan as Int4Linear on the C kernels, quantized `rows` rows at a time (no float32 copy
     of a whole vocabulary), the chunks' packed buffers stacked (the kernels' layout is in blocks of 16
-    rows); None where a chunk's rows do not fill the kernels' blocks. In Q4_1's codes, not symmetric
+    rows, so `rows` is a multiple of 16 and a vocabulary the kernels take fills them). In Q4_1's codes, not symmetric
     ones (Q4_0's, a little smaller): the scan's values are the logits outside the rescored few, and
     symmetric codes raised Gemma 3's KL against float32 past what the tests allow (test_architectures)."""
     chunks = weight.chunks(rows) if isinstance(weight, StoredRows) else weight.split(rows)
     parts = []
     for chunk in chunks:
-        if chunk.shape[0] % 16:
-            return None
         parts.append(Int4Linear(q4_1_from_dense(chunk), torch.bfloat16, kernel=kernel))
         del chunk
         trim_heap()  # a chunk's float32 temporaries (several times its packed size) back to the OS
@@ -106,3 +104,49 @@ def int4_head(weight: torch.Tensor | StoredRows, kernel: QuantGemm, rows: int = 
     head.out_features = sum(part.out_features for part in parts)
     return head
 
+
+
+DENSE, INT4_RESCORED, INT8_RESCORED = "dense", "int4 rescored", "int8 rescored"
+
+
+def format_of(logits_proj: nn.Module | None) -> str:
+    """The name of a model's head as built (`DecoderModel.logits_proj`; None: the dense one)."""
+    if isinstance(logits_proj, RescoredHead):
+        return INT4_RESCORED if isinstance(logits_proj.approx, Int4Linear) else INT8_RESCORED
+    return DENSE if logits_proj is None else "int8"
+
+
+class RescoredStrategy:
+    """A rescored head on the int4 path (the int8 path and the exact one keep the dense head): the scan
+    in int4 on the C kernels when the vocabulary fills their blocks, else in int8 on torch's op."""
+
+    def __init__(self, name: str, bits: int):
+        self.name, self.bits = name, bits
+
+    def can_implement(self, needs, cpu) -> tuple[bool, str | None]:
+        if needs.exact:
+            return False, needs.exact
+        if needs.quantization != "int4":
+            return False, f"{needs.quantization} weights keep the dense head"
+        if self.bits == 4:
+            if needs.before["projections"].impl is None:
+                return False, "its scan runs on the C kernels, and they do not run here"
+            if (reason := why_not(needs.config.vocab_size, needs.config.hidden_size)) is not None:
+                return False, f"the head's {reason}"
+        return True, None
+
+    def build(self, needs, cpu) -> None:
+        return None  # the loader builds the head from the weights (quantize_model)
+
+
+class DenseStrategy:
+    name = DENSE
+
+    def can_implement(self, needs, cpu) -> tuple[bool, str | None]:
+        return True, None
+
+    def build(self, needs, cpu) -> None:
+        return None
+
+
+STRATEGIES = (RescoredStrategy(INT4_RESCORED, 4), RescoredStrategy(INT8_RESCORED, 8), DenseStrategy())
