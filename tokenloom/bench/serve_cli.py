@@ -36,7 +36,7 @@ HEADERS = {
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register `bench serve` on a top-level subparsers object; returns the `serve` parser."""
-    bench = subparsers.add_parser("bench", help="benchmarks (serve: load-test an OpenAI-compatible server)")
+    bench = subparsers.add_parser("bench")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     p = bench_sub.add_parser("serve", help="load-test a running server, report TTFT/TPOT/ITL/E2EL/goodput",
                              description="Load-test an OpenAI-compatible server. Takes `vllm bench serve`'s "

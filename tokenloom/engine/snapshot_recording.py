@@ -21,8 +21,6 @@ import json
 import os
 from typing import Any
 
-from .snapshot import EngineRecorder
-
 REPLAY_FORMAT = "tokenloom-replay"
 REPLAY_VERSION = 1
 DEFAULT_MAX_FRAMES = 400  # per run
@@ -38,6 +36,8 @@ class SnapshotRecording:
         self.engine = engine
         self.label = label
         self.max_frames = max_frames
+        from .snapshot import EngineRecorder  # here, not at the top: the CLI's flags read this module
+
         self.recorder = EngineRecorder(engine, model_name)
         self.recorder.watched = True  # keep what the live page keeps only while watched (preemption times)
         self.frames: list[dict] = []

@@ -17,9 +17,19 @@
 
 from __future__ import annotations
 
-from .cli import add_lab_parser
-from .driver import LabResult, LabRun, run_workload, run_workloads
-from .ideal import ideal_ratio, static_batch_steps
+import importlib
+
+# Each name is imported when first asked for (PEP 562): `tokenloom lab --help` reads the flags in `cli`
+# without loading the engine and torch that `driver` needs.
+_HOME = {"add_lab_parser": "cli", "LabResult": "driver", "LabRun": "driver", "run_workload": "driver",
+         "run_workloads": "driver", "ideal_ratio": "ideal", "static_batch_steps": "ideal"}
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+
 
 __all__ = [
     "LabResult",

@@ -21,12 +21,15 @@ import os
 import shlex
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from ..bench.workload import WORKLOADS, WorkloadRequest, make_workload
 from ..config import FORWARD_PATH_FIELDS, SERVING_FORWARD_DEFAULTS, add_engine_args, forward_path_from_args
 from ..engine.snapshot_recording import DEFAULT_MAX_FRAMES
-from .driver import LabResult, LabRun, run_workloads, warm_up
 from .progress import DEFAULT_INTERVAL_S, LabProgress
+
+if TYPE_CHECKING:
+    from .driver import LabResult, LabRun
 
 MODES = ("static", "dynamic", "continuous")
 POLICIES = ("fcfs", "sjf", "priority")
@@ -44,7 +47,7 @@ def _csv(allowed: tuple[str, ...]):
 
 
 def add_lab_parser(subparsers) -> argparse.ArgumentParser:
-    lab = subparsers.add_parser("lab", help="compare static, dynamic and continuous batching on one workload")
+    lab = subparsers.add_parser("lab")
     lab.add_argument("--workload", choices=WORKLOADS, default="mixed")
     lab.add_argument("--num-prompts", type=int, default=64)
     lab.add_argument("--batch-size", type=int, default=8, help="B: static batch size and max_num_seqs")
@@ -83,6 +86,8 @@ def load_real_model(model: str | None = None, dtype: str = "float32", quantizati
 def run_all(model, tokenizer, requests: list[WorkloadRequest], runs: list[LabRun], log=print,
             progress: LabProgress | None = None, max_frames: int | None = None, **engine_kwargs):
     """Warm up, then run every configuration interleaved step by step (see `driver`)."""
+    from .driver import run_workloads, warm_up
+
     for size in sorted({run.batch_size for run in runs}):
         warm_up(model, tokenizer, size, **engine_kwargs)
     t = time.perf_counter()
@@ -114,6 +119,7 @@ def _model_name(source: str | None) -> str:
 def cmd_lab(args: argparse.Namespace) -> int:
     from ..model import catalog
     from ..model.plan import plan_line
+    from .driver import LabRun
     from .output import write_lab_outputs
 
     if args.replay_max_frames and args.replay_max_frames < 2:

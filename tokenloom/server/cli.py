@@ -31,7 +31,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from ..config import SERVING_DEFAULTS, add_engine_args
     from .multi_serve import add_multi_args
 
-    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p = subparsers.add_parser("serve")
     # The model as `vllm serve MODEL` takes it; --model (an engine flag) still works.
     p.add_argument("model_tag", nargs="*", metavar="MODEL", default=None,
                    help="a catalog name (`tokenloom models`; pulled on first use), a GGUF file or an HF directory "

@@ -1,4 +1,5 @@
-"""`tokenloom dashboard-replay PATH`: the dashboard page over a recorded replay instead of a live engine.
+"""The app behind `tokenloom dashboard-replay PATH` (replay_cli.py): the dashboard page over a recorded
+replay instead of a live engine.
 
 PATH is a lab output directory (its replay.json.gz) or a replay file (`tokenloom simulate
 --record-replay FILE`). The file is checked once at start (`read_replay`: a bad one is a one-line error
@@ -14,7 +15,6 @@ Neither takes a parameter; any query is a 400 naming it.
 
 from __future__ import annotations
 
-import argparse
 import logging
 
 from fastapi import FastAPI, Request
@@ -25,7 +25,6 @@ from .dashboard import PAGE_HEADERS, page_html
 from .errors import APIError
 
 PAGE_PATH = "/dashboard/replay"
-DEFAULT_PORT = 8001  # beside a `tokenloom serve` on 8000
 
 logger = logging.getLogger("tokenloom.dashboard")
 
@@ -59,28 +58,3 @@ def build_replay_app(path: str) -> FastAPI:
             "Content-Encoding": "gzip", "Cache-Control": "no-store"})
 
     return app
-
-
-def cmd_dashboard_replay(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .cli import _bind  # serve's: a busy port is a one-line error, not a traceback
-
-    app = build_replay_app(args.path)
-    sockets = _bind(args.host, args.port)
-    runs = ", ".join(f"{label} ({n} frames)" for label, n in app.state.replay_runs)
-    port = sockets[0].getsockname()[1]
-    print(f"replaying {runs}: open http://{args.host}:{port}{PAGE_PATH}", flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=sockets)
-    return 0
-
-
-def add_replay_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("dashboard-replay",
-                              help="open a recorded lab/simulate run in the dashboard page, step by step")
-    p.add_argument("path", metavar="PATH", help="a `tokenloom lab --out` directory or a replay .json.gz file")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error", "critical"))
-    p.set_defaults(func=cmd_dashboard_replay)
-    return p

@@ -88,7 +88,7 @@ def add_simulate_parser(subparsers) -> None:
     from ..config import add_engine_args
     from .cost_model import MODELS, PRESETS
 
-    p = subparsers.add_parser("simulate", help="simulate the scheduler and KV cache with a step-time cost model")
+    p = subparsers.add_parser("simulate")
     p.add_argument("--cost-model", help="JSON written by `tokenloom calibrate`")
     p.add_argument("--preset", help=f"MODEL@GPU[xN] from published FLOPs/bandwidth: {', '.join(PRESETS)}")
     p.add_argument("--sim-model", help=f"model shape for KV sizing with --cost-model: {', '.join(MODELS)}")
@@ -142,7 +142,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def add_calibrate_parser(subparsers) -> None:
     from ..config import SERVING_FORWARD_DEFAULTS, add_engine_args
 
-    p = subparsers.add_parser("calibrate", help="measure real step times and fit the simulator's cost model")
+    p = subparsers.add_parser("calibrate")
     p.add_argument("--out", default="calibration.json")
     p.add_argument("--quick", action="store_true", help="a smaller grid (about a third of the time)")
     p.add_argument("--from-steps", nargs="+", metavar="FILE", default=None,

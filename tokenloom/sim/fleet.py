@@ -57,7 +57,7 @@ from ..model.plan import kv_cache_dtype_for
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .cost_model import CostModel
-from .kv_calc import KV_SCALE_BYTES, ModelShape
+from .kv_calc import ModelShape, scale_bytes_of
 from .simulator import build_sim_engine
 
 # Event order at equal times: a step's results first, then arrivals, then steps starting.
@@ -203,7 +203,7 @@ def kv_bytes_per_token(model_config: ModelConfig, config: EngineConfig) -> int:
     quantization = "none" if config.quantization in (None, "none") else config.quantization
     dtype = kv_cache_dtype_for(quantization, config.dtype, config.kv_cache_dtype)
     shape = ModelShape(model_config.num_layers, model_config.num_kv_heads, model_config.dim_per_head,
-                       DTYPE_BYTES[dtype], scale_bytes=KV_SCALE_BYTES.get(dtype, 0))
+                       DTYPE_BYTES[dtype], scale_bytes=scale_bytes_of(dtype))
     return shape.kv_bytes_per_token
 
 

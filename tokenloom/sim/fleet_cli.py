@@ -100,8 +100,7 @@ def cmd_simulate_fleet(args: argparse.Namespace) -> int:
 def add_simulate_fleet_parser(subparsers) -> None:
     from ..config import add_engine_args
 
-    p = subparsers.add_parser("simulate-fleet", help="simulate N replicas behind a routing policy (or a "
-                              "prefill/decode split) on a shared-prefix workload")
+    p = subparsers.add_parser("simulate-fleet")
     p.add_argument("--cost-model", required=True, help="a `tokenloom calibrate` JSON file, or a preset MODEL@GPU[xN]")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--routing-policy", nargs="+", choices=POLICIES, default=list(POLICIES),

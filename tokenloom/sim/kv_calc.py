@@ -30,12 +30,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..model.architectures.gemma3 import layer_types_of as gemma3_layer_types
 from ..model.config import SLIDING
-from ..model.kv_quant import SCALE_BYTES
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1, "int8": 1}
-KV_SCALE_BYTES = {"int8": SCALE_BYTES}  # per token and KV head, beside its values (K's and V's each)
 GIB = 1 << 30
 
 
@@ -82,7 +79,9 @@ SLIDING_PRESETS: dict[str, tuple[int, int]] = {"gemma-3-270m": (15, 512)}  # nam
 def _sliding(num_layers: int, window, layer_types=None, gemma3: bool = False) -> dict:
     """ModelShape's sliding fields: from per-layer types, or Gemma 3's own pattern (model/architectures)."""
     if gemma3 and not layer_types:
-        layer_types = gemma3_layer_types(num_layers)
+        from ..model.architectures.gemma3 import layer_types_of  # (torch) only for a GGUF's shapes
+
+        layer_types = layer_types_of(num_layers)
     if not window or not layer_types:
         return {}
     return {"sliding_layers": sum(t == SLIDING for t in layer_types), "sliding_window": int(window)}
@@ -128,7 +127,16 @@ def load_model_shape(model: str, dtype: str = "fp16") -> ModelShape:
     """A preset name, a HF config.json (or a directory holding one), or a .gguf file."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}: choose from {sorted(DTYPE_BYTES)}")
-    return replace(_model_shape(model, DTYPE_BYTES[dtype]), scale_bytes=KV_SCALE_BYTES.get(dtype, 0))
+    return replace(_model_shape(model, DTYPE_BYTES[dtype]), scale_bytes=scale_bytes_of(dtype))
+
+
+def scale_bytes_of(dtype: str) -> int:
+    """Bytes of scale per token and KV head beside its values (K's and V's each): the int8 cache's."""
+    if dtype != "int8":
+        return 0
+    from ..model.kv_quant import SCALE_BYTES  # (torch) only when asked for the int8 cache
+
+    return SCALE_BYTES
 
 
 def _model_shape(model: str, nbytes: int) -> ModelShape:
@@ -256,9 +264,7 @@ def format_report(r: KVReport) -> str:
 
 
 def add_kv_calc_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "kv-calc", help="KV-cache memory: pre-allocated vs paged, and what a budget holds"
-    )
+    p = subparsers.add_parser("kv-calc")
     p.add_argument(
         "--model", default="llama-3-8b", help=f"preset ({', '.join(PRESETS)}) or config.json/.gguf"
     )
