@@ -29,7 +29,7 @@ DEFAULT_READ_TIMEOUT = 30.0
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from ..config import SERVING_DEFAULTS, add_engine_args
-    from .multi_serve import add_multi_args
+    from .multi_flags import add_multi_args
 
     p = subparsers.add_parser("serve")
     # The model as `vllm serve MODEL` takes it; --model (an engine flag) still works.
@@ -156,7 +156,8 @@ def cmd_serve(args: argparse.Namespace, fleet=None) -> int:
     from .dashboard import DashboardOptions
     from .loading import app_options, load_served_engine, warn_unreachable_slos
     from .lora_routes import parse_lora_modules
-    from .multi_serve import build_models_app, is_multi
+    from .multi_flags import is_multi
+    from .multi_serve import build_models_app
 
     if is_multi(args):
         return _serve(args, *build_models_app(args, fleet, _bind))
