@@ -126,3 +126,29 @@ def test_sliding_window_layers_hold_only_their_window():
                                       "hidden_size": 640, "num_hidden_layers": 18, "sliding_window": 512,
                                       "model_type": "gemma3_text"})
     assert (gguf_like.sliding_layers, gguf_like.sliding_window) == (15, 512)
+
+
+def test_a_catalog_name_reads_its_gguf_and_one_not_pulled_is_pulled_by_the_command(monkeypatch, capsys):
+    """`kv-calc --model NAME` as `serve NAME`: the bundled SmolLM2 (installed) is read from its file; a
+    catalog name not here is pulled first by the command, never by `load_model_shape`."""
+    from tokenloom import cli
+    from tokenloom.model import catalog
+
+    shape = load_model_shape("smollm2-135m")  # the preset of that name wins over the catalog's file
+    assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (30, 3, 64)
+    bundled = catalog.local_path("smollm2-135m")
+    absent = "qwen2.5-coder-1.5b"
+    monkeypatch.setattr(catalog, "local_path", lambda name: bundled)  # as if the 1.5B were that file
+    from_file = load_model_shape(absent)
+    assert (from_file.num_layers, from_file.num_kv_heads, from_file.head_dim) == (30, 3, 64)
+    assert from_file.name == bundled.name
+    monkeypatch.setattr(catalog, "local_path", lambda name: None)
+    with pytest.raises(catalog.ModelNotFoundError, match="not pulled yet"):
+        load_model_shape(absent)
+    pulled = []
+    monkeypatch.setattr(catalog, "pull", lambda name, **kw: pulled.append(name) or (_ for _ in ()).throw(
+        catalog.PullError("offline in this test")))
+    assert cli.main(["kv-calc", "--model", absent]) == 2
+    assert pulled == [absent] and "offline in this test" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="a catalog model"):
+        load_model_shape("no-such-model")

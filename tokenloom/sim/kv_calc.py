@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..model import catalog
 from ..model.config import SLIDING
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8": 1, "int8": 1}
@@ -144,13 +145,16 @@ def _model_shape(model: str, nbytes: int) -> ModelShape:
         sliding_layers, window = SLIDING_PRESETS.get(model.lower(), (0, None))
         return ModelShape(*PRESETS[model.lower()], nbytes, model.lower(), sliding_layers, window)
     path = Path(model)
+    if not path.exists() and model in catalog.CATALOG:
+        path = Path(catalog.resolve(model))  # a catalog model already here (the command pulls it first)
     if path.is_dir():
         path = path / "config.json"
     if path.suffix == ".gguf" and path.is_file():
         return shape_from_gguf(str(path), nbytes)
     if path.suffix == ".json" and path.is_file():
         return shape_from_hf_config(json.loads(path.read_text()), nbytes, model)
-    raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json/.gguf")
+    raise ValueError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}), a catalog model "
+                     f"({', '.join(catalog.CATALOG)}) nor a config.json/.gguf")
 
 
 def sample_lengths(spec: str, n: int, max_model_len: int, seed: int = 0) -> list[int]:
@@ -266,8 +270,8 @@ def format_report(r: KVReport) -> str:
 def add_kv_calc_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser("kv-calc")
     p.add_argument(
-        "--model", default="llama-3-8b", help=f"preset ({', '.join(PRESETS)}) or config.json/.gguf"
-    )
+        "--model", default="llama-3-8b",
+        help=f"preset ({', '.join(PRESETS)}), catalog name (pulled on first use, as serve does) or config.json/.gguf")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
@@ -285,6 +289,8 @@ def add_kv_calc_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
 
 
 def cmd_kv_calc(args: argparse.Namespace) -> int:
+    if args.model.lower() not in PRESETS and args.model in catalog.CATALOG:
+        catalog.pull_missing(args.model)  # as `serve NAME` does: the user asked for that model
     shape = load_model_shape(args.model, args.dtype)
     if args.num_seqs <= 0:
         raise ValueError("--num-seqs must be positive")
