@@ -18,16 +18,17 @@ from tokenloom.server.errors import APIError
 from tokenloom.server.protocol import ChatCompletionRequest
 from tokenloom.server.structured import tool_choice
 from tokenloom.server.tool_template import (
+    call_format,
     encoder_with_tools,
     template_renders_tools,
-    template_writes_hermes_calls,
     wrapper_with_tools,
 )
 
 QWEN = (Path(__file__).parent / "data" / "qwen2.5_chat_template.jinja").read_text()
 NO_TOOLS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-# Tools described, calls not as <tool_call> blocks (Llama 3.1's way): "auto" has no parser for it.
+# Tools described, calls asked for neither as <tool_call> blocks nor as Llama 3's {"name", "parameters"}
+# objects: "auto" has no parser for it.
 OTHER_FORMAT = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m['content'] }}"
                 "{% endfor %}")
 MENTIONS_TOOLS = "{# no tools here #}{% for m in messages %}{{ 'You have no tools.' + m['content'] }}{% endfor %}"
@@ -42,13 +43,13 @@ def request(**fields) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(fields)
 
 
-@pytest.mark.parametrize(("template", "renders", "hermes"), [
-    (QWEN, True, True), (NO_TOOLS, False, False), (OTHER_FORMAT, True, False), (MENTIONS_TOOLS, False, False),
-    (None, False, False), ("{% if tools %", False, False),
+@pytest.mark.parametrize(("template", "renders", "calls"), [
+    (QWEN, True, "hermes"), (NO_TOOLS, False, None), (OTHER_FORMAT, True, None), (MENTIONS_TOOLS, False, None),
+    (None, False, None), ("{% if tools %", False, None),
 ])
-def test_which_templates_know_tools(template, renders, hermes):
+def test_which_templates_know_tools(template, renders, calls):
     assert template_renders_tools(template) is renders
-    assert template_writes_hermes_calls(template) is hermes
+    assert call_format(template) == calls
 
 
 def test_auto_on_a_hermes_template_is_parsed_not_forced():
@@ -59,7 +60,7 @@ def test_auto_on_a_hermes_template_is_parsed_not_forced():
 
 @pytest.mark.parametrize(("template", "says"), [
     (NO_TOOLS, "needs a chat template that knows tools"),
-    (OTHER_FORMAT, "not as <tool_call> blocks"),
+    (OTHER_FORMAT, "neither as <tool_call> blocks nor as Llama 3's"),
 ])
 def test_auto_elsewhere_is_a_clear_400(template, says):
     with pytest.raises(APIError, match=says) as err:

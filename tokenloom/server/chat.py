@@ -18,7 +18,8 @@ from .state import INLINE_CHARS, ServerState
 from .streams import ChoiceDelta
 from .structured import ToolChoice, tool_choice
 from .tool_parser import StreamingToolCallParser, new_call_id, parse_tool_calls
-from .tool_template import encoder_with_tools, refuse_spelled_controls, wrapper_with_tools
+from .tool_parser_json import StreamingJSONCallParser, parse_json_calls
+from .tool_template import LLAMA3_JSON, encoder_with_tools, refuse_spelled_controls, wrapper_with_tools
 
 
 def render_prompt(state: ServerState, req: ChatCompletionRequest, tools: ToolChoice | None = None
@@ -67,7 +68,7 @@ class _ChatView(GenerationView):
     chunk_object = "chat.completion.chunk"
 
     tools: ToolChoice | None = None
-    _parsers: dict[int, StreamingToolCallParser]  # "auto", streaming: one per choice
+    _parsers: dict[int, StreamingToolCallParser | StreamingJSONCallParser]  # "auto", streaming: one per choice
     _thinking: dict[int, StreamingReasoningSplitter]  # --reasoning-parser, streaming: one per choice
 
     async def engine_inputs(self):
@@ -108,7 +109,8 @@ class _ChatView(GenerationView):
     def _render_auto_whole(self, d: ChoiceDelta) -> dict:
         """"auto": the model's `<tool_call>` blocks become `tool_calls`, the text before them `content`."""
         split = self._split(d, streaming=False)
-        parsed = parse_tool_calls(split.content or "")
+        parse = parse_json_calls if self.tools.call_format == LLAMA3_JSON else parse_tool_calls
+        parsed = parse(split.content or "")
         message: dict = {"role": "assistant", "content": parsed.content}
         if self.state.reasoning_parser:
             message["reasoning_content"] = split.reasoning
@@ -121,7 +123,10 @@ class _ChatView(GenerationView):
 
     def _render_auto_stream(self, d: ChoiceDelta) -> dict:
         """"auto", streamed: content deltas until a `<tool_call>` starts, then tool-call deltas."""
-        parser = self._parsers.setdefault(d.index, StreamingToolCallParser())
+        if d.index not in self._parsers:
+            json_calls = self.tools.call_format == LLAMA3_JSON
+            self._parsers[d.index] = StreamingJSONCallParser() if json_calls else StreamingToolCallParser()
+        parser = self._parsers[d.index]
         split = self._split(d, streaming=True)
         delta = parser.feed(split.content or "", final=d.choice.finish_reason is not None)
         if split.reasoning:

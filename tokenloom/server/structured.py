@@ -7,9 +7,10 @@ older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, and (
 model: `"required"` makes the model write a JSON array of `{"name", "parameters"}` objects, one of
 the tools each; a named function makes it write that function's arguments. `"none"` ignores the
 tools. `"auto"` (OpenAI's default when tools are given) needs a chat template that describes tools
-and tells the model to answer with `<tool_call>` blocks (Qwen2.5's): the model then decides, without
-a grammar, and its output is read back by tool_parser.py (vLLM's `hermes` parser's behaviour). On
-any other template it is refused with a 400 rather than silently answered as text. Where the template
+and tells the model how to answer a call: `<tool_call>` blocks (Qwen2.5's, read back by tool_parser.py
+as vLLM's `hermes` parser does) or Llama 3.x's `{"name", "parameters"}` objects (tool_parser_json.py,
+vLLM's `llama3_json`); the model then decides, without a grammar. On any other template it is
+refused with a 400 rather than silently answered as text. Where the template
 describes tools, a forced call is rendered with them too (as vLLM renders it), the grammar unchanged;
 elsewhere the tools are described in a system message (`ToolChoice.system_prompt`).
 """
@@ -24,7 +25,7 @@ from ..sampling_params import StructuredOutputsParams
 from ..structured_output.limits import DEFAULT_LIMITS, json_depth
 from .errors import APIError
 from .protocol import ChatCompletionRequest, _SamplingFields
-from .tool_template import template_renders_tools, template_writes_hermes_calls
+from .tool_template import call_format, template_renders_tools
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -69,6 +70,7 @@ class ToolChoice:
     # The tools in OpenAI's shape for a chat template that renders them (None: it does not; they go
     # into a system message instead).
     template_tools: list[dict] | None = None
+    call_format: str | None = None  # `auto`: how the model writes its calls (tool_template.call_format)
 
     def grammar(self) -> StructuredOutputsParams:
         if self.name is not None:
@@ -141,12 +143,13 @@ def tool_choice(req: ChatCompletionRequest, chat_template: str | None) -> ToolCh
     template_tools = ([t.model_dump(exclude_none=True) for t in req.tools]
                       if template_renders_tools(chat_template) else None)
     if choice == "auto":
-        if template_writes_hermes_calls(chat_template):
-            return ToolChoice(tools, None, req.parallel_tool_calls is not False, True, template_tools)
+        if (fmt := call_format(chat_template)) is not None:
+            return ToolChoice(tools, None, req.parallel_tool_calls is not False, True, template_tools, fmt)
         if template_tools is not None:
             raise APIError(400, "tool_choice: 'auto' is not supported for this model: its chat template describes "
-                           "tools but not as <tool_call> blocks, the only calls this server reads; use 'required' "
-                           "or name a function", param="tool_choice")
+                           "tools but neither as <tool_call> blocks nor as Llama 3's {\"name\", \"parameters\"} "
+                           "objects, the calls this server reads; use 'required' or name a function",
+                           param="tool_choice")
         raise APIError(400, "tool_choice: 'auto' needs a chat template that knows tools and this model's does "
                        "not; use 'required' or name a function", param="tool_choice")
     if choice == "required":

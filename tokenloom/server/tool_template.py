@@ -2,8 +2,9 @@
 
 A template "renders tools" when it reads a `tools` variable (Qwen2.5's lists them in its system turn,
 in OpenAI's `{"type": "function", "function": {...}}` shape, as vLLM and transformers pass them).
-`tool_choice: "auto"` also needs to read the model's calls back: this server reads the Hermes
-convention (`<tool_call>` blocks, tool_parser.py), so a template must also speak of `<tool_call>`.
+`tool_choice: "auto"` also needs to read the model's calls back, in the convention the template asks
+for (`call_format`): Hermes `<tool_call>` blocks (Qwen2.5, Qwen3, Hermes; tool_parser.py) or Llama
+3.x's bare `{"name": ..., "parameters": ...}` objects (tool_parser_json.py).
 
 The tokenizer's `apply_chat_template` takes no tools, so a request with tools renders through a
 shallow copy of the tokenizer wrapper (and of the chat encoder that holds it) whose compiled
@@ -34,9 +35,18 @@ def template_renders_tools(source: str | None) -> bool:
         return False  # a template that does not parse fails at render time, with its own 400
 
 
-def template_writes_hermes_calls(source: str | None) -> bool:
-    """The template describes tools and tells the model to answer with `<tool_call>` blocks."""
-    return template_renders_tools(source) and CALL_START in (source or "")
+HERMES, LLAMA3_JSON = "hermes", "llama3_json"  # vLLM's names for the two parsers
+
+
+def call_format(source: str | None) -> str | None:
+    """How a model answers calls under this chat template: HERMES when it describes tools and speaks of
+    `<tool_call>` blocks, LLAMA3_JSON when it describes tools and asks for a `"parameters"` object
+    (Llama 3.1 / 3.2 / 3.3's), None when it does not describe tools or asks for neither."""
+    if not template_renders_tools(source):
+        return None
+    if CALL_START in source:
+        return HERMES
+    return LLAMA3_JSON if '"parameters"' in source else None
 
 
 class _TemplateWithTools:
