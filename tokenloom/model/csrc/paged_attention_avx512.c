@@ -201,14 +201,15 @@ static void values_##SUFFIX(const Queries *qs, const T *v, const int64_t *offset
         for (int64_t d0 = 0; d0 < hd; d0 += PANEL) {                                                        \
             /* the first pass brings each row in whole; the later ones find it in L2 */                     \
             const int64_t ahead = c0 == 0 && d0 == 0 ? PREFETCH_AHEAD : ctx;                                \
+            const T *vp = v + d0;                                                                           \
             __m512 acc[V_CHUNK][PANEL / 16];                                                                \
             for (int c = 0; c < V_CHUNK; c++) /* unrolled: registers, not memory */                         \
                 for (int i = 0; i < PANEL / 16; i++) acc[c][i] = _mm512_setzero_ps();                       \
             for (int64_t t = 0; t < ctx; t++) {                                                             \
                 if (t + ahead < ctx) prefetch_row(v + offsets[t + ahead], row_bytes);                       \
-                const T *vt = v + offsets[t];                                                               \
+                const T *vt = vp + offsets[t]; /* the panel; an int8 row's scale hd - d0 further on */      \
                 __m512 x[PANEL / 16];                                                                       \
-                for (int i = 0; i < PANEL / 16; i++) x[i] = LOAD16(vt, d0 / 16 + i, hd);                    \
+                for (int i = 0; i < PANEL / 16; i++) x[i] = LOAD16(vt, i, hd - d0);                         \
                 for (int c = 0; c < V_CHUNK; c++) if (t < ctxs[c]) {                                        \
                     const __m512 p = _mm512_set1_ps(scores[(c0 + c) * qs->n + t]);                          \
                     for (int i = 0; i < PANEL / 16; i++) acc[c][i] = _mm512_fmadd_ps(p, x[i], acc[c][i]);   \
