@@ -5,13 +5,14 @@
  * One OpenMP task per (run of up to MAX_RUN rows that read one context, KV head): a decode row alone,
  * or a prompt's tokens in one step, or a decode row with its speculative drafts (paged_context.h's
  * context_runs). A task reads each cached K and V row from memory once for every query head of the GQA
- * group and every row of the run: the scores take four positions at a time, their K rows converted to
- * float32 in registers and used by up to HEAD_TILE query heads at once (4 x 4 dot products in 16
- * accumulators, whatever head_dim is), the next tile of heads finding the rows in L1; the weighted sums
- * of V take PANEL elements of a row at a time for up to V_CHUNK heads. The scores are in full, then a
- * softmax, then the weighted sum of V; a fixed summation order, float32 arithmetic, float32, float16
- * or int8 cache. Each query's operations are the ones it gets in a task of its own, in the same order
- * (no tile or panel changes a chain), so a row's result never depends on its run or the rest of the batch.
+ * group and every row of the run. The scores take four positions at a time: at head_dim 64 their K rows
+ * stay in 16 registers while every head of the task uses them; wider rows do not fit, so up to
+ * HEAD_TILE heads use them at once (4 x 4 dot products in 16 accumulators, whatever head_dim is) and the
+ * next tile of heads finds the rows in L1. The weighted sums of V take PANEL elements of a row at a
+ * time for up to V_CHUNK heads. The scores are in full, then a softmax, then the weighted sum of V; a
+ * fixed summation order, float32 arithmetic, float32, float16 or int8 cache. Each query's operations
+ * are the ones it gets in a task of its own, in the same order (no tile, panel or head_dim path changes
+ * a chain), so a row's result never depends on its run or the rest of the batch.
  *
  * Built at run time by model/kernels.py with -mavx512f -mf16c.
  */
@@ -116,6 +117,14 @@ typedef struct {
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* q . k_t * scale for one position of head_dim 64, its row in four registers: one reduction a score
+ * (the tail of a context), the chain of quad_scores. */
+static inline float one_score64(const float *q, const __m512 *kr, float scale) {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), kr[0]);
+    for (int i = 1; i < 4; i++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), kr[i], a);
+    return _mm512_reduce_add_ps(a) * scale;
+}
+
 /* Per cache element type T (PAD: bytes after a row's head_dim elements):
  *
  * quad_scores: the scores of NH (a constant once inlined) query heads a0.. at the four positions t..t+3
@@ -125,10 +134,13 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
  * A head's chains and reductions depend on its context and t only, never on the heads beside it.
  *
  * scores: every quad of the context, its K rows loaded once per tile of HEAD_TILE heads (a tile whose
- * heads' contexts all end before the quad skipped).
+ * heads' contexts all end before the quad skipped); scores64 the same chains and reductions with the
+ * rows loaded once for all heads (a prompt's run of 8 rows is 8 tiles or more: reloading and converting
+ * each quad per tile cost more than the FMAs it feeds at this width).
  *
  * values: each head's weighted sum of V, V_CHUNK heads and one PANEL of elements in registers at a time,
- * one FMA chain per output element in position order. */
+ * one FMA chain per output element in position order; panel_span the positions from..to, RAGGED (a
+ * constant once inlined) where some heads' contexts end inside them. */
 #define DEFINE_TASK(SUFFIX, T, LOAD16, PAD)                                                                   \
 static inline __attribute__((always_inline)) void quad_scores_##SUFFIX(const int NH, const Queries *qs,    \
         int64_t a0, const T *const *rows, int64_t t, int64_t hd, float scale, float *scores) {             \
@@ -161,8 +173,42 @@ static inline __attribute__((always_inline)) void quad_scores_##SUFFIX(const int
     }                                                                                                       \
 }                                                                                                           \
                                                                                                             \
+static void scores64_##SUFFIX(const Queries *qs, int64_t ctx, const T *k, const int64_t *offsets, float scale, \
+                              float *scores) {                                                              \
+    const size_t row_bytes = 64 * sizeof(T) + PAD;                                                          \
+    int64_t t = 0;                                                                                          \
+    for (; t + 4 <= ctx; t += 4) {                                                                          \
+        __m512 kr[4][4];                                                                                    \
+        for (int u = 0; u < 4; u++) {                                                                       \
+            if (t + u + PREFETCH_AHEAD < ctx) prefetch_row(k + offsets[t + u + PREFETCH_AHEAD], row_bytes); \
+            for (int i = 0; i < 4; i++) kr[u][i] = LOAD16(k + offsets[t + u], i, 64);                      \
+        }                                                                                                   \
+        for (int64_t a = 0; a < qs->heads; a++) {                                                           \
+            const float *q = qs->q[a];                                                                      \
+            float *sc = scores + a * qs->n + t;                                                             \
+            if (t + 4 <= qs->ctx[a]) {                                                                      \
+                __m512 s[4];                                                                                \
+                for (int u = 0; u < 4; u++) {                                                               \
+                    s[u] = _mm512_mul_ps(_mm512_loadu_ps(q), kr[u][0]);                                     \
+                    for (int i = 1; i < 4; i++) s[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), kr[u][i], s[u]); \
+                }                                                                                           \
+                _mm_storeu_ps(sc, _mm_mul_ps(sum4(s[0], s[1], s[2], s[3]), _mm_set1_ps(scale)));            \
+            } else {                                                                                        \
+                for (int u = 0; t + u < qs->ctx[a]; u++) sc[u] = one_score64(q, kr[u], scale);              \
+            }                                                                                               \
+        }                                                                                                   \
+    }                                                                                                       \
+    for (; t < ctx; t++) {                                                                                  \
+        __m512 kr[4];                                                                                       \
+        for (int i = 0; i < 4; i++) kr[i] = LOAD16(k + offsets[t], i, 64);                                  \
+        for (int64_t a = 0; a < qs->heads; a++)                                                             \
+            if (t < qs->ctx[a]) scores[a * qs->n + t] = one_score64(qs->q[a], kr, scale);                   \
+    }                                                                                                       \
+}                                                                                                           \
+                                                                                                            \
 static void scores_##SUFFIX(const Queries *qs, int64_t ctx, const T *k, const int64_t *offsets, int64_t hd, \
                             float scale, float *scores) {                                                   \
+    if (hd == 64) { scores64_##SUFFIX(qs, ctx, k, offsets, scale, scores); return; }                        \
     const size_t row_bytes = (size_t)hd * sizeof(T) + PAD;                                                  \
     int64_t tile_ctx[MAX_TILES]; /* the longest context among each tile's heads */                          \
     for (int64_t a0 = 0; a0 < qs->heads; a0 += HEAD_TILE) {                                                 \
@@ -188,33 +234,44 @@ static void scores_##SUFFIX(const Queries *qs, int64_t ctx, const T *k, const in
     }                                                                                                       \
 }                                                                                                           \
                                                                                                             \
+static inline __attribute__((always_inline)) void panel_span_##SUFFIX(const int RAGGED,                    \
+        __m512 acc[V_CHUNK][PANEL / 16], const T *vp, int64_t rest, const float *const *sc, const int64_t *ctxs, \
+        int64_t nc, const int64_t *offsets, int64_t from, int64_t to, const T *ahead_rows, size_t row_bytes,  \
+        int64_t ctx) {                                                                                      \
+    for (int64_t t = from; t < to; t++) {                                                                   \
+        if (ahead_rows && t + PREFETCH_AHEAD < ctx) prefetch_row(ahead_rows + offsets[t + PREFETCH_AHEAD], row_bytes); \
+        const T *vt = vp + offsets[t]; /* the panel; an int8 row's scale `rest` further on */               \
+        __m512 x[PANEL / 16];                                                                               \
+        for (int i = 0; i < PANEL / 16; i++) x[i] = LOAD16(vt, i, rest);                                    \
+        for (int c = 0; c < V_CHUNK; c++) if (c < nc && (!RAGGED || t < ctxs[c])) {                         \
+            const __m512 p = _mm512_set1_ps(sc[c][t]);                                                      \
+            for (int i = 0; i < PANEL / 16; i++) acc[c][i] = _mm512_fmadd_ps(p, x[i], acc[c][i]);           \
+        }                                                                                                   \
+    }                                                                                                       \
+}                                                                                                           \
+                                                                                                            \
 static void values_##SUFFIX(const Queries *qs, const T *v, const int64_t *offsets, int64_t hd,              \
                             const float *scores, float *const *out) {                                       \
     const size_t row_bytes = (size_t)hd * sizeof(T) + PAD;                                                  \
     for (int64_t c0 = 0; c0 < qs->heads; c0 += V_CHUNK) {                                                   \
-        const int64_t nc = qs->heads - c0 < V_CHUNK ? qs->heads - c0 : V_CHUNK;                             \
-        int64_t ctx = 0, ctxs[V_CHUNK];                                                                     \
+        const int64_t nc = min64(qs->heads - c0, V_CHUNK);                                                  \
+        int64_t shortest = qs->ctx[c0], longest = 0, ctxs[V_CHUNK];                                          \
+        const float *sc[V_CHUNK];                                                                           \
         for (int c = 0; c < V_CHUNK; c++) {                                                                 \
             ctxs[c] = c < nc ? qs->ctx[c0 + c] : 0;                                                         \
-            ctx = ctxs[c] > ctx ? ctxs[c] : ctx;                                                            \
+            sc[c] = scores + (c0 + min64(c, nc - 1)) * qs->n;                                               \
+            longest = ctxs[c] > longest ? ctxs[c] : longest;                                                \
+            shortest = c < nc && ctxs[c] < shortest ? ctxs[c] : shortest;                                   \
         }                                                                                                   \
         for (int64_t d0 = 0; d0 < hd; d0 += PANEL) {                                                        \
             /* the first pass brings each row in whole; the later ones find it in L2 */                     \
-            const int64_t ahead = c0 == 0 && d0 == 0 ? PREFETCH_AHEAD : ctx;                                \
-            const T *vp = v + d0;                                                                           \
+            const T *ahead_rows = c0 == 0 && d0 == 0 ? v : NULL;                                            \
             __m512 acc[V_CHUNK][PANEL / 16];                                                                \
             for (int c = 0; c < V_CHUNK; c++) /* unrolled: registers, not memory */                         \
                 for (int i = 0; i < PANEL / 16; i++) acc[c][i] = _mm512_setzero_ps();                       \
-            for (int64_t t = 0; t < ctx; t++) {                                                             \
-                if (t + ahead < ctx) prefetch_row(v + offsets[t + ahead], row_bytes);                       \
-                const T *vt = vp + offsets[t]; /* the panel; an int8 row's scale hd - d0 further on */      \
-                __m512 x[PANEL / 16];                                                                       \
-                for (int i = 0; i < PANEL / 16; i++) x[i] = LOAD16(vt, i, hd - d0);                         \
-                for (int c = 0; c < V_CHUNK; c++) if (t < ctxs[c]) {                                        \
-                    const __m512 p = _mm512_set1_ps(scores[(c0 + c) * qs->n + t]);                          \
-                    for (int i = 0; i < PANEL / 16; i++) acc[c][i] = _mm512_fmadd_ps(p, x[i], acc[c][i]);   \
-                }                                                                                           \
-            }                                                                                               \
+            /* the positions every head of the chunk sees, then each the rest of its own */                 \
+            panel_span_##SUFFIX(0, acc, v + d0, hd - d0, sc, ctxs, nc, offsets, 0, shortest, ahead_rows, row_bytes, longest); \
+            panel_span_##SUFFIX(1, acc, v + d0, hd - d0, sc, ctxs, nc, offsets, shortest, longest, ahead_rows, row_bytes, longest); \
             for (int c = 0; c < V_CHUNK; c++) if (c < nc) /* unrolled: registers, not memory */            \
                 for (int i = 0; i < PANEL / 16; i++) _mm512_storeu_ps(out[c0 + c] + d0 + 16 * i, acc[c][i]); \
         }                                                                                                   \
