@@ -194,7 +194,8 @@ def load_kernel() -> ctypes.CDLL | None:
     return kernels.load(SPEC)
 
 
-# csrc/checks/paged_attention.c: one decode query over a float and a half cache against a direct computation.
+# csrc/checks/paged_attention.c: two rows of a prompt over a float, a half and an int8 cache, at a few head_dims
+# and GQA groups, against a direct computation.
 SPEC = kernels.KernelSpec("paged_attention", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
                           check="paged_attention")
 # The same check through the AVX-512 entry points (head_dim 64 to 256, 1 to 8 query heads per KV head).
