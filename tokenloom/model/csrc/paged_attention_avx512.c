@@ -264,8 +264,9 @@ static void values_##SUFFIX(const Queries *qs, const T *v, const int64_t *offset
             shortest = c < nc && ctxs[c] < shortest ? ctxs[c] : shortest;                                   \
         }                                                                                                   \
         for (int64_t d0 = 0; d0 < hd; d0 += PANEL) {                                                        \
-            /* the first pass brings each row in whole; the later ones find it in L2 */                     \
-            const T *ahead_rows = c0 == 0 && d0 == 0 ? v : NULL;                                            \
+            /* a chunk's first panel brings each row in whole (a later chunk's heads may see further than   \
+             * the first's); its later panels find the rows in L2 */                                        \
+            const T *ahead_rows = d0 == 0 ? v : NULL;                                                       \
             __m512 acc[V_CHUNK][PANEL / 16];                                                                \
             for (int c = 0; c < V_CHUNK; c++) /* unrolled: registers, not memory */                         \
                 for (int i = 0; i < PANEL / 16; i++) acc[c][i] = _mm512_setzero_ps();                       \
