@@ -92,12 +92,14 @@ def test_int8_rows_do_not_depend_on_the_batch(which):
 
 
 @needs_c
-def test_the_avx2_and_avx512_int8_kernels_agree():
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (14, 2, 64), (16, 8, 128), (12, 2, 128)])
+def test_the_avx2_and_avx512_int8_kernels_agree(heads, kv_heads, head_dim):
+    """SmolLM2's, Qwen2.5-0.5B's, Qwen3-0.6B's and Qwen2.5-1.5B's heads, contexts past the stack buffer."""
     from test_paged_attention import LIB512
 
     if LIB512 is None:
         pytest.skip("no AVX-512 kernel here")
-    q, k, v, tables, lens = random_case(5, 9, 3, 64, 16, seed=3, max_len=600)
+    q, k, v, tables, lens = random_case(5, heads, kv_heads, head_dim, 16, seed=3, max_len=600)
     k8, v8 = int8_cache(k), int8_cache(v)
     a, b = kernel_for(None), kernel_for("avx512")
     torch.testing.assert_close(a(a.prepare(tables, lens, 16), q, k8, v8, 0.125),

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenloom.model import kernels
+from tokenloom.model import kernels, kv_quant
 from tokenloom.model import paged_attention as pa
 
 LIB = pa.load_kernel()
 LIB512 = kernels.load(pa.SPEC_AVX512)
 needs_kernel = pytest.mark.skipif(LIB is None, reason="the C kernel does not build or run here (logged)")
-# Each kernel the machine runs: AVX2 alone, and with the AVX-512 one (head_dim 64, GQA groups up to 4).
+# Each kernel the machine runs: AVX2 alone, and with the AVX-512 one (head_dim 64 to 256, GQA groups up to 8).
 KERNELS = [pytest.param(None, id="avx2"),
            pytest.param("avx512", id="avx512", marks=pytest.mark.skipif(LIB512 is None, reason="no AVX-512 kernel here"))]
 
@@ -46,8 +46,8 @@ def random_case(num_seqs: int, heads: int, kv_heads: int, head_dim: int, block_s
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 4),
                                                                (8, 2, 64, 16), (8, 1, 64, 8)])
 def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size, kv_dtype, which):
-    """Float16 caches too: the kernel widens each element to float32 as the torch path does. Shapes the
-    AVX-512 kernel does not take (head_dim != 64, 8 query heads per KV head) go to the AVX2 one."""
+    """Float16 caches too: the kernel widens each element to float32 as the torch path does. A shape the
+    AVX-512 kernel does not take (head_dim 32) goes to the AVX2 one."""
     q, k, v, tables, lens = random_case(7, heads, kv_heads, head_dim, block_size, seed=heads)
     lens[0] = (lens[0] + block_size - 1) // block_size * block_size  # a context filling its last block
     k, v = k.to(kv_dtype), v.to(kv_dtype)
@@ -55,6 +55,59 @@ def test_kernel_matches_gather_and_sdpa(heads, kv_heads, head_dim, block_size, k
     ref = ref_impl(ref_impl.prepare(tables, lens, block_size), q, k, v, 0.125)
     out = kernel(kernel.prepare(tables, lens, block_size), q, k, v, 0.125)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+needs_avx512 = pytest.mark.skipif(LIB is None or LIB512 is None, reason="no AVX-512 kernel here")
+
+
+def cache_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return kv_quant.quantize(x) if dtype == torch.int8 else x.to(dtype)
+
+
+@needs_avx512
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.int8], ids=["f32", "f16", "int8"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", range(1, 9))
+def test_the_avx512_kernel_takes_every_group_and_head_dim(group, head_dim, kv_dtype):
+    """1 to 8 query heads per KV head (the kernel's tiles of four heads full, partial, several), head_dim
+    64 / 128 / 256, each cache dtype, against torch's gather + SDPA over the same cache: contexts filling
+    their last block, one past it, ragged ones, and three rows of one prompt (one task holding every
+    query head of the three rows). Each row's bits are the ones it gets alone."""
+    kv_heads, bs = 2, 8
+    q, k, v, tables, lens = random_case(6, group * kv_heads, kv_heads, head_dim, bs, seed=group * head_dim, max_len=70)
+    lens[0], lens[1] = 2 * bs, 2 * bs + 1  # a context filling its last block, one crossing into the next
+    lens[2] = max(int(lens[2]), 6)
+    tables[3:5], lens[3:5] = tables[2], torch.tensor([lens[2] - 1, lens[2] - 5])  # the prompt's other tokens
+    k, v = cache_as(k, kv_dtype), cache_as(v, kv_dtype)
+    kernel, ref_impl = kernel_for("avx512"), pa.TorchDecodeAttention()
+    suffix = {torch.float32: "f32", torch.float16: "f16", torch.int8: "q8"}[kv_dtype]
+    assert kernel.kernel_for(group * kv_heads, kv_heads, head_dim, kv_dtype) is getattr(
+        LIB512, f"paged_decode_attention_avx512_{suffix}")
+    out = kernel(kernel.prepare(tables, lens, bs), q, k, v, 0.125)
+    ref = ref_impl(ref_impl.prepare(tables, lens, bs), q, k, v, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for r in range(len(lens)):
+        one = kernel(kernel.prepare(tables[r : r + 1], lens[r : r + 1], bs), q[r : r + 1], k, v, 0.125)
+        assert torch.equal(one, out[r : r + 1]), r
+
+
+@needs_avx512
+def test_the_avx512_kernel_refuses_shapes_it_does_not_take():
+    """Called directly with a shape outside its reach it returns -2 and writes nothing; the plan never
+    sends one (avx512_refuses names why, and paged_attention.c takes them)."""
+    for heads, kv_heads, head_dim in ((4, 2, 32), (4, 2, 96), (18, 2, 64), (9, 1, 128), (2, 1, 320), (3, 2, 64)):
+        q, k, v, tables, lens = random_case(2, heads, kv_heads, head_dim, 8, seed=0)
+        out = torch.zeros_like(q)
+        status = LIB512.paged_decode_attention_avx512_f32(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), 2, heads,
+            kv_heads, head_dim, 8, 0.125, out.data_ptr())
+        assert status == -2 and not out.any(), (heads, kv_heads, head_dim)
+    assert pa.avx512_refuses(18, 2, 64) == "9 query heads per KV head (it takes up to 8)"
+    assert pa.avx512_refuses(4, 2, 96) == "head_dim 96 (it takes a multiple of 64 up to 256)"
+    assert pa.avx512_refuses(2, 1, 320) == "head_dim 320 (it takes a multiple of 64 up to 256)"
+    assert pa.avx512_refuses(16, 8, 128) is None and pa.avx512_refuses(14, 2, 64) is None  # Qwen3, Qwen2.5-0.5B
+    kernel = kernel_for("avx512")
+    assert kernel.kernel_for(18, 2, 64, torch.float16) is LIB.paged_decode_attention_f16  # the AVX2 kernel's
 
 
 @needs_kernel
@@ -91,14 +144,15 @@ def rows_case(rows: list[tuple[torch.Tensor, int]], heads: int, head_dim: int, g
 @needs_kernel
 @pytest.mark.parametrize("which", KERNELS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_a_prompts_rows_share_a_task_and_keep_their_bits(which, kv_dtype):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (12, 2, 128)])  # SmolLM2's, Qwen2.5-1.5B's
+def test_a_prompts_rows_share_a_task_and_keep_their_bits(which, kv_dtype, heads, kv_heads, head_dim):
     """A prompt's tokens in one step are rows with one block table and their own contexts; both kernels
     run up to 8 of them in one task, reading each K/V row of the context once for all of them (a run
     longer than 8 split evenly: the 23 rows below are tasks of 7, 8 and 8). Each row still gets the
     bits it gets alone, next to decode rows, a second prompt whose table shares the first one's leading
     blocks (a prefix-cache hit), rows out of order, and contexts past the stack buffer."""
     gen = torch.Generator().manual_seed(5)
-    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    bs = 16
     k = torch.randn(160 * bs, kv_heads, head_dim, generator=gen).to(kv_dtype)
     v = torch.randn(160 * bs, kv_heads, head_dim, generator=gen).to(kv_dtype)
     perm = torch.randperm(160, generator=gen)
@@ -205,14 +259,15 @@ def masked_window_attention(q, k, v, tables, lens, block_size, window, scale):
 
 @pytest.mark.parametrize("which", [pytest.param("torch", id="torch"), *KERNELS])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_a_sliding_window_reads_only_its_last_positions(which, kv_dtype):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 256), (16, 2, 128)])
+def test_a_sliding_window_reads_only_its_last_positions(which, kv_dtype, heads, kv_heads, head_dim):
     """Contexts longer and shorter than the window in one batch (Gemma 3's head_dim 256 and a GQA
-    group). Blocks wholly behind a row's window are overwritten with NaN first, as if released and
-    reused: nothing reads them."""
+    group; head_dim 128 and 8 query heads per KV head). Blocks wholly behind a row's window are
+    overwritten with NaN first, as if released and reused: nothing reads them."""
     if which != "torch" and LIB is None:
         pytest.skip("the C kernel does not build or run here (logged)")
     block_size, window = 4, 11
-    q, k, v, tables, lens = random_case(6, 4, 2, 256 if which != "avx512" else 64, block_size, seed=3, max_len=60)
+    q, k, v, tables, lens = random_case(6, heads, kv_heads, head_dim, block_size, seed=3, max_len=60)
     lens[0] = 5  # within the window
     ref = masked_window_attention(q, k.to(kv_dtype), v.to(kv_dtype), tables, lens, block_size, window, 0.1)
     for row, n in enumerate(lens.tolist()):

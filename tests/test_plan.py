@@ -48,7 +48,7 @@ def reasons(choice: Choice) -> dict[str, str]:
 
 
 def test_the_built_implementation_is_the_one_named():
-    for choice in (attention(), attention(NO_SIMD), attention(head_dim=128), attention(exact=EXACT_PATH),
+    for choice in (attention(), attention(NO_SIMD), attention(head_dim=96), attention(exact=EXACT_PATH),
                    first_that_runs(layer_ops.STRATEGIES, needs(), HERE),
                    first_that_runs(layer_ops.STRATEGIES, needs(dtype=torch.bfloat16), HERE)):
         assert choice.impl.name == choice.name, choice
@@ -57,14 +57,23 @@ def test_the_built_implementation_is_the_one_named():
 @needs_avx512_lib
 def test_paged_avx512_refuses_other_head_dims_wide_groups_and_cpus_without_avx512():
     assert attention().name == "paged-c-avx512"
-    choice = attention(head_dim=128)
-    assert choice.name == "paged-c" and reasons(choice) == {"paged-c-avx512": "head_dim 128 (it takes 64)"}
-    choice = attention(num_heads=8)
+    for shape in ({"head_dim": 128}, {"head_dim": 256}, {"num_heads": 8}, {"num_heads": 16, "num_kv_heads": 2},
+                  {"num_heads": 12, "num_kv_heads": 2, "head_dim": 128}, {"num_heads": 7, "head_dim": 128}):
+        assert attention(**shape).name == "paged-c-avx512", shape  # Qwen3's, Qwen2.5's and Llama's shapes among them
+    choice = attention(head_dim=96)
     assert choice.name == "paged-c"
-    assert reasons(choice) == {"paged-c-avx512": "8 query heads per KV head (it takes up to 4)"}
+    assert reasons(choice) == {"paged-c-avx512": "head_dim 96 (it takes a multiple of 64 up to 256)"}
+    choice = attention(head_dim=32)
+    assert reasons(choice) == {"paged-c-avx512": "head_dim 32 (it takes a multiple of 64 up to 256)"}
+    choice = attention(num_heads=16)
+    assert choice.name == "paged-c"
+    assert reasons(choice) == {"paged-c-avx512": "16 query heads per KV head (it takes up to 8)"}
     choice = attention(AVX2_ONLY)
     assert choice.name == "paged-c" and reasons(choice) == {"paged-c-avx512": "this CPU lacks avx512f"}
-    assert "attention paged-c (not paged-c-avx512: head_dim 128 (it takes 64))" in f"attention {attention(head_dim=128)}"
+    choice = attention(AVX2_ONLY, head_dim=128)  # an AVX2-only CPU: the shape it would take, refused for the CPU
+    assert choice.name == "paged-c" and reasons(choice) == {"paged-c-avx512": "this CPU lacks avx512f"}
+    line = f"attention {attention(head_dim=96)}"
+    assert "attention paged-c (not paged-c-avx512: head_dim 96 (it takes a multiple of 64 up to 256))" in line, line
 
 
 @needs_avx2_lib

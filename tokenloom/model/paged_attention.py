@@ -9,9 +9,9 @@ one interface, chosen once at load:
   no padding. csrc/paged_attention.c (AVX2 + FMA + F16C, any head_dim multiple of 32 up to 256): one
   OpenMP task per (run of rows reading one context, KV head), so each K/V row is converted to float32
   once for the group's query heads and up to 8 of a prompt's tokens; csrc/paged_attention_avx512.c
-  (head_dim 64, up to 4 query heads per KV head): the same tasks, each K/V row held in registers while
-  every query head of the group and row of the run uses it (the gather and SDPA grow with the batch's
-  longest context). Both read float32, float16 or int8 caches (int8: each row's codes then its scale,
+  (head_dim a multiple of 64 up to 256, up to 8 query heads per KV head): the same tasks, each K/V row
+  converted in registers and used there by the query heads of the group and rows of the run, four
+  heads at a time (the gather and SDPA grow with the batch's longest context). Both read float32, float16 or int8 caches (int8: each row's codes then its scale,
   model/kv_quant.py; torch's path dequantizes on gather). Built and checked at first use
   (model/kernels.py); unavailable (no compiler, missing CPU flags, a failed check) -> the torch path,
   with the reason logged.
@@ -29,6 +29,17 @@ import torch.nn.functional as F
 from . import kernels, kv_quant
 
 MAX_HEAD_DIM = 256  # csrc/paged_attention.c's float32 tile of K or V rows is sized for it
+# csrc/paged_attention_avx512.c: head_dim in panels of 64 (4 registers a head), up to 8 query heads per KV head
+AVX512_PANEL, AVX512_MAX_GROUP = 64, 8
+
+
+def avx512_refuses(num_heads: int, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why csrc/paged_attention_avx512.c does not take these shapes (ones paged_attention.c takes), or None."""
+    if head_dim % AVX512_PANEL or head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} (it takes a multiple of {AVX512_PANEL} up to {MAX_HEAD_DIM})"
+    if num_heads > AVX512_MAX_GROUP * num_kv_heads:
+        return f"{num_heads // num_kv_heads} query heads per KV head (it takes up to {AVX512_MAX_GROUP})"
+    return None
 
 
 def windowed(tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int | None):
@@ -76,7 +87,7 @@ class PagedDecodeAttention:
     takes_prefill_rows = True  # a prompt token is a query with its own context length (the causal mask)
 
     def __init__(self, lib: ctypes.CDLL, lib512: ctypes.CDLL | None = None):
-        """`lib512`: the AVX-512 kernel for head_dim 64 and up to 4 query heads per KV head, when it runs."""
+        """`lib512`: the AVX-512 kernel, when it runs, for the shapes it takes (`avx512_refuses`)."""
         self._fns = {torch.float32: lib.paged_decode_attention_f32, torch.float16: lib.paged_decode_attention_f16,
                      torch.int8: lib.paged_decode_attention_q8}
         self._fns512 = {} if lib512 is None else {
@@ -97,7 +108,7 @@ class PagedDecodeAttention:
 
     def kernel_for(self, num_heads: int, num_kv_heads: int, head_dim: int, cache_dtype: torch.dtype):
         """The ctypes function for these shapes over a `cache_dtype` cache, or None."""
-        fns = self._fns512 if head_dim == 64 and num_heads <= 4 * num_kv_heads and self._fns512 else self._fns
+        fns = self._fns512 if self._fns512 and avx512_refuses(num_heads, num_kv_heads, head_dim) is None else self._fns
         return fns.get(cache_dtype)
 
     def __call__(self, prepared, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
@@ -145,12 +156,7 @@ def _paged_fits(needs) -> str | None:
 
 def _paged_avx512_fits(needs) -> str | None:
     """Why csrc/paged_attention_avx512.c cannot serve `needs`, or None."""
-    reason = _paged_fits(needs)
-    if reason is None and needs.head_dim != 64:
-        reason = f"head_dim {needs.head_dim} (it takes 64)"
-    if reason is None and needs.num_heads > 4 * needs.num_kv_heads:
-        reason = f"{needs.num_heads // needs.num_kv_heads} query heads per KV head (it takes up to 4)"
-    return reason
+    return _paged_fits(needs) or avx512_refuses(needs.num_heads, needs.num_kv_heads, needs.head_dim)
 
 
 class PagedStrategy:
@@ -188,10 +194,11 @@ def load_kernel() -> ctypes.CDLL | None:
     return kernels.load(SPEC)
 
 
-# csrc/checks/paged_attention.c: one decode query over a float and a half cache against a direct computation.
+# csrc/checks/paged_attention.c: two rows of a prompt over a float, a half and an int8 cache, at a few head_dims
+# and GQA groups, against a direct computation.
 SPEC = kernels.KernelSpec("paged_attention", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"),
                           check="paged_attention")
-# The same check through the AVX-512 entry points (head_dim 64, 2 query heads per KV head).
+# The same check through the AVX-512 entry points (head_dim 64 to 256, 1 to 8 query heads per KV head).
 SPEC_AVX512 = kernels.KernelSpec("paged_attention_avx512", frozenset({"avx512f", "f16c"}), ("-mavx512f", "-mf16c"),
                                  check="paged_attention", check_flags=("-DAVX512",))
 

@@ -93,8 +93,8 @@ lora_add_fn lora_add_bf16;  /* y[r] += (x[r] A[slot[r]]) B[slot[r]], A and B bfl
 #define KV_SCALE_BYTES 4
 
 /* paged_attention.c (AVX2; any head_dim multiple of 32 up to 256) and paged_attention_avx512.c
- * (head_dim 64, up to 4 query heads per KV head); _f32 over a float cache, _f16 over a half one, _q8
- * over an int8 one (rows of head_dim + KV_SCALE_BYTES bytes). */
+ * (head_dim a multiple of 64 up to 256, up to 8 query heads per KV head); _f32 over a float cache,
+ * _f16 over a half one, _q8 over an int8 one (rows of head_dim + KV_SCALE_BYTES bytes). */
 typedef int attention_fn(const float *q, const void *k_cache, const void *v_cache, const int64_t *tables,
                          int64_t max_blocks, const int64_t *context_lens, int64_t rows, int64_t heads,
                          int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out);

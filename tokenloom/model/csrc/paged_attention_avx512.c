@@ -1,14 +1,18 @@
-/* Decode attention from the paged KV cache, AVX-512 version for head_dim 64 (SmolLM2, TinyLlama,
- * Llama-3.2-1B) and up to 4 query heads per KV head.
+/* Decode attention from the paged KV cache, AVX-512 version: head_dim a multiple of 64 up to 256
+ * (SmolLM2, Llama-3.2-1B and Qwen2.5-0.5B at 64; Qwen3 and Qwen2.5-1.5B at 128; Gemma 3 at 256) and up
+ * to 8 query heads per KV head.
  *
  * One OpenMP task per (run of up to MAX_RUN rows that read one context, KV head): a decode row alone,
  * or a prompt's tokens in one step, or a decode row with its speculative drafts (paged_context.h's
- * context_runs). A task reads each cached K and V row once, holds it in four 16-wide registers and
- * uses it for every query head of the GQA group and every row of the run: a 512-token prefill's
- * attention 9.0 -> 5.5 ms a layer on SmolLM2 (Zen 4), where each row was its own task. The scores are
- * in full, then a softmax, then the weighted sum of V; a fixed summation order, float32 arithmetic,
- * float32 or float16 cache. Each query's operations are the ones it gets in a task of its own, in the
- * same order, so a row's result never depends on its run or the rest of the batch.
+ * context_runs). A task reads each cached K and V row from memory once for every query head of the GQA
+ * group and every row of the run. The scores take four positions at a time: at head_dim 64 their K rows
+ * stay in 16 registers while every head of the task uses them; wider rows do not fit, so up to
+ * HEAD_TILE heads use them at once (4 x 4 dot products in 16 accumulators, whatever head_dim is) and the
+ * next tile of heads finds the rows in L1. The weighted sums of V take PANEL elements of a row at a
+ * time for up to V_CHUNK heads. The scores are in full, then a softmax, then the weighted sum of V; a
+ * fixed summation order, float32 arithmetic, float32, float16 or int8 cache. Each query's operations
+ * are the ones it gets in a task of its own, in the same order (no tile, panel or head_dim path changes
+ * a chain), so a row's result never depends on its run or the rest of the batch.
  *
  * Built at run time by model/kernels.py with -mavx512f -mf16c.
  */
@@ -22,19 +26,27 @@
 
 #include "paged_context.h"
 
-#define HD 64        /* head_dim */
-#define MAX_GROUP 4  /* query heads per KV head */
+#define MAX_HEAD_DIM 256
+#define PANEL 64     /* head_dim elements of a V row per pass: 4 registers a head, so head_dim a multiple of it */
+#define MAX_GROUP 8  /* query heads per KV head */
 #define MAX_RUN 8    /* rows reading one context (a prompt's tokens, a row's drafts) that share a task */
-#define V_CHUNK 6    /* query heads whose weighted sums of V are held in registers at once */
+#define HEAD_TILE 4  /* query heads a quad of K rows serves at once: 4 x 4 accumulators, 4 K and 4 q registers */
+#define V_CHUNK 6    /* query heads whose weighted sums of a V panel are held in registers at once */
+#define MAX_TILES ((MAX_RUN * MAX_GROUP + HEAD_TILE - 1) / HEAD_TILE)
 
-/* Elements [16 i, 16 i + 16) of a cache row as float32 (int8: code * the row's scale, kernels.h's layout). */
-static inline __m512 load16_f32(const float *row, int i) { return _mm512_loadu_ps(row + 16 * i); }
-static inline __m512 load16_f16(const uint16_t *row, int i) {
+/* Elements [16 i, 16 i + 16) of a cache row of hd elements as float32 (int8: code * the row's scale,
+ * kernels.h's layout: the scale after the codes). */
+static inline __m512 load16_f32(const float *row, int64_t i, int64_t hd) {
+    (void)hd;
+    return _mm512_loadu_ps(row + 16 * i);
+}
+static inline __m512 load16_f16(const uint16_t *row, int64_t i, int64_t hd) {
+    (void)hd;
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 16 * i)));
 }
-static inline __m512 load16_q8(const int8_t *row, int i) {
+static inline __m512 load16_q8(const int8_t *row, int64_t i, int64_t hd) {
     float scale;
-    memcpy(&scale, row + HD, sizeof scale);
+    memcpy(&scale, row + hd, sizeof scale);
     const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 16 * i))));
     return _mm512_mul_ps(codes, _mm512_set1_ps(scale));
 }
@@ -103,29 +115,73 @@ typedef struct {
     int64_t heads, n; /* query heads; the stride of their score rows */
 } Queries;
 
-/* q . k_t * scale for one position, its row in four registers: the tail of a context (fewer than four
- * positions left), one reduction a score. */
-static inline float one_score(const float *q, __m512 k0, __m512 k1, __m512 k2, __m512 k3, float scale) {
-    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), k0);
-    a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), k1, a);
-    a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 32), k2, a);
-    a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), k3, a);
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* q . k_t * scale for one position of head_dim 64, its row in four registers: one reduction a score
+ * (the tail of a context), the chain of quad_scores. */
+static inline float one_score64(const float *q, const __m512 *kr, float scale) {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), kr[0]);
+    for (int i = 1; i < 4; i++) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), kr[i], a);
     return _mm512_reduce_add_ps(a) * scale;
 }
 
-/* Per cache element type T: the scores of a task's query heads (each K row loaded once, for all of them:
- * four positions at a time, every head whose context holds all four reducing them together, the rest
- * one at a time), then each head's weighted sum of V (V_CHUNK heads' sums in registers at a time).
- * Every head's arithmetic is what it would be in a task of its own, in the same order. */
-#define DEFINE_TASK(SUFFIX, T, LOAD16)                                                                        \
-static void scores_##SUFFIX(const Queries *qs, int64_t ctx, const T *k, const int64_t *offsets, float scale, \
-                            float *scores) {                                                                \
+/* Per cache element type T (PAD: bytes after a row's head_dim elements):
+ *
+ * quad_scores: the scores of NH (a constant once inlined) query heads a0.. at the four positions t..t+3
+ * whose K rows are `rows`: per head and position one chain, q[0:16] * k[0:16] then an FMA for each
+ * further 16 elements, in order; a head that sees all four reduces them together (sum4), one that sees
+ * fewer reduces each it sees alone (past the context, `rows` repeats its last row: read, never kept).
+ * A head's chains and reductions depend on its context and t only, never on the heads beside it.
+ *
+ * scores: every quad of the context, its K rows loaded once per tile of HEAD_TILE heads (a tile whose
+ * heads' contexts all end before the quad skipped); scores64 the same chains and reductions with the
+ * rows loaded once for all heads (a prompt's run of 8 rows is 8 tiles or more: reloading and converting
+ * each quad per tile cost more than the FMAs it feeds at this width).
+ *
+ * values: each head's weighted sum of V, V_CHUNK heads and one PANEL of elements in registers at a time,
+ * one FMA chain per output element in position order; panel_span the positions from..to, RAGGED (a
+ * constant once inlined) where some heads' contexts end inside them. */
+#define DEFINE_TASK(SUFFIX, T, LOAD16, PAD)                                                                   \
+static inline __attribute__((always_inline)) void quad_scores_##SUFFIX(const int NH, const Queries *qs,    \
+        int64_t a0, const T *const *rows, int64_t t, int64_t hd, float scale, float *scores) {             \
+    __m512 s[HEAD_TILE][4];                                                                                 \
+    {                                                                                                       \
+        __m512 k[4];                                                                                        \
+        for (int u = 0; u < 4; u++) k[u] = LOAD16(rows[u], 0, hd);                                          \
+        for (int a = 0; a < NH; a++) {                                                                      \
+            const __m512 qa = _mm512_loadu_ps(qs->q[a0 + a]);                                               \
+            for (int u = 0; u < 4; u++) s[a][u] = _mm512_mul_ps(qa, k[u]);                                  \
+        }                                                                                                   \
+    }                                                                                                       \
+    for (int64_t i = 1; i < hd / 16; i++) {                                                                 \
+        __m512 k[4];                                                                                        \
+        for (int u = 0; u < 4; u++) k[u] = LOAD16(rows[u], i, hd);                                          \
+        for (int a = 0; a < NH; a++) {                                                                      \
+            const __m512 qa = _mm512_loadu_ps(qs->q[a0 + a] + 16 * i);                                      \
+            for (int u = 0; u < 4; u++) s[a][u] = _mm512_fmadd_ps(qa, k[u], s[a][u]);                       \
+        }                                                                                                   \
+    }                                                                                                       \
+    for (int a = 0; a < NH; a++) {                                                                          \
+        float *sc = scores + (a0 + a) * qs->n + t;                                                          \
+        const int64_t seen = qs->ctx[a0 + a] - t;                                                           \
+        if (seen >= 4) {                                                                                    \
+            _mm_storeu_ps(sc, _mm_mul_ps(sum4(s[a][0], s[a][1], s[a][2], s[a][3]), _mm_set1_ps(scale)));    \
+        } else {                                                                                            \
+            for (int u = 0; u < 4; u++) /* unrolled: registers, not memory */                               \
+                if (u < seen) sc[u] = _mm512_reduce_add_ps(s[a][u]) * scale;                                 \
+        }                                                                                                   \
+    }                                                                                                       \
+}                                                                                                           \
+                                                                                                            \
+static void scores64_##SUFFIX(const Queries *qs, int64_t ctx, const T *k, const int64_t *offsets, float scale, \
+                              float *scores) {                                                              \
+    const size_t row_bytes = 64 * sizeof(T) + PAD;                                                          \
     int64_t t = 0;                                                                                          \
     for (; t + 4 <= ctx; t += 4) {                                                                          \
-        __m512 kr[4][HD / 16];                                                                              \
+        __m512 kr[4][4];                                                                                    \
         for (int u = 0; u < 4; u++) {                                                                       \
-            if (t + u + PREFETCH_AHEAD < ctx) prefetch_row(k + offsets[t + u + PREFETCH_AHEAD], HD * sizeof(T)); \
-            for (int i = 0; i < HD / 16; i++) kr[u][i] = LOAD16(k + offsets[t + u], i);                    \
+            if (t + u + PREFETCH_AHEAD < ctx) prefetch_row(k + offsets[t + u + PREFETCH_AHEAD], row_bytes); \
+            for (int i = 0; i < 4; i++) kr[u][i] = LOAD16(k + offsets[t + u], i, 64);                      \
         }                                                                                                   \
         for (int64_t a = 0; a < qs->heads; a++) {                                                           \
             const float *q = qs->q[a];                                                                      \
@@ -134,48 +190,92 @@ static void scores_##SUFFIX(const Queries *qs, int64_t ctx, const T *k, const in
                 __m512 s[4];                                                                                \
                 for (int u = 0; u < 4; u++) {                                                               \
                     s[u] = _mm512_mul_ps(_mm512_loadu_ps(q), kr[u][0]);                                     \
-                    for (int i = 1; i < HD / 16; i++) s[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), kr[u][i], s[u]); \
+                    for (int i = 1; i < 4; i++) s[u] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * i), kr[u][i], s[u]); \
                 }                                                                                           \
                 _mm_storeu_ps(sc, _mm_mul_ps(sum4(s[0], s[1], s[2], s[3]), _mm_set1_ps(scale)));            \
             } else {                                                                                        \
-                for (int u = 0; t + u < qs->ctx[a]; u++) sc[u] = one_score(q, kr[u][0], kr[u][1], kr[u][2], kr[u][3], scale); \
+                for (int u = 0; t + u < qs->ctx[a]; u++) sc[u] = one_score64(q, kr[u], scale);              \
             }                                                                                               \
         }                                                                                                   \
     }                                                                                                       \
     for (; t < ctx; t++) {                                                                                  \
-        const T *kt = k + offsets[t];                                                                       \
-        const __m512 k0 = LOAD16(kt, 0), k1 = LOAD16(kt, 1), k2 = LOAD16(kt, 2), k3 = LOAD16(kt, 3);         \
+        __m512 kr[4];                                                                                       \
+        for (int i = 0; i < 4; i++) kr[i] = LOAD16(k + offsets[t], i, 64);                                  \
         for (int64_t a = 0; a < qs->heads; a++)                                                             \
-            if (t < qs->ctx[a]) scores[a * qs->n + t] = one_score(qs->q[a], k0, k1, k2, k3, scale);         \
+            if (t < qs->ctx[a]) scores[a * qs->n + t] = one_score64(qs->q[a], kr, scale);                   \
     }                                                                                                       \
 }                                                                                                           \
                                                                                                             \
-static void values_##SUFFIX(const Queries *qs, const T *v, const int64_t *offsets, const float *scores,     \
-                            float *const *out) {                                                            \
-    for (int64_t c0 = 0; c0 < qs->heads; c0 += V_CHUNK) {                                                   \
-        const int64_t nc = qs->heads - c0 < V_CHUNK ? qs->heads - c0 : V_CHUNK;                             \
-        int64_t ctx = 0, ctxs[V_CHUNK];                                                                     \
-        for (int c = 0; c < V_CHUNK; c++) {                                                                 \
-            ctxs[c] = c < nc ? qs->ctx[c0 + c] : 0;                                                         \
-            ctx = ctxs[c] > ctx ? ctxs[c] : ctx;                                                            \
+static void scores_##SUFFIX(const Queries *qs, int64_t ctx, const T *k, const int64_t *offsets, int64_t hd, \
+                            float scale, float *scores) {                                                   \
+    if (hd == 64) { scores64_##SUFFIX(qs, ctx, k, offsets, scale, scores); return; }                        \
+    const size_t row_bytes = (size_t)hd * sizeof(T) + PAD;                                                  \
+    int64_t tile_ctx[MAX_TILES]; /* the longest context among each tile's heads */                          \
+    for (int64_t a0 = 0; a0 < qs->heads; a0 += HEAD_TILE) {                                                 \
+        int64_t longest = 0;                                                                                \
+        for (int64_t a = a0; a < min64(a0 + HEAD_TILE, qs->heads); a++) longest = qs->ctx[a] > longest ? qs->ctx[a] : longest; \
+        tile_ctx[a0 / HEAD_TILE] = longest;                                                                 \
+    }                                                                                                       \
+    for (int64_t t = 0; t < ctx; t += 4) {                                                                  \
+        const T *rows[4];                                                                                   \
+        for (int u = 0; u < 4; u++) {                                                                       \
+            if (t + u + PREFETCH_AHEAD < ctx) prefetch_row(k + offsets[t + u + PREFETCH_AHEAD], row_bytes); \
+            rows[u] = k + offsets[min64(t + u, ctx - 1)];                                                   \
         }                                                                                                   \
-        __m512 acc[V_CHUNK][HD / 16];                                                                       \
-        for (int c = 0; c < V_CHUNK; c++) /* unrolled: registers, not memory */                             \
-            for (int i = 0; i < HD / 16; i++) acc[c][i] = _mm512_setzero_ps();                              \
-        for (int64_t t = 0; t < ctx; t++) {                                                                 \
-            if (t + PREFETCH_AHEAD < ctx) prefetch_row(v + offsets[t + PREFETCH_AHEAD], HD * sizeof(T));    \
-            const T *vt = v + offsets[t];                                                                   \
-            const __m512 v0 = LOAD16(vt, 0), v1 = LOAD16(vt, 1), v2 = LOAD16(vt, 2), v3 = LOAD16(vt, 3);     \
-            for (int c = 0; c < V_CHUNK; c++) if (t < ctxs[c]) {                                            \
-                const __m512 p = _mm512_set1_ps(scores[(c0 + c) * qs->n + t]);                              \
-                acc[c][0] = _mm512_fmadd_ps(p, v0, acc[c][0]);                                              \
-                acc[c][1] = _mm512_fmadd_ps(p, v1, acc[c][1]);                                              \
-                acc[c][2] = _mm512_fmadd_ps(p, v2, acc[c][2]);                                              \
-                acc[c][3] = _mm512_fmadd_ps(p, v3, acc[c][3]);                                              \
+        for (int64_t a0 = 0; a0 < qs->heads; a0 += HEAD_TILE) {                                             \
+            if (t >= tile_ctx[a0 / HEAD_TILE]) continue;                                                    \
+            switch (min64(HEAD_TILE, qs->heads - a0)) { /* each a copy with its accumulators in registers */ \
+            case 4: quad_scores_##SUFFIX(4, qs, a0, rows, t, hd, scale, scores); break;                     \
+            case 3: quad_scores_##SUFFIX(3, qs, a0, rows, t, hd, scale, scores); break;                     \
+            case 2: quad_scores_##SUFFIX(2, qs, a0, rows, t, hd, scale, scores); break;                     \
+            default: quad_scores_##SUFFIX(1, qs, a0, rows, t, hd, scale, scores); break;                    \
             }                                                                                               \
         }                                                                                                   \
-        for (int c = 0; c < V_CHUNK; c++) if (c < nc) /* unrolled: registers, not memory */                \
-            for (int i = 0; i < HD / 16; i++) _mm512_storeu_ps(out[c0 + c] + 16 * i, acc[c][i]);            \
+    }                                                                                                       \
+}                                                                                                           \
+                                                                                                            \
+static inline __attribute__((always_inline)) void panel_span_##SUFFIX(const int RAGGED,                    \
+        __m512 acc[V_CHUNK][PANEL / 16], const T *vp, int64_t rest, const float *const *sc, const int64_t *ctxs, \
+        int64_t nc, const int64_t *offsets, int64_t from, int64_t to, const T *ahead_rows, size_t row_bytes,  \
+        int64_t ctx) {                                                                                      \
+    for (int64_t t = from; t < to; t++) {                                                                   \
+        if (ahead_rows && t + PREFETCH_AHEAD < ctx) prefetch_row(ahead_rows + offsets[t + PREFETCH_AHEAD], row_bytes); \
+        const T *vt = vp + offsets[t]; /* the panel; an int8 row's scale `rest` further on */               \
+        __m512 x[PANEL / 16];                                                                               \
+        for (int i = 0; i < PANEL / 16; i++) x[i] = LOAD16(vt, i, rest);                                    \
+        for (int c = 0; c < V_CHUNK; c++) if (c < nc && (!RAGGED || t < ctxs[c])) {                         \
+            const __m512 p = _mm512_set1_ps(sc[c][t]);                                                      \
+            for (int i = 0; i < PANEL / 16; i++) acc[c][i] = _mm512_fmadd_ps(p, x[i], acc[c][i]);           \
+        }                                                                                                   \
+    }                                                                                                       \
+}                                                                                                           \
+                                                                                                            \
+static void values_##SUFFIX(const Queries *qs, const T *v, const int64_t *offsets, int64_t hd,              \
+                            const float *scores, float *const *out) {                                       \
+    const size_t row_bytes = (size_t)hd * sizeof(T) + PAD;                                                  \
+    for (int64_t c0 = 0; c0 < qs->heads; c0 += V_CHUNK) {                                                   \
+        const int64_t nc = min64(qs->heads - c0, V_CHUNK);                                                  \
+        int64_t shortest = qs->ctx[c0], longest = 0, ctxs[V_CHUNK];                                          \
+        const float *sc[V_CHUNK];                                                                           \
+        for (int c = 0; c < V_CHUNK; c++) {                                                                 \
+            ctxs[c] = c < nc ? qs->ctx[c0 + c] : 0;                                                         \
+            sc[c] = scores + (c0 + min64(c, nc - 1)) * qs->n;                                               \
+            longest = ctxs[c] > longest ? ctxs[c] : longest;                                                \
+            shortest = c < nc && ctxs[c] < shortest ? ctxs[c] : shortest;                                   \
+        }                                                                                                   \
+        for (int64_t d0 = 0; d0 < hd; d0 += PANEL) {                                                        \
+            /* a chunk's first panel brings each row in whole (a later chunk's heads may see further than   \
+             * the first's); its later panels find the rows in L2 */                                        \
+            const T *ahead_rows = d0 == 0 ? v : NULL;                                                       \
+            __m512 acc[V_CHUNK][PANEL / 16];                                                                \
+            for (int c = 0; c < V_CHUNK; c++) /* unrolled: registers, not memory */                         \
+                for (int i = 0; i < PANEL / 16; i++) acc[c][i] = _mm512_setzero_ps();                       \
+            /* the positions every head of the chunk sees, then each the rest of its own */                 \
+            panel_span_##SUFFIX(0, acc, v + d0, hd - d0, sc, ctxs, nc, offsets, 0, shortest, ahead_rows, row_bytes, longest); \
+            panel_span_##SUFFIX(1, acc, v + d0, hd - d0, sc, ctxs, nc, offsets, shortest, longest, ahead_rows, row_bytes, longest); \
+            for (int c = 0; c < V_CHUNK; c++) if (c < nc) /* unrolled: registers, not memory */            \
+                for (int i = 0; i < PANEL / 16; i++) _mm512_storeu_ps(out[c0 + c] + d0 + 16 * i, acc[c][i]); \
+        }                                                                                                   \
     }                                                                                                       \
 }
 
@@ -186,9 +286,10 @@ int paged_decode_attention_avx512_##SUFFIX(const float *q, const void *k_cache, 
                                            const int64_t *context_lens, int64_t num_seqs, int64_t num_heads, \
                                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,      \
                                            float scale, float *out) {                                       \
-    const int64_t group = num_heads / num_kv_heads;                                                         \
-    const int64_t slot_stride = num_kv_heads * (HD + PAD);                                                  \
-    if (head_dim != HD || group > MAX_GROUP) return -2;                                                     \
+    if (head_dim <= 0 || head_dim % PANEL || head_dim > MAX_HEAD_DIM || num_kv_heads <= 0                   \
+        || num_heads % num_kv_heads || num_heads / num_kv_heads > MAX_GROUP) return -2;                     \
+    const int64_t group = num_heads / num_kv_heads, hd = head_dim;                                          \
+    const int64_t slot_stride = num_kv_heads * (hd + PAD);                                                  \
     int64_t *starts = malloc(sizeof(int64_t) * (size_t)(num_seqs + 1));                                     \
     if (!starts) return -1;                                                                                 \
     const int64_t num_runs = context_runs(tables, max_blocks, context_lens, num_seqs, block_size, MAX_RUN, starts); \
@@ -202,7 +303,7 @@ int paged_decode_attention_avx512_##SUFFIX(const float *q, const void *k_cache, 
         const int64_t longest = longest_row(context_lens, r0, rows), ctx = context_lens[longest];           \
         qs.heads = rows * group; /* head a: row r0 + a / group, query head kvh * group + a % group */       \
         for (int64_t a = 0; a < qs.heads; a++) {                                                            \
-            const int64_t at = ((r0 + a / group) * num_heads + kvh * group + a % group) * HD;               \
+            const int64_t at = ((r0 + a / group) * num_heads + kvh * group + a % group) * hd;               \
             qs.q[a] = q + at;                                                                               \
             outs[a] = out + at;                                                                             \
             qs.ctx[a] = context_lens[r0 + a / group];                                                       \
@@ -212,22 +313,23 @@ int paged_decode_attention_avx512_##SUFFIX(const float *q, const void *k_cache, 
         int64_t *offsets = task_buffer(qs.n, qs.heads, stack_buf); /* then a score row per head */         \
         if (!offsets) { failed = 1; continue; }                                                             \
         float *scores = (float *)(offsets + qs.n);                                                          \
-        context_offsets(tables + longest * max_blocks, ctx, block_size, slot_stride, kvh * (HD + PAD), offsets);\
-        scores_##SUFFIX(&qs, ctx, k_cache, offsets, scale, scores);                                         \
-        for (int64_t a = 0; a < qs.heads; a++) softmax_row(scores + a * qs.n, qs.ctx[a]);             \
-        values_##SUFFIX(&qs, v_cache, offsets, scores, outs);                                               \
+        context_offsets(tables + longest * max_blocks, ctx, block_size, slot_stride, kvh * (hd + PAD), offsets);\
+        scores_##SUFFIX(&qs, ctx, k_cache, offsets, hd, scale, scores);                                     \
+        for (int64_t a = 0; a < qs.heads; a++) softmax_row(scores + a * qs.n, qs.ctx[a]);                   \
+        values_##SUFFIX(&qs, v_cache, offsets, hd, scores, outs);                                           \
         if (offsets != stack_buf) free(offsets);                                                            \
     }                                                                                                       \
     free(starts);                                                                                           \
     return failed ? -1 : 0;                                                                                 \
 }
 
-DEFINE_TASK(f32, float, load16_f32)
-DEFINE_TASK(f16, uint16_t, load16_f16)
-DEFINE_TASK(q8, int8_t, load16_q8)
+DEFINE_TASK(f32, float, load16_f32, 0)
+DEFINE_TASK(f16, uint16_t, load16_f16, 0)
+DEFINE_TASK(q8, int8_t, load16_q8, KV_SCALE_BYTES)
 
-/* Arguments as paged_decode_attention_f32/_f16 in paged_attention.c; returns -2 for a shape it does
- * not handle (head_dim != 64 or more than 4 query heads per KV head). */
+/* Arguments as paged_decode_attention_f32/_f16/_q8 in paged_attention.c; returns -2 for a shape it does
+ * not take (head_dim not a multiple of PANEL up to MAX_HEAD_DIM, more than MAX_GROUP query heads per KV
+ * head, or heads that do not make whole groups). */
 DEFINE_ATTENTION(f32, float, 0)
 DEFINE_ATTENTION(f16, uint16_t, 0)
 DEFINE_ATTENTION(q8, int8_t, KV_SCALE_BYTES)
