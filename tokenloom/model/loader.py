@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import EngineConfig
-from . import architectures, decoder_loop, kv_quant, layer_ops, paged_attention
+from . import architectures, decoder_loop, kv_quant, layer_ops, packed_cache, paged_attention
 from .config import ModelConfig
 from .decoder import DecoderModel
 from .gguf_blocks import LOW_BIT_BLOCKS
@@ -96,13 +96,20 @@ def load_model(
     model = _empty_model(config)
     deferred = _assemble(model, state, dtype, device, defer=method == "int4" and dtype == "float32")
     del state
-    if method == "int4":  # int4/int5 from the file's 4/5-bit blocks, int8 grouped from wider ones, the head
-        # rescored (model/quant/head.py), every row through them: a bfloat16 copy of the weights for long
-        # prefill chunks (quantize_model's dense_prefill) costs 1.5x the file's size in memory for little
-        # (benchmarks/forward_levers.py measures it)
+    # The packed weights of an earlier load of this file and plan, from the disk cache (model/packed_cache.py).
+    cacheable = method == "int4" and bool(deferred) and source.kind == "gguf"
+    cached = packed_cache.load(source.path, plan) if cacheable else None
+    from_cache = cached is not None and packed_cache.restore(model, cached, plan.projections.impl,
+                                                              deferred["lm_head.weight"])
+    if method == "int4" and not from_cache:  # int4/int5 from the file's 4/5-bit blocks, int8 grouped from
+        # wider ones, the head rescored (model/quant/head.py), every row through them: a bfloat16 copy of the
+        # weights for long prefill chunks (quantize_model's dense_prefill) costs 1.5x the file's size in
+        # memory for little (benchmarks/forward_levers.py measures it)
         quantize_model(model, method, blocks, lm_head=plan.lm_head.name, weights=deferred,
                        wider_as_int8=source.kind == "gguf", kernel=plan.projections.impl)
-    elif method != "none":
+        if cacheable:
+            packed_cache.store(model, source.path, plan)
+    elif method not in ("none", "int4"):
         quantize_model(model, method, lm_head=plan.lm_head.name, kernel=plan.projections.impl)
     del blocks
     if deferred:
@@ -116,6 +123,8 @@ def load_model(
     model.layer_ops, model.decode_attention = plan.layer_ops.impl, plan.attention.impl
     model.decoder_loop = _build_loop(plan.decoder_loop, model)
     model.plan = resolve_plan(model, source_types, plan)
+    if from_cache:
+        model.plan = dataclasses.replace(model.plan, weight_sources=model.plan.weight_sources + "; packed: from the disk cache")
     return model
 
 

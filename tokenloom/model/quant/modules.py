@@ -46,6 +46,41 @@ class SplitRowsLinear(nn.Module, metaclass=abc.ABCMeta):
         """The quantized kernel's output for rows `x` (each weight format its own), in `out` where the C
         kernels run."""
 
+    def packed(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What rebuilds this module without packing its weight again (`from_packed`; the loader's disk
+        cache, model/packed_cache.py): its attributes, and its tensors by name (a buffer that is None
+        is left out). Not for a module that keeps a dense copy for long prompts."""
+        if self.dense is not None:
+            raise ValueError("a module with dense_prefill weights is not cached")
+        attrs = {"class": type(self).__name__, "out_features": self.out_features, "in_features": self.in_features,
+                 "compute_dtype": str(getattr(self, "compute_dtype", "")).removeprefix("torch.") or None,
+                 "kernel": self.kernel.name if self.kernel is not None else None,
+                 "buffers": sorted(self._buffers), "grouped": getattr(self, "grouped", False)}
+        tensors = {name: t for name, t in self._buffers.items() if t is not None}
+        if self.bias is not None:
+            tensors["bias"] = self.bias
+        return attrs, tensors
+
+    @classmethod
+    def from_packed(cls, attrs: dict, tensors: dict[str, torch.Tensor], kernel: QuantGemm | None):
+        """The module `packed` described, on `kernel` (the plan's: a cached module packed for other
+        kernels is refused)."""
+        if attrs.get("class") != cls.__name__ or attrs.get("kernel") != (kernel.name if kernel is not None else None):
+            raise ValueError(f"a cached {attrs.get('class')} for kernels {attrs.get('kernel')!r} does not fit here")
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.out_features, module.in_features = attrs["out_features"], attrs["in_features"]
+        module.kernel = _fitting(kernel, module)
+        if attrs["compute_dtype"]:  # Int4Linear's
+            module.compute_dtype = getattr(torch, attrs["compute_dtype"])
+        if cls is Int8Linear:
+            module.grouped = attrs["grouped"]
+        for name in attrs["buffers"]:
+            module.register_buffer(name, tensors.get(name))
+        module.bias = tensors.get("bias")
+        module.dense = None
+        return module
+
     def _long(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dense.dtype)
         if self.dense.is_mkldnn:
