@@ -213,3 +213,71 @@ def test_a_request_that_goes_away_during_its_models_load_leaves_it_loaded_not_ha
         assert fakes.live == set() and models.resident_bytes == 0
 
     asyncio.run(main())
+
+
+# -- --models-preset --------------------------------------------------------------------------------
+
+def preset(tmp_path, text: str) -> list:
+    from tokenloom.server.model_set import parse_models_preset
+    from tokenloom.server.multi_flags import preset_flags
+
+    path = tmp_path / "models.toml"
+    path.write_text(text)
+    return parse_models_preset(str(path), preset_flags)
+
+
+def test_a_preset_gives_each_model_its_source_names_switches_and_own_flags(tmp_path):
+    specs = preset(tmp_path, """
+[chat]
+source = "smollm2-135m"
+aliases = ["default", "small"]
+pin = true
+quantization = "none"
+max-model-len = 1024
+enable_prefix_caching = false
+
+[coder]
+source = "qwen2.5-coder-0.5b"
+load_on_startup = false
+speculative_config = {method = "ngram", num_speculative_tokens = 3}
+""")
+    chat, coder = specs
+    assert (chat.name, chat.source, chat.aliases, chat.pin, chat.load_on_startup) == (
+        "chat", "smollm2-135m", ("default", "small"), True, True)
+    assert dict(chat.flags) == {"quantization": "none", "max_model_len": 1024, "enable_prefix_caching": False}
+    assert (coder.pin, coder.load_on_startup) == (False, False)
+    assert dict(coder.flags)["speculative_config"] == '{"method": "ngram", "num_speculative_tokens": 3}'
+    models = ModelSet(specs, lambda spec: None)
+    assert models.slot("small") is models.slot("chat") and models.slots["chat"].pinned
+    assert not models.slots["coder"].pinned
+    with pytest.raises(APIError) as err:
+        models.slot("coder2")
+    assert err.value.status == 404
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("", "no models"),
+    ("[a]\nsource = ", "not TOML"),
+    ("a = 1", "a table per model"),
+    ("[a]\nquantization = 'int4'", "`source`"),
+    ("[a]\nsource = 'x'\nport = 8001", "unknown key 'port'"),
+    ("[a]\nsource = 'x'\nmodel = 'y'", "unknown key 'model'"),
+    ("[a]\nsource = 'x'\nmax_model_len = 'long'", "invalid int value"),
+    ("[a]\nsource = 'x'\nquantization = 'q9'", "invalid choice"),
+    ("[a]\nsource = 'x'\nenable_prefix_caching = 3", "`enable_prefix_caching` must be true or false"),
+    ("[a]\nsource = 'x'\npin = 'yes'", "`pin` must be true or false"),
+    ("[a]\nsource = 'x'\naliases = 'b'", "`aliases` must be a list"),
+    ("[a]\nsource = 'x'\n[b]\nsource = 'y'\naliases = ['a']", "two models are served as 'a'"),
+])
+def test_a_bad_preset_is_one_clear_error_naming_the_file_and_table(tmp_path, text, says):
+    with pytest.raises(ValueError, match=says) as err:
+        preset(tmp_path, text)
+    assert "--models-preset" in str(err.value)
+
+
+def test_a_missing_preset_file_is_one_clear_error(tmp_path):
+    from tokenloom.server.model_set import parse_models_preset
+    from tokenloom.server.multi_flags import preset_flags
+
+    with pytest.raises(ValueError, match="cannot read .*nope.toml"):
+        parse_models_preset(str(tmp_path / "nope.toml"), preset_flags)

@@ -190,3 +190,46 @@ def test_two_different_models_each_answer_as_their_own_server(single_outputs):
             assert results == {"smol": single_outputs, QWEN: qwen_alone}  # both at once, each its own tokens
     finally:
         server.stop()
+
+
+def test_a_preset_serves_its_models_with_their_own_flags_names_and_switches(tmp_path, single_outputs):
+    """`--models-preset`: each table's own engine flags over the command line's (here `b` on the fast
+    path while the command line says the exact one), its aliases answering, `pin` kept through a load
+    that needs room, `load_on_startup = false` left unloaded until asked for."""
+    path = tmp_path / "models.toml"
+    path.write_text(f"""
+[a]
+source = "{MODEL}"
+aliases = ["smol"]
+pin = true
+max_model_len = 1024
+
+[b]
+source = "{MODEL}"
+quantization = "int4"
+load_on_startup = false
+
+[c]
+source = "{MODEL}"
+load_on_startup = false
+""")
+    server = ServerProcess(["--models-preset", str(path), "--models-max", "2"])
+    try:
+        with server.client() as http:
+            assert statuses(http) == {"a": "loaded", "b": "unloaded", "c": "unloaded"}
+            assert greedy(http, "smol") == single_outputs  # the alias is `a`, the exact path as the single server
+            info = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+            assert info["a"]["pinned"] and info["a"]["max_model_len"] == 1024
+            fast = http.post("/v1/completions", json={"model": "b", "prompt": PROMPTS[0], "max_tokens": 8,
+                                                      "temperature": 0})
+            assert fast.status_code == 200
+            assert http.post("/models/load", json={"model": "c"}).status_code == 200  # evicts b, never pinned a
+            assert statuses(http) == {"a": "loaded", "b": "unloaded", "c": "loaded"}
+        assert "weights int4" in server.log_text() and "weights float32" in server.log_text()  # b's and a's plans
+    finally:
+        server.stop()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'[a]\nsource = "{MODEL}"\nport = 8001\n')
+    done = subprocess.run([sys.executable, "-m", "tokenloom.cli", "serve", *BASE_ARGS, "--models-preset", str(bad)],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "[a]: unknown key 'port'" in done.stderr, done.stderr

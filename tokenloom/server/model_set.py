@@ -42,6 +42,14 @@ STATUSES = ("unloaded", "loading", "loaded", "failed")
 class ModelSpec:
     name: str  # the served name (a request's `model`)
     source: str  # a catalog name, GGUF file or HF directory
+    aliases: tuple[str, ...] = ()  # more names it answers to
+    flags: tuple[tuple[str, object], ...] = ()  # its own engine flags (argparse dests), over the command line's
+    pin: bool = False  # never evicted
+    load_on_startup: bool = True  # loaded at start if it fits beside the ones before it
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
 
 
 def parse_model_specs(tags: list[str]) -> list[ModelSpec]:
@@ -57,13 +65,60 @@ def parse_model_specs(tags: list[str]) -> list[ModelSpec]:
         if not name:
             name = source if source in CATALOG and not os.path.exists(source) else default_served_name(source, source)
         specs.append(ModelSpec(name, source))
+    return check_names(specs)
+
+
+def check_names(specs: list[ModelSpec]) -> list[ModelSpec]:
+    """`specs`, if no served name (or alias) is given to two models; a ValueError naming it otherwise."""
     seen: dict[str, str] = {}
     for spec in specs:
-        if spec.name in seen:
-            raise ValueError(f"two models are served as {spec.name!r} ({seen[spec.name]} and {spec.source}); "
-                             "name one with NAME=SOURCE")
-        seen[spec.name] = spec.source
+        for name in spec.names:
+            if name in seen:
+                raise ValueError(f"two models are served as {name!r} ({seen[name]} and {spec.source}); "
+                                 "name one with NAME=SOURCE (or its preset table)")
+            seen[name] = spec.source
     return specs
+
+
+PRESET_KEYS = ("source", "aliases", "pin", "load_on_startup")  # a table's own keys; the rest are engine flags
+
+
+def parse_models_preset(path: str, parse_flags: Callable[[str, dict], dict]) -> list[ModelSpec]:
+    """`--models-preset FILE`: a TOML table per model, named by its served name, in the file's order:
+    `source` (required), `aliases`, `pin`, `load_on_startup`, and its own engine flags (`parse_flags`
+    checks them as the command line would, naming the table and the key). Errors name the file."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            tables = tomllib.load(f)
+    except OSError as exc:
+        raise ValueError(f"--models-preset: cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--models-preset {path}: not TOML ({exc})") from None
+    if not tables:
+        raise ValueError(f"--models-preset {path}: no models (a [NAME] table per model)")
+    specs = []
+    for name, table in tables.items():
+        where = f"--models-preset {path}: [{name}]"
+        if not isinstance(table, dict):
+            raise ValueError(f"{where}: a table per model ([{name}] with source = ...), got a {type(table).__name__}")  # noqa: TRY004 - the CLI's one-line errors
+        source = table.get("source")
+        if not isinstance(source, str) or not source:
+            raise ValueError(f"{where}: `source` (a catalog name, GGUF file or HF directory) is required")
+        aliases = table.get("aliases", [])
+        if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+            raise ValueError(f"{where}: `aliases` must be a list of names")
+        switches = {key: table.get(key, default) for key, default in (("pin", False), ("load_on_startup", True))}
+        for key, value in switches.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: `{key}` must be true or false, got {value!r}")  # noqa: TRY004 - as above
+        flags = parse_flags(where, {k: v for k, v in table.items() if k not in PRESET_KEYS})
+        specs.append(ModelSpec(name, source, tuple(aliases), tuple(flags.items()), **switches))
+    try:
+        return check_names(specs)
+    except ValueError as exc:
+        raise ValueError(f"--models-preset {path}: {exc}") from None
 
 
 @dataclass
@@ -165,7 +220,9 @@ class ModelSet:
                  pinned: tuple[str, ...] = (), load_wait_s: float = LOAD_WAIT_S, collect: Callable | None = None):
         """`collect`: run in a worker thread once a stopped model's handle is dropped (the real server's
         garbage collection of the engine, multi_serve.py)."""
-        self.slots = {s.name: ModelSlot(s, (estimates or {}).get(s.name, 0), pinned=s.name in pinned) for s in specs}
+        self.slots = {s.name: ModelSlot(s, (estimates or {}).get(s.name, 0), pinned=s.name in pinned or s.pin)
+                      for s in specs}
+        self.names = {name: s.name for s in specs for name in s.names}  # every served name and alias -> slot
         self.default, self.loader, self.evictions = specs[0].name, loader, 0
         self.budget, self.models_max = budget, models_max  # residency: bytes, and a count (None: no limit)
         self.autoload, self.drain_timeout, self.load_wait_s = autoload, drain_timeout, load_wait_s
@@ -178,7 +235,7 @@ class ModelSet:
     # -- lookups ----------------------------------------------------------------------------------
 
     def slot(self, name: str | None) -> ModelSlot:
-        slot = self.slots.get(self.default if name is None else name)
+        slot = self.slots.get(self.names.get(self.default if name is None else name, ""))
         if slot is None:
             raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.slots)}",
                            "invalid_request_error", "model", "model_not_found")

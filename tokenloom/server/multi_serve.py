@@ -28,7 +28,17 @@ from fastapi.responses import Response
 from .. import __version__
 from ..engine.forward_turn import ForwardTurn
 from .errors import APIError, install_error_handlers
-from .model_set import Handle, ModelSet, ModelSpec, ModelTooLarge, estimate_bytes, parse_model_specs
+from .model_set import (
+    Handle,
+    ModelSet,
+    ModelSpec,
+    ModelTooLarge,
+    check_names,
+    estimate_bytes,
+    parse_model_specs,
+    parse_models_preset,
+)
+from .multi_flags import preset_flags
 
 logger = logging.getLogger("tokenloom.server")
 
@@ -54,8 +64,7 @@ def real_loader(args: argparse.Namespace, turn: ForwardTurn, dashboard):
     from .loading import app_options, load_served_engine
 
     def load(spec: ModelSpec) -> Handle:
-        ns = argparse.Namespace(**vars(args))
-        ns.model, ns.served_model_name = spec.source, [spec.name]
+        ns = spec_args(args, spec)
         config = engine_config_from_args(ns)
         catalog.pull_missing(config.model)
         catalog.pull_missing(config.draft_model, "speculative_config.model")
@@ -77,6 +86,12 @@ def real_loader(args: argparse.Namespace, turn: ForwardTurn, dashboard):
                       {"root": served.path, "max_model_len": config.max_model_len}, served.metrics)
 
     return load
+
+
+def spec_args(args: argparse.Namespace, spec: ModelSpec) -> argparse.Namespace:
+    """The command line's flags with `spec`'s own (its preset table's) over them, its source and names."""
+    return argparse.Namespace(**{**vars(args), **dict(spec.flags), "model": spec.source,
+                                 "served_model_name": list(spec.names)})
 
 
 def _collect_frozen() -> None:
@@ -328,14 +343,16 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
     if args.served_model_name:
         raise ValueError("--served-model-name: with several models name each one as NAME=SOURCE")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    specs = parse_model_specs(args.model_tag or [None])
-    config = engine_config_from_args(argparse.Namespace(**{**vars(args), "model": specs[0].source}))
+    specs = parse_model_specs(args.model_tag) if args.model_tag or not args.models_preset else []
+    if args.models_preset:
+        specs = check_names(specs + parse_models_preset(args.models_preset, preset_flags))
+    configs = {s.name: engine_config_from_args(spec_args(args, s)) for s in specs}  # each model's flags checked now
     for spec in specs:
         catalog.missing_pull(spec.source)  # a bad source fails now, in one line
     sockets = bind(args.host, args.port)
     for spec in specs:
         catalog.pull_missing(spec.source)
-    estimates = {s.name: estimate_bytes(model_path(s.source), config.kv_cache_memory_bytes) for s in specs}
+    estimates = {s.name: estimate_bytes(model_path(s.source), configs[s.name].kv_cache_memory_bytes) for s in specs}
     budget = args.memory_budget if args.memory_budget is not None else default_budget()
     dashboard = DashboardOptions(not args.disable_dashboard, args.dashboard_max_viewers, args.dashboard_show_text)
     try:
@@ -346,7 +363,7 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
         for sock in sockets:
             sock.close()
         raise ValueError(str(exc)) from None
-    on_start = [s.name for s in specs]  # each loaded at start if it fits beside the ones before it
+    on_start = [s.name for s in specs if s.load_on_startup]  # each loaded at start if it fits beside the ones before it
     front = build_front(models, api_key=args.api_key, metrics_token=args.metrics_token,
                         metrics_open=args.metrics_open, shutdown_timeout=args.shutdown_timeout, on_start=on_start)
     app = MultiModelApp(models, front, args.api_key)
