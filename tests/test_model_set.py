@@ -281,3 +281,46 @@ def test_a_missing_preset_file_is_one_clear_error(tmp_path):
 
     with pytest.raises(ValueError, match="cannot read .*nope.toml"):
         parse_models_preset(str(tmp_path / "nope.toml"), preset_flags)
+
+
+# -- idleness: --sleep-idle-seconds and a request's keep_alive -------------------------------------
+
+def test_idle_models_sleep_after_their_keep_alive_and_pinned_or_busy_ones_never():
+    async def main():
+        fakes = Fakes({"a": 100, "b": 100, "c": 100, "p": 100})
+        models = fakes.model_set(sleep_idle_s=0.3, pinned=("p",))
+        sleeper = asyncio.create_task(models.run_sleeper(period=0.05))
+        try:
+            for name in "abcp":
+                await models.release(await models.acquire(name))
+            busy = await models.acquire("b")  # in flight: never sleeps
+            await models.release(await models.acquire("c"), keep_alive=-1)  # kept until evicted
+            await asyncio.sleep(0.6)
+            assert fakes.live == {"b", "c", "p"} and models.sleeps == 1  # a slept after 0.3 s idle
+            await models.release(busy, keep_alive=0)  # once idle: at once
+            await asyncio.sleep(0.2)
+            assert fakes.live == {"c", "p"} and models.slots["b"].status == "unloaded"
+            await models.release(await models.acquire("b"))  # asked for again: autoloaded, the set's rule again
+            assert models.slots["b"].keep_alive is None and "b" in fakes.live
+            await asyncio.sleep(0.6)
+            assert fakes.live == {"c", "p"} and models.sleeps == 3
+        finally:
+            sleeper.cancel()
+
+    asyncio.run(main())
+
+
+def test_without_a_rule_nothing_sleeps_but_a_request_can_ask():
+    async def main():
+        fakes = Fakes({"a": 100, "b": 100})
+        models = fakes.model_set()
+        sleeper = asyncio.create_task(models.run_sleeper(period=0.05))
+        try:
+            await models.release(await models.acquire("a"))
+            await models.release(await models.acquire("b"), keep_alive=0.1)
+            await asyncio.sleep(0.4)
+            assert fakes.live == {"a"}
+        finally:
+            sleeper.cancel()
+
+    asyncio.run(main())

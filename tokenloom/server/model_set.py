@@ -14,6 +14,12 @@ flight (or in a load or unload), is never evicted. When not enough can be evicte
 for models to become idle (up to `LOAD_WAIT_S`, then 503 + Retry-After). A model whose bytes exceed the
 whole budget is refused (at start, with the numbers). Its prefix cache goes with an evicted model.
 
+Idleness: a model idle (no request in flight) past its keep-alive is unloaded by `run_sleeper`, as
+llama.cpp's `--sleep-idle-seconds` and Ollama's `keep_alive` do. Its keep-alive is the last finished
+request's `keep_alive` (seconds: 0 unloads it once idle, a negative one keeps it until evicted to make
+room), else the set's `sleep_idle_s` (None: never). It then shows `unloaded`, and the next request
+autoloads it. A pinned model never sleeps.
+
 Everything here runs on the event loop (the loads themselves in a worker thread); a per-model lock
 serialises its load and unload, so concurrent load and unload of one model run in arrival order and
 the last one decides the status.
@@ -192,6 +198,7 @@ class ModelSlot:
     unloading: bool = False
     loads: int = 0
     load_seconds: float = 0.0
+    keep_alive: float | None = None  # seconds idle before it sleeps, from the last request (None: the set's)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -217,7 +224,8 @@ class ModelSet:
     def __init__(self, specs: list[ModelSpec], loader: Callable[[ModelSpec], Handle], *,
                  estimates: dict[str, int] | None = None, budget: int | None = None,
                  models_max: int | None = None, autoload: bool = True, drain_timeout: float = 30.0,
-                 pinned: tuple[str, ...] = (), load_wait_s: float = LOAD_WAIT_S, collect: Callable | None = None):
+                 pinned: tuple[str, ...] = (), load_wait_s: float = LOAD_WAIT_S, collect: Callable | None = None,
+                 sleep_idle_s: float | None = None):
         """`collect`: run in a worker thread once a stopped model's handle is dropped (the real server's
         garbage collection of the engine, multi_serve.py)."""
         self.slots = {s.name: ModelSlot(s, (estimates or {}).get(s.name, 0), pinned=s.name in pinned or s.pin)
@@ -226,7 +234,7 @@ class ModelSet:
         self.default, self.loader, self.evictions = specs[0].name, loader, 0
         self.budget, self.models_max = budget, models_max  # residency: bytes, and a count (None: no limit)
         self.autoload, self.drain_timeout, self.load_wait_s = autoload, drain_timeout, load_wait_s
-        self.collect = collect
+        self.collect, self.sleep_idle_s, self.sleeps = collect, sleep_idle_s, 0
         self._room = asyncio.Lock()  # one eviction decision at a time
         self._changed = asyncio.Condition()  # a model went idle or left memory
         for slot in self.slots.values():
@@ -276,11 +284,37 @@ class ModelSet:
                                "server_error", "model", "model_load_failed")
             await self.load(slot.name)
 
-    async def release(self, slot: ModelSlot) -> None:
+    async def release(self, slot: ModelSlot, keep_alive: float | None = None) -> None:
+        """A request on `slot` finished; `keep_alive` (its field, seconds) sets how long the model may
+        then stay idle before it sleeps (see the module's docstring)."""
         slot.inflight -= 1
         slot.last_used = time.monotonic()
+        if keep_alive is not None:
+            slot.keep_alive = keep_alive
         if slot.inflight == 0:
             await self._notify()
+
+    def sleep_due(self, slot: ModelSlot, now: float) -> float | None:
+        """When `slot` is to sleep (monotonic seconds; None: not while it is as it is)."""
+        keep = slot.keep_alive if slot.keep_alive is not None else self.sleep_idle_s
+        if (keep is None or keep < 0 or slot.pinned or slot.status != "loaded" or slot.inflight
+                or slot.unloading or slot.lock.locked()):
+            return None
+        return slot.last_used + keep
+
+    async def run_sleeper(self, period: float = 1.0) -> None:
+        """Unload each model once idle past its keep-alive; runs until cancelled (the front's lifespan)."""
+        while True:
+            now = time.monotonic()
+            for slot in list(self.slots.values()):
+                due = self.sleep_due(slot, now)
+                if due is not None and due <= now:
+                    logger.info("model %s idle for %.0f s: unloaded (it loads again when asked for)",
+                                slot.name, now - slot.last_used)
+                    self.sleeps += 1
+                    slot.keep_alive = None  # the next load starts from the set's rule again
+                    await self.unload(slot.name)
+            await asyncio.sleep(period)
 
     async def _notify(self) -> None:
         async with self._changed:

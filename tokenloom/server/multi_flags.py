@@ -17,6 +17,9 @@ def add_multi_args(p: argparse.ArgumentParser) -> None:
                         "one evicts least-recently-used idle ones (default: 80%% of the memory this process may use)")
     p.add_argument("--models-max", type=int, default=None, metavar="N",
                    help="with several models: at most N resident at once (default: no limit but the budget)")
+    p.add_argument("--sleep-idle-seconds", type=float, default=None, metavar="S",
+                   help="with several models: unload a model idle for S seconds (a request's `keep_alive`, "
+                        "in seconds, overrides it for its model; 0: once idle, negative: never)")
     p.add_argument("--no-models-autoload", dest="models_autoload", action="store_false",
                    help="with several models: a request for one not loaded is a 400 naming its status "
                         "(POST /models/load loads it) instead of loading it")
@@ -26,7 +29,7 @@ def is_multi(args: argparse.Namespace) -> bool:
     tags = args.model_tag or []
     named = len(tags) == 1 and "=" in tags[0] and not os.path.exists(tags[0])
     return (len(tags) > 1 or named or args.memory_budget is not None or args.models_max is not None
-            or args.models_preset is not None)
+            or args.models_preset is not None or args.sleep_idle_seconds is not None)
 
 
 # A preset table's engine flags: EngineConfig's, as `serve` spells them (dashes or underscores), less the

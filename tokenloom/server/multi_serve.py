@@ -14,6 +14,7 @@ named by `?model=`, else the first. The engines share one ForwardTurn: one forwa
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import hmac
@@ -236,6 +237,7 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
                         ["model_name"], registry=registry),
     }
     evictions = Gauge("tokenloom:model_evictions", "Models evicted to make room since start.", registry=registry)
+    sleeps = Gauge("tokenloom:model_sleeps", "Models unloaded for idleness (keep-alive) since start.", registry=registry)
     total = Gauge("tokenloom:models_resident_bytes", "Bytes all resident models hold.", registry=registry)
     budget = Gauge("tokenloom:models_memory_budget_bytes", "The memory budget (--memory-budget).", registry=registry)
     access = MetricsAccess(api_key, metrics_token, metrics_open)
@@ -258,7 +260,9 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
                 logger.error("model %s not loaded at start: %s", name, err)
         logger.info("models: %s", "; ".join(f"{s.name} {s.status} ({s.resident_bytes} bytes)"
                                             for s in models.slots.values()))
+        sleeper = asyncio.create_task(models.run_sleeper())
         yield
+        sleeper.cancel()
         state.shutting_down = True
         await models.close(shutdown_timeout)
 
@@ -315,6 +319,7 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
             gauges["loads"].labels(slot.name).set(slot.loads)
             gauges["load_s"].labels(slot.name).set(slot.load_seconds)
         evictions.set(models.evictions)
+        sleeps.set(models.sleeps)
         total.set(models.resident_bytes)
         budget.set(models.budget or 0)
         registries = [registry, *(s.handle.metrics.registry for s in models.slots.values()
@@ -358,7 +363,8 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
     try:
         models = ModelSet(specs, real_loader(args, ForwardTurn(), dashboard), estimates=estimates, budget=budget,
                           models_max=args.models_max, autoload=args.models_autoload,
-                          drain_timeout=args.shutdown_timeout, collect=_collect_frozen)
+                          drain_timeout=args.shutdown_timeout, collect=_collect_frozen,
+                          sleep_idle_s=args.sleep_idle_seconds)
     except ModelTooLarge as exc:
         for sock in sockets:
             sock.close()
