@@ -324,3 +324,15 @@ def test_without_a_rule_nothing_sleeps_but_a_request_can_ask():
             sleeper.cancel()
 
     asyncio.run(main())
+
+
+def test_requests_that_wait_for_their_models_load_are_counted():
+    async def main():
+        fakes = Fakes({"a": 100})
+        models = fakes.model_set()
+        await models.release(await models.acquire("a"))  # autoloaded: waited
+        await models.release(await models.acquire("a"))  # resident: did not
+        slot = models.slots["a"]
+        assert slot.load_waits == 1 and 0 < slot.load_wait_seconds < 5
+
+    asyncio.run(main())

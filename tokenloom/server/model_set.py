@@ -199,6 +199,8 @@ class ModelSlot:
     loads: int = 0
     load_seconds: float = 0.0
     keep_alive: float | None = None  # seconds idle before it sleeps, from the last request (None: the set's)
+    load_waits: int = 0  # requests that waited for a load or unload of this model
+    load_wait_seconds: float = 0.0  # the time they waited, summed
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -265,11 +267,16 @@ class ModelSet:
         started with --no-models-autoload), with the request counted in flight until `release`; raises
         APIError (404 unknown, 400 not loaded and not to be loaded, 503 failed / no room)."""
         slot = self.slot(name)
+        started, waited = time.monotonic(), False
         while True:
             if slot.status == "loaded" and not slot.unloading and not slot.lock.locked():
                 slot.inflight += 1
                 slot.last_used = time.monotonic()
+                if waited:
+                    slot.load_waits += 1
+                    slot.load_wait_seconds += slot.last_used - started
                 return slot
+            waited = True
             if slot.status == "loaded" or slot.status == "loading" or slot.lock.locked():
                 async with slot.lock:  # a load or unload in progress: wait for it, then look again
                     pass

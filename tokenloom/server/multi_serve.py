@@ -233,6 +233,10 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
                           ["model_name"], registry=registry),
         "loaded": Gauge("tokenloom:model_loaded", "1 while a model is resident.", ["model_name"], registry=registry),
         "loads": Gauge("tokenloom:model_loads", "Loads of a model since start.", ["model_name"], registry=registry),
+        "waits": Gauge("tokenloom:model_load_waits", "Requests that waited for the model's load since start.",
+                       ["model_name"], registry=registry),
+        "wait_s": Gauge("tokenloom:model_load_wait_seconds", "Seconds requests waited for the model's load, summed.",
+                        ["model_name"], registry=registry),
         "load_s": Gauge("tokenloom:model_last_load_seconds", "Seconds the model's last load took.",
                         ["model_name"], registry=registry),
     }
@@ -318,6 +322,8 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
             gauges["loaded"].labels(slot.name).set(1 if slot.status == "loaded" else 0)
             gauges["loads"].labels(slot.name).set(slot.loads)
             gauges["load_s"].labels(slot.name).set(slot.load_seconds)
+            gauges["waits"].labels(slot.name).set(slot.load_waits)
+            gauges["wait_s"].labels(slot.name).set(slot.load_wait_seconds)
         evictions.set(models.evictions)
         sleeps.set(models.sleeps)
         total.set(models.resident_bytes)
