@@ -126,7 +126,7 @@ class ForwardPlan:
     # Described as the model is loaded (`resolve_plan`):
     weights: str = ""  # the projections' format and kernel
     weight_sources: str = ""  # which of the file's block formats they came from
-    head_rows: str = ""  # where the head's exact rows are read from
+    head_rows: str = ""  # the head as loaded: its rescored rows and where they are read from, or tied
     long_prompts: str = ""  # what prefill chunks of SHORT_CHUNK rows or more go through
 
     def line(self) -> str:
