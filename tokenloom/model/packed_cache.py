@@ -3,7 +3,7 @@
 Packing is most of a fast-path load (the GGUF's blocks laid out for the C kernels, wider formats
 quantized to int8, the LM head's int4 scan made from its float32 rows), and the result depends only on
 the file, the plan and this code. So after a load packs them, `store` writes every projection's and
-the head scan's tensors, with what rebuilds each module (`SplitRowsLinear.packed`), into one
+the head scan's tensors, with what rebuilds each module (`SplitRowsLinear.packed_state`), into one
 safetensors file; a later load with the same key maps it (`load`: the tensors are views of the file's
 pages, read as the kernels touch them) and builds the modules from it (`restore`).
 
@@ -103,7 +103,7 @@ def store(model, path: str, plan) -> Path | None:
     tensors: dict[str, torch.Tensor] = {}
     manifest: dict[str, dict] = {}
     for name, module in _modules(model).items():
-        attrs, own = module.packed()
+        attrs, own = module.packed_state()
         manifest[name] = attrs
         tensors.update({f"{name}/{key}": t for key, t in own.items()})
     if isinstance(model.logits_proj, RescoredHead):
@@ -167,7 +167,7 @@ def restore(model, cached: tuple[dict, dict[str, torch.Tensor]], kernel, head_ro
         name, _, field = key.rpartition("/")
         by_module.setdefault(name, {})[field] = t
     try:
-        built = {name: _CLASSES[manifest[name]["class"]].from_packed(manifest[name], by_module[name], kernel)
+        built = {name: _CLASSES[manifest[name]["class"]].from_packed_state(manifest[name], by_module[name], kernel)
                  for name in names}
     except (KeyError, TypeError, ValueError) as exc:
         logger.warning("packed-weight cache entry does not fit (%s): packing again", exc)

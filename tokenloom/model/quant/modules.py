@@ -46,8 +46,8 @@ class SplitRowsLinear(nn.Module, metaclass=abc.ABCMeta):
         """The quantized kernel's output for rows `x` (each weight format its own), in `out` where the C
         kernels run."""
 
-    def packed(self) -> tuple[dict, dict[str, torch.Tensor]]:
-        """What rebuilds this module without packing its weight again (`from_packed`; the loader's disk
+    def packed_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What rebuilds this module without packing its weight again (`from_packed_state`; the loader's disk
         cache, model/packed_cache.py): its attributes, and its tensors by name (a buffer that is None
         is left out). Not for a module that keeps a dense copy for long prompts."""
         if self.dense is not None:
@@ -62,8 +62,8 @@ class SplitRowsLinear(nn.Module, metaclass=abc.ABCMeta):
         return attrs, tensors
 
     @classmethod
-    def from_packed(cls, attrs: dict, tensors: dict[str, torch.Tensor], kernel: QuantGemm | None):
-        """The module `packed` described, on `kernel` (the plan's: a cached module packed for other
+    def from_packed_state(cls, attrs: dict, tensors: dict[str, torch.Tensor], kernel: QuantGemm | None):
+        """The module `packed_state` described, on `kernel` (the plan's: a cached module packed for other
         kernels is refused)."""
         if attrs.get("class") != cls.__name__ or attrs.get("kernel") != (kernel.name if kernel is not None else None):
             raise ValueError(f"a cached {attrs.get('class')} for kernels {attrs.get('kernel')!r} does not fit here")
