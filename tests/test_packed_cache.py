@@ -119,3 +119,20 @@ def test_the_cache_keeps_to_its_bound_and_off_is_off(cache, gguf, monkeypatch):
     shutil.rmtree(cache)
     assert FROM_CACHE not in load_model(ModelSource.resolve(gguf), quantization="int4").plan.line()
     assert not cache.exists()
+
+
+def test_the_torch_int4_path_is_cached_too_and_a_failed_write_only_logs(cache, gguf, monkeypatch, caplog):
+    """TOKENLOOM_C_KERNELS=0: the int4 modules hold torch's packed layout (their `packed` buffer), cached
+    and restored as well; a cache that cannot be written leaves the load as it was, with a warning."""
+    monkeypatch.setenv("TOKENLOOM_C_KERNELS", "0")
+    cold = load_model(ModelSource.resolve(gguf), quantization="int4")
+    if cold.plan.quantization != "int4":
+        pytest.skip("torch's int4 op does not run here")
+    warm = load_model(ModelSource.resolve(gguf), quantization="int4")
+    assert FROM_CACHE in warm.plan.line()
+    a, b = buffers(cold), buffers(warm)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    monkeypatch.setenv(packed_cache.CACHE_ENV, "/proc/no-such-dir")  # not writable
+    with caplog.at_level(logging.WARNING, logger="tokenloom.load"):
+        model = load_model(ModelSource.resolve(gguf), quantization="int4")
+    assert "packed weights not cached" in caplog.text and FROM_CACHE not in model.plan.line()

@@ -100,26 +100,27 @@ def store(model, path: str, plan) -> Path | None:
         return None
     from safetensors.torch import save_file
 
-    tensors: dict[str, torch.Tensor] = {}
-    manifest: dict[str, dict] = {}
-    for name, module in _modules(model).items():
-        attrs, own = module.packed_state()
-        manifest[name] = attrs
-        tensors.update({f"{name}/{key}": t for key, t in own.items()})
-    if isinstance(model.logits_proj, RescoredHead):
-        manifest["logits_proj"] = {"top": model.logits_proj.top}
-    target = root / f"{cache_key(path, plan)}.safetensors"
+    target, tmp = root / f"{cache_key(path, plan)}.safetensors", None
     try:
+        tensors: dict[str, torch.Tensor] = {}
+        manifest: dict[str, dict] = {}
+        for name, module in _modules(model).items():
+            attrs, own = module.packed_state()
+            manifest[name] = attrs
+            tensors.update({f"{name}/{key}": t for key, t in own.items()})
+        if isinstance(model.logits_proj, RescoredHead):
+            manifest["logits_proj"] = {"top": model.logits_proj.top}
         root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=root, suffix=".partial")
         os.close(fd)
         save_file(tensors, tmp, metadata={"manifest": json.dumps(manifest), "crc32": str(_crc(tensors)),
                                           "source": os.path.basename(path)})
         os.replace(tmp, target)
-    except OSError as exc:
-        logger.warning("packed weights not cached (%s)", exc)
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(tmp)
+    except (OSError, RuntimeError, TypeError, ValueError) as exc:  # a full disk, a module it cannot describe
+        logger.warning("packed weights not cached (%s: %s); the model is loaded all the same", type(exc).__name__, exc)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         return None
     _evict(root, keep=target)
     return target
