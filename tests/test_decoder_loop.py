@@ -1,6 +1,6 @@
 """The decoder loop (model/decoder_loop.py: every layer of a step in one C call) against the Python
 layers it stands in for: the same hidden states, logits and KV-cache writes bit for bit, with each
-kernel family the machine runs; it steps aside for any step it was not built for; a bad slot is refused
+kernel family the machine runs, on Llama, Qwen2 and Qwen3 (QK-norm) layers; it steps aside for any step it was not built for; a bad slot is refused
 as the Python path refuses it; and on the real model, greedy tokens through the engine are the same."""
 
 from __future__ import annotations
@@ -29,12 +29,20 @@ CONFIG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num
 BLOCK = 16
 
 
-def fast_model(kernel_family: str, kv_dtype: torch.dtype = torch.float16, qwen2: bool = False):
-    """A random model on the fast path, as the loader builds it; `kernel_family` "avx2" holds the int4
-    kernels to the AVX2 ones (what an AVX2-only machine runs). `qwen2`: QKV biases, and the MLP's gate/up
-    int4 while every other projection is int8 (as a Q4_K_M file loads: 4-bit blocks where the file has
-    them, the wider formats int8)."""
-    config = dataclasses.replace(CONFIG, architecture="qwen2", attention_bias=True) if qwen2 else CONFIG
+def qwen3(head_dim: int) -> ModelConfig:
+    """Qwen3's layer (QK-norm, no biases) at CONFIG's size; head_dim 128 is Qwen3-0.6B's (wider than
+    hidden / heads, as there)."""
+    return dataclasses.replace(CONFIG, architecture="qwen3", qk_norm=True, head_dim=head_dim)
+
+
+def fast_model(kernel_family: str, kv_dtype: torch.dtype = torch.float16, qwen2: bool = False,
+               config: ModelConfig = CONFIG):
+    """A random model of `config` on the fast path, as the loader builds it; `kernel_family` "avx2" holds
+    the int4 kernels to the AVX2 ones (what an AVX2-only machine runs). `qwen2`: QKV biases, and the
+    MLP's gate/up int4 while every other projection is int8 (as a Q4_K_M file loads: 4-bit blocks where
+    the file has them, the wider formats int8)."""
+    if qwen2:
+        config = dataclasses.replace(config, architecture="qwen2", attention_bias=True)
     model = random_model(config, seed=1)
     quant = quant_gemm_avx2 if kernel_family == "avx2" else quant_gemm
     if quant() is None:
@@ -49,7 +57,7 @@ def fast_model(kernel_family: str, kv_dtype: torch.dtype = torch.float16, qwen2:
     return model
 
 
-def decode_step(seed: int = 0, lens=(1, 17, 40, 33, 64)):
+def decode_step(seed: int = 0, lens=(1, 17, 40, 33, 64), head_dim: int = 64):
     """Sequences with these context lengths (the new token included) over scattered blocks, a random cache."""
     gen = torch.Generator().manual_seed(seed)
     per_seq = [(n + BLOCK - 1) // BLOCK for n in lens]
@@ -66,7 +74,8 @@ def decode_step(seed: int = 0, lens=(1, 17, 40, 33, 64)):
                          decode_block_tables=tables, decode_context_lens=ctx, block_size=BLOCK, prefills=[],
                          logits_indices=torch.arange(len(lens)))
     ids = torch.randint(0, CONFIG.vocab_size, (len(lens),), generator=gen)
-    cache = torch.randn(CONFIG.num_layers, 2, (sum(per_seq) + 2) * BLOCK, CONFIG.num_kv_heads, 64, generator=gen)
+    cache = torch.randn(CONFIG.num_layers, 2, (sum(per_seq) + 2) * BLOCK, CONFIG.num_kv_heads, head_dim,
+                        generator=gen)
     return ids, batch, cache
 
 
@@ -87,16 +96,22 @@ def forward(model, ids, batch, cache, kv_dtype, loop: bool):
     return hidden, logits, cache
 
 
+LAYERS = {"llama": (False, CONFIG), "qwen2-int8-bias": (True, CONFIG), "qwen3-hd64": (False, qwen3(64)),
+          "qwen3-hd128": (False, qwen3(128))}
+
+
 @needs_loop
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.float32, torch.int8])
 @pytest.mark.parametrize("family", ["native", "avx2"])
-@pytest.mark.parametrize("qwen2", [False, True], ids=["llama", "qwen2-int8-bias"])
-def test_loop_is_bit_for_bit_the_python_layers(family, kv_dtype, qwen2):
-    model = fast_model(family, kv_dtype, qwen2)
+@pytest.mark.parametrize("layers", list(LAYERS))
+def test_loop_is_bit_for_bit_the_python_layers(family, kv_dtype, layers):
+    qwen2, config = LAYERS[layers]
+    model = fast_model(family, kv_dtype, qwen2, config)
     if qwen2:
         assert isinstance(model.layers[0].mlp.down_proj, Int8Linear)
         assert model.layers[0].self_attn.qkv_proj.bias is not None
-    ids, batch, cache = decode_step()
+    assert (model.layers[0].self_attn.q_norm is not None) == config.qk_norm
+    ids, batch, cache = decode_step(head_dim=config.dim_per_head)
     assert model.decoder_loop.applies(model, model.embed_tokens(ids), batch)
     looped = forward(model, ids, batch, cache, kv_dtype, loop=True)
     layered = forward(model, ids, batch, cache, kv_dtype, loop=False)
@@ -183,12 +198,13 @@ def test_loop_refuses_a_cache_it_was_not_built_for():
         model(ids, batch, [(wide, wide.clone()) for _ in range(CONFIG.num_layers)])
 
 
-def random_adapter(name: str, rank: int, seed: int, skip: str | None = None):
-    """LoRA weights for CONFIG's model on every projection but `skip` (A [in, rank], B [rank, out])."""
+def random_adapter(name: str, rank: int, seed: int, skip: str | None = None, config: ModelConfig = CONFIG):
+    """LoRA weights for `config`'s model on every projection but `skip` (A [in, rank], B [rank, out])."""
     from tokenloom.model.lora import LoRAWeights
 
     gen = torch.Generator().manual_seed(seed)
-    q, kv, h, i = CONFIG.num_heads * 64, CONFIG.num_kv_heads * 64, CONFIG.hidden_size, CONFIG.intermediate_size
+    d = config.dim_per_head
+    q, kv, h, i = config.num_heads * d, config.num_kv_heads * d, config.hidden_size, config.intermediate_size
     shapes = {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * i), "down": (i, h)}
     return LoRAWeights(name, rank, [{p: (torch.randn(n_in, rank, generator=gen) * 0.1,
                                          torch.randn(rank, n_out, generator=gen) * 0.1)
@@ -198,14 +214,17 @@ def random_adapter(name: str, rank: int, seed: int, skip: str | None = None):
 
 @needs_loop
 @pytest.mark.parametrize("family", ["native", "avx2"])
-def test_loop_runs_lora_rows_bit_for_bit_as_the_python_layers(family):
+@pytest.mark.parametrize("layers", ["llama", "qwen3-hd128"])
+def test_loop_runs_lora_rows_bit_for_bit_as_the_python_layers(family, layers):
     """Rows under two adapters (ranks 8 and 4, one adapting no o projection) and base rows in one step:
     the loop's C LoRA products give the layers' bits, and the base rows keep their bits without them."""
     from tokenloom.model.lora import LoRABatch, LoRAStacks
 
-    model = fast_model(family)
-    ids, batch, cache = decode_step(seed=5)
-    first, second = random_adapter("first", 8, 1), random_adapter("second", 4, 2, skip="o")
+    _, config = LAYERS[layers]
+    model = fast_model(family, config=config)
+    ids, batch, cache = decode_step(seed=5, head_dim=config.dim_per_head)
+    first = random_adapter("first", 8, 1, config=config)
+    second = random_adapter("second", 4, 2, skip="o", config=config)
     stacks = LoRAStacks(model.layer_ops.lora_dtype)  # as the runner makes them: bfloat16 for the C kernel
     adapted = dataclasses.replace(batch, lora=LoRABatch([(first, [0, 3]), (second, [2])], stacks, len(ids)))
     assert model.decoder_loop.applies(model, model.embed_tokens(ids), adapted)

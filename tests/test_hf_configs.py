@@ -234,6 +234,43 @@ def test_fast_paths_stay_close_to_float32(tmp_path, name, qtype):
         pytest.xfail(f"top-1 {top1:.4f} < 0.98 on random weights' near-ties (KL {kl:.1e})")
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_qwen3_decodes_through_the_decoder_loop_as_the_python_layers(tmp_path, tokenizer, qtype, monkeypatch):
+    """A Qwen3 GGUF in Qwen3-0.6B's head layout, on the fast path: the plan runs the decoder loop (QK-norm
+    in C), its decode steps go through it, and the greedy tokens are the Python layers' own."""
+    from tokenloom.model import decoder_loop
+
+    cls, fields = FAST["qwen3"]
+    torch.manual_seed(11)
+    config = getattr(transformers, cls)(**(COMMON | fields))
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    convert(str(tmp_path / "hf"), str(tmp_path / "m.gguf"), qtype)
+    model = load_model(ModelSource("gguf", str(tmp_path / "m.gguf")), quantization="auto")
+    if model.plan.layer_ops.name != "c" or not model.plan.attention.name.startswith("paged-c"):
+        pytest.skip(f"the C layer ops or paged attention do not run here: {model.plan.line()}")
+    assert "decoder loop c" in model.plan.line() and model.decoder_loop is not None, model.plan.line()
+    steps, run = [], decoder_loop.DecoderLoop.__call__
+
+    def counted(self, x, *args):
+        steps.append(len(x))
+        return run(self, x, *args)
+
+    monkeypatch.setattr(decoder_loop.DecoderLoop, "__call__", counted)
+
+    def greedy(loop) -> list[list[int]]:
+        model.decoder_loop = loop
+        engine = LLMEngine(EngineConfig(max_model_len=1024, num_kv_blocks=64, block_size=16), model=model,
+                           tokenizer=tokenizer)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outs = LLM(engine=engine).generate([{"prompt_token_ids": p} for p in prompts(4)], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    loop = model.decoder_loop
+    looped = greedy(loop)
+    assert steps and max(steps) == 4, steps  # the batch's decode steps ran in the loop
+    assert looped == greedy(None)
+
+
 def test_llama3_scaling_past_the_original_context(tokenizer, tmp_path):
     """Llama 3.2's own RoPE table (θ 500k, factor 32, original context 8,192) at positions up to ~9.2k."""
     config = transformers.LlamaConfig(**(COMMON | {"hidden_size": 128, "head_dim": 64, "num_attention_heads": 2,

@@ -11,7 +11,7 @@ import torch
 
 from tokenloom.config import EngineConfig
 from tokenloom.model import kernels, layer_ops, paged_attention
-from tokenloom.model.config import ModelConfig
+from tokenloom.model.config import FULL, SLIDING, ModelConfig
 from tokenloom.model.kernels import CPU
 from tokenloom.model.plan import (
     EXACT_PATH,
@@ -253,12 +253,17 @@ def test_the_decoder_loop_runs_over_the_c_choices_and_says_why_not_otherwise(mon
         return reasons(choice)[decoder_loop.LOOP]
 
     assert why(loop(exact=EXACT_PATH, quantization="none")) == EXACT_PATH
-    qk = dataclasses.replace(CONFIG, qk_norm=True, architecture="qwen3")
-    assert why(loop(config=qk)).startswith("qwen3 layers (QK-norm, GeGLU, extra norms or sliding windows)")
-    assert why(loop(NO_SIMD)) == "the layer ops are torch's"
+    # Gemma 3's layers are not the loop's (its QK-norm alone would be: Qwen3's below).
+    gemma3 = dataclasses.replace(CONFIG, architecture="gemma3", qk_norm=True, hidden_act="gelu_tanh",
+                                 sandwich_norms=True, sliding_window=8, layer_types=(SLIDING, FULL))
+    assert why(loop(config=gemma3)) == ("gemma3 layers (GeGLU, sandwich norms, sliding windows) are not the "
+                                        "shape it was written and checked for")
+    qwen3 = dataclasses.replace(CONFIG, qk_norm=True, architecture="qwen3")
+    assert why(loop(NO_SIMD)) == why(loop(NO_SIMD, config=qwen3)) == "the layer ops are torch's"
     if kernels.load(decoder_loop.SPEC) is None or probe.gemm.quant_gemm() is None:
         pytest.skip("the decoder loop's library or the C projections do not run here")
     assert loop().name == decoder_loop.LOOP and callable(loop().impl)
+    assert loop(config=qwen3).name == decoder_loop.LOOP  # QK-norm runs in the loop
     assert why(loop(dtype=torch.bfloat16)) == "the layer ops are torch's"  # the C ops take float32 alone
     wide = dataclasses.replace(CONFIG, intermediate_size=200)
     assert why(loop(config=wide)) == "down runs torch's op (200 inputs, not a multiple of 32)"

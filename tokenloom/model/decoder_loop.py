@@ -2,8 +2,10 @@
 the C kernels anyway: int4, int5 or int8 projections (with or without biases), C layer ops, the paged C
 attention, rows that are single queries (decode tokens, short prompt chunks), a float32 residual
 stream, and layers of the Llama / Qwen2 shape (pre-norm, SwiGLU, every layer attending to the whole
-context). The plan decides whether it runs (`STRATEGIES`, asked by model/plan.py); the loader builds it
-over the loaded model, which must then be what the plan said (else an error). Rows under LoRA adapters add their products through the same C kernel the Python layers
+context) or Qwen3's (the same with QK-norm: each head of Q and K RMS-normed before RoPE, by the same
+rms_norm kernel over rows of head_dim). The plan decides whether it runs (`STRATEGIES`, asked by
+model/plan.py); the loader builds it over the loaded model, which must then be what the plan said (else
+an error). Rows under LoRA adapters add their products through the same C kernel the Python layers
 call (layer_ops.c's lora_add_bf16). The loop calls the kernels the Python layers would call, in their
 order, on the same values, so a step's output is bit for bit the same (tests/test_decoder_loop.py);
 what goes is the Python between ~400 kernel calls a step (about half a one-row step:
@@ -32,8 +34,9 @@ class _Weight(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _p), ("post_attention_norm", _p), ("qkv", _Weight), ("o", _Weight),
-                ("gate_up", _Weight), ("down", _Weight), ("k_cache", _p), ("v_cache", _p)]
+    _fields_ = [("input_norm", _p), ("post_attention_norm", _p), ("q_norm", _p), ("k_norm", _p),  # or NULL
+                ("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight), ("k_cache", _p),
+                ("v_cache", _p)]
 
 
 class _Model(ctypes.Structure):
@@ -85,11 +88,11 @@ class DecoderLoop:
         # The loop reads these tensors through raw pointers: holding them keeps the memory alive even if
         # the model's modules were swapped later (the loop is built for the weights as loaded).
         self._weights = [t for layer in layers for t in (
-            layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-            *(t for proj in projections(layer) for t in _tensors(proj)))]
+            *norms(layer), *(t for proj in projections(layer) for t in _tensors(proj)))]
         self._head_dim = cfg.dim_per_head
         self._layers = (_Layer * len(layers))(*(
             _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                   *(n.weight.data_ptr() if n is not None else None for n in qk_norms(layer)),
                    _weight(layer.self_attn.qkv_proj), _weight(layer.self_attn.o_proj),
                    _weight(layer.mlp.gate_up_proj), _weight(layer.mlp.down_proj))
             for layer in layers))
@@ -183,11 +186,27 @@ def projections(layer) -> tuple:
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
+def qk_norms(layer) -> tuple:
+    """A layer's QK-norm modules (q_norm, k_norm), or (None, None) for a layer without them."""
+    return layer.self_attn.q_norm, layer.self_attn.k_norm
+
+
+def norms(layer) -> tuple:
+    """The weights of every norm the loop applies in `layer`."""
+    return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            *(n.weight for n in qk_norms(layer) if n is not None))
+
+
 def why_not_layers(config) -> str | None:
-    """Why layers of `config`'s shape are not the loop's (None: they are)."""
-    if config.qk_norm or config.sandwich_norms or config.hidden_act != "silu" or SLIDING in (config.layer_types or ()):
-        return (f"{config.architecture} layers (QK-norm, GeGLU, extra norms or sliding windows) are not the shape "
-                "it was written and checked for")
+    """Why layers of `config`'s shape are not the loop's (None: they are). QK-norm (Qwen3) is: the loop
+    norms every head of Q and K as the Python layers do; Gemma 3's GeGLU, sandwich norms and sliding
+    windows are not."""
+    unfit = [what for what, there in (("GeGLU", config.hidden_act != "silu"),
+                                      ("sandwich norms", config.sandwich_norms),
+                                      ("sliding windows", SLIDING in (config.layer_types or ()))) if there]
+    if unfit:
+        return (f"{config.architecture} layers ({', '.join(unfit)}) are not the shape it was written and "
+                "checked for")
     return None
 
 
@@ -209,9 +228,17 @@ def why_not_built(model) -> str | None:
             if proj.kernel is not (kernel or proj.kernel):
                 return "projections use different C kernel libraries"
             kernel = proj.kernel
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if not all(w.dtype == torch.float32 and w.is_contiguous() for w in norms):
+        if not all(w.dtype == torch.float32 and w.is_contiguous() for w in norms(layer)):
             return "a norm weight is not contiguous float32"
+        q_norm, k_norm = qk_norms(layer)
+        if (q_norm is None) != (k_norm is None) or (q_norm is not None and not all(
+                n.weight.shape == (model.config.dim_per_head,) for n in (q_norm, k_norm))):
+            return "a layer's QK-norm is not a q_norm and a k_norm of head_dim each"
+        # The loop applies every norm with one eps (its _Model's).
+        eps = {n.eps for n in (layer.input_layernorm, layer.post_attention_layernorm, q_norm, k_norm)
+               if n is not None}
+        if eps != {model.layers[0].input_layernorm.eps}:
+            return "the norms' eps differ"
     return None
 
 
@@ -220,8 +247,8 @@ LOOP, OFF = "c", "off"
 
 class CLoopStrategy:
     """The loop, over the plan's earlier choices (`needs.before`): C layer ops, the paged C attention and
-    every projection on the C kernels, a float32 residual stream, layers of the shape it was written for,
-    and its library built and checked."""
+    every projection on the C kernels, a float32 residual stream, layers of a shape it was written for
+    (Llama, Qwen2, Qwen3), and its library built and checked."""
 
     name = LOOP
 
@@ -265,5 +292,6 @@ class OffStrategy:
 STRATEGIES = (CLoopStrategy(), OffStrategy())  # in order of preference
 
 
-# csrc/checks/decoder_loop.c: two layers over stand-in kernels against the same arithmetic done directly.
+# csrc/checks/decoder_loop.c: three layers (one with QK-norm) over stand-in kernels against the same
+# arithmetic done directly.
 SPEC = kernels.KernelSpec("decoder_loop", frozenset(), (), check="decoder_loop")

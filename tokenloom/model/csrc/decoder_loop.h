@@ -16,6 +16,8 @@ typedef struct {  /* a projection: int4/int5 codes, scales and offsets, or int8 
 
 typedef struct DecoderLayer {  /* one decoder layer's weights and KV cache (model/decoder_loop.py fills these) */
     const float *input_norm, *post_attention_norm;
+    const float *q_norm, *k_norm;  /* [head_dim] each: QK-norm (Qwen3), an RMSNorm over every head of Q and
+                                    * of K before RoPE; NULL for layers without it (both or neither) */
     Weight qkv, o, gate_up, down;
     void *k_cache, *v_cache;
 } Layer;
