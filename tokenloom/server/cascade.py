@@ -1,0 +1,242 @@
+"""One request through a cascade's tiers (issue 55): the small model answers unless it is unsure.
+
+The front (multi_serve.py) hands a request for a cascade's name here, with a way to acquire each tier's
+model (loaded, counted in flight until the response is done). Each tier but the last starts the request
+exactly as its own model's route would (its view: its tokenizer, chat template, tools, structured
+output, the same sampling parameters), asking the engine for the top-N logprobs as well; its first k
+tokens (or its whole answer, if shorter) are held while the rule (cascade_config.CascadeRule) judges
+their confidence (cascade_signals.py). If the answer stands, the held output and the rest of the same
+engine request become the response, streamed live from there; if not, the request is aborted and the
+next tier answers the same body from scratch. The last tier runs as a plain request. So a streamed
+answer's tokens come from the answering tier only, and the decision is never revised at a long answer's
+end: after k tokens the tier is committed.
+
+A tier whose model cannot be loaded is skipped (`skipped` in the response names it and why) and the
+next answers; with none left the answer is the last tier's error (a 503 naming it). A cascade answers
+one choice of one prompt (`n` > 1 or several prompts: a 400).
+
+The response carries `served_by` (the answering tier's model), `escalated`, `confidence` (the last
+decision's score), `usage` summed over every tier that ran with `usage.tiers` per tier; in a stream,
+the last chunk before [DONE] carries them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Protocol
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel
+
+from .cascade_config import CascadeSpec
+from .cascade_signals import CONFIDENCE_TOP_N, token_signals
+from .chat import ChatView
+from .completions import CompletionView
+from .errors import APIError, install_error_handlers
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .streams import RequestGroup
+
+logger = logging.getLogger("tokenloom.server.cascade")
+
+class Tiers(Protocol):
+    """The front's hold on tier models (multi_serve.TierAccess)."""
+
+    async def acquire(self, name: str): ...  # the model loaded and held: its ServerState (raises APIError)
+
+    async def release(self, name: str) -> None: ...
+
+
+class CascadeMetrics:
+    """Per cascade: requests, answers per tier, escalations by reason, tokens per tier (in /metrics)."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tokenloom:cascade_requests", "Requests for a cascade.", ["cascade"],
+                                registry=self.registry)
+        self.answered = Counter("tokenloom:cascade_answered", "Requests a cascade's tier answered.",
+                                ["cascade", "tier"], registry=self.registry)
+        self.escalations = Counter("tokenloom:cascade_escalations", "Requests passed to the next tier, by reason "
+                                   "(low_confidence, tier_unavailable).", ["cascade", "tier", "reason"],
+                                   registry=self.registry)
+        self.tokens = Counter("tokenloom:cascade_tokens", "Tokens each tier of a cascade took (prompt) and wrote "
+                              "(completion).", ["cascade", "tier", "kind"], registry=self.registry)
+
+
+@dataclasses.dataclass
+class _Run:
+    """What one request went through: per tier its tokens and decision."""
+    tiers: list[dict] = dataclasses.field(default_factory=list)
+    skipped: list[dict] = dataclasses.field(default_factory=list)
+    confidence: float | None = None
+    signals: dict | None = None
+
+    def record(self, model: str, prompt_tokens: int, completion_tokens: int, **decision) -> None:
+        self.tiers.append({"model": model, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           **decision})
+
+
+class Cascade:
+    def __init__(self, spec: CascadeSpec, metrics: CascadeMetrics, log_requests: bool = True):
+        self.spec, self.rule, self.metrics, self.log_requests = spec, spec.rule, metrics, log_requests
+
+    async def answer(self, view_cls, body: BaseModel, request: Request, tiers: Tiers):
+        if getattr(body, "n", None) not in (None, 1):
+            raise APIError(400, f"n: a cascade ({self.spec.name}) answers one choice; ask a tier's model for more",
+                           param="n")
+        if isinstance(body, CompletionRequest) and not isinstance(body.prompt, str):
+            raise APIError(400, f"prompt: a cascade ({self.spec.name}) takes one text prompt (token ids are one "
+                           "tier's tokenizer's; several prompts, several requests)", param="prompt")
+        self.metrics.requests.labels(self.spec.name).inc()
+        run, error = _Run(), None
+        names = self.spec.tiers
+        for i, tier in enumerate(names):
+            last = i == len(names) - 1
+            try:
+                state = await tiers.acquire(tier)
+            except APIError as err:
+                run.skipped.append({"model": tier, "reason": err.message})
+                error = err
+                if not last:
+                    self.metrics.escalations.labels(self.spec.name, tier, "tier_unavailable").inc()
+                continue
+            req = body.model_copy(update={"model": tier})
+            if last:
+                view, group = await view_cls.start(req, state, model=self.spec.name)
+                return await self._respond(view, group, request, run, tier, i)
+            client_n: list[int | None] = []
+            view, group = await view_cls.start(req, state, model=self.spec.name, adjust=_with_logprobs(client_n))
+            held = await _first_tokens(group, self.rule.k)
+            out = held[-1] if held else None
+            if out is None or out.error is not None:  # aborted (shutdown) or failed: that tier's own answer
+                return await self._respond(view, _HeldGroup(group, held, client_n[0]), request, run, tier, i)
+            c = out.outputs[0]
+            signals = token_signals(c.token_ids[: self.rule.k], (c.logprobs or [])[: self.rule.k])
+            confidence = signals[self.rule.signal] if self.rule.signal in signals else 1.0
+            run.confidence, run.signals = confidence, signals
+            if self.rule.escalates(confidence):
+                group.abort_unfinished()
+                await tiers.release(tier)  # the next tier may evict it now
+                run.record(tier, len(out.prompt_token_ids), len(c.token_ids), confidence=round(confidence, 4),
+                           decision="escalated")
+                self.metrics.escalations.labels(self.spec.name, tier, "low_confidence").inc()
+                continue
+            run.tiers.append({"model": tier, "confidence": round(confidence, 4), "decision": "answered"})
+            return await self._respond(view, _HeldGroup(group, held, client_n[0]), request, run, tier, i)
+        raise error or APIError(503, f"cascade {self.spec.name}: no tier could answer", "server_error")
+
+    async def _respond(self, view, group: RequestGroup, request: Request, run: _Run, tier: str, index: int):
+        escalated = index > 0
+        done = run.tiers[-1] if run.tiers and run.tiers[-1]["model"] == tier else None
+
+        def annotate(usage: dict) -> dict:
+            if done is not None:
+                done.update(prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"])
+            else:
+                run.record(tier, usage["prompt_tokens"], usage["completion_tokens"], decision="answered")
+            fields = {"served_by": tier, "escalated": escalated,
+                      "confidence": None if run.confidence is None else round(run.confidence, 4)}
+            if run.skipped:
+                fields["skipped"] = run.skipped
+            prompt = sum(t["prompt_tokens"] for t in run.tiers)
+            completion = sum(t["completion_tokens"] for t in run.tiers)
+            fields["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                               "total_tokens": prompt + completion,
+                               "tiers": [{k: t[k] for k in ("model", "prompt_tokens", "completion_tokens")}
+                                         for t in run.tiers]}
+            self._seen(run, tier, escalated)
+            return fields
+
+        view.annotate = annotate
+        return await view.respond(group, request)
+
+    def _seen(self, run: _Run, tier: str, escalated: bool) -> None:
+        name = self.spec.name
+        self.metrics.answered.labels(name, tier).inc()
+        for t in run.tiers:
+            self.metrics.tokens.labels(name, t["model"], "prompt").inc(t.get("prompt_tokens", 0))
+            self.metrics.tokens.labels(name, t["model"], "completion").inc(t.get("completion_tokens", 0))
+        if self.log_requests:
+            why = (f"{self.rule.signal} {run.confidence:.3f} {'<' if escalated else '>='} {self.rule.threshold}"
+                   if run.confidence is not None else "no decision")
+            skipped = "".join(f"; skipped {s['model']}: {s['reason']}" for s in run.skipped)
+            logger.info("cascade %s: answered by %s (%s, %s)%s", name, tier, "escalated" if escalated else "first tier",
+                        why, skipped)
+
+
+def _with_logprobs(client_n: list):
+    """The params' logprobs widened to the signals' top-N; the client's own N kept in `client_n`."""
+    def adjust(params) -> None:
+        client_n.append(params.logprobs)
+        params.logprobs = max(params.logprobs or 0, CONFIDENCE_TOP_N)
+    return adjust
+
+
+async def _first_tokens(group: RequestGroup, k: int) -> list:
+    """The outputs of the group's one request until it has k tokens or ends (aborted: empty)."""
+    held = []
+    stream = group.streams[0]
+    group.iterator = stream.__aiter__()
+    while True:
+        try:
+            out = await group.iterator.__anext__()
+        except StopAsyncIteration:
+            return held
+        held = [out]
+        if out.finished or out.error is not None or len(out.outputs[0].token_ids) >= k:
+            return held
+
+
+class _HeldGroup(RequestGroup):
+    """The request group as a view reads it: the held output first, then the rest of the same stream,
+    each with the logprobs cut back to what the client asked for (None: none)."""
+
+    def __init__(self, group: RequestGroup, held: list, client_n: int | None):
+        super().__init__(group.async_llm, group.base_id)
+        self.streams, self.iterator, self.held, self.client_n = group.streams, group.iterator, held, client_n
+        self._trimmed: list = []  # the client's logprobs so far (outputs are cumulative)
+
+    async def outputs(self):
+        for out in self.held:
+            yield 0, self._trim(out)
+        if self.held and self.held[-1].finished:
+            return
+        async for out in self.iterator:
+            yield 0, self._trim(out)
+
+    def _trim(self, out):
+        c = out.outputs[0]
+        if c.logprobs is None:
+            return out
+        if self.client_n is None:
+            lps = None
+        else:
+            for i in range(len(self._trimmed), len(c.logprobs)):
+                lp = c.logprobs[i]
+                kept = dict(list(lp.items())[: self.client_n])
+                kept.setdefault(c.token_ids[i], lp[c.token_ids[i]])
+                self._trimmed.append(kept)
+            lps = self._trimmed[: len(c.logprobs)]
+        return dataclasses.replace(out, outputs=[dataclasses.replace(c, logprobs=lps), *out.outputs[1:]])
+
+
+def build_cascade_app(cascades: dict[str, Cascade]) -> FastAPI:
+    """The two generation routes for cascade names; the front puts the tier acquirer in the scope."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    async def run(view_cls, body, request: Request):
+        cascade = cascades[body.model]
+        return await cascade.answer(view_cls, body, request, request.scope["tokenloom.tiers"])
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await run(CompletionView, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await run(ChatView, body, request)
+
+    return app
