@@ -72,6 +72,7 @@ class _Run:
     skipped: list[dict] = dataclasses.field(default_factory=list)
     confidence: float | None = None
     signals: dict | None = None
+    error: APIError | None = None  # the last tier that could not be acquired
 
     def record(self, model: str, prompt_tokens: int, completion_tokens: int, **decision) -> None:
         self.tiers.append({"model": model, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -90,20 +91,16 @@ class Cascade:
             raise APIError(400, f"prompt: a cascade ({self.spec.name}) takes one text prompt (token ids are one "
                            "tier's tokenizer's; several prompts, several requests)", param="prompt")
         self.metrics.requests.labels(self.spec.name).inc()
-        run, error = _Run(), None
+        run = _Run()
         names = self.spec.tiers
-        for i, tier in enumerate(names):
-            last = i == len(names) - 1
-            try:
-                state = await tiers.acquire(tier)
-            except APIError as err:
-                run.skipped.append({"model": tier, "reason": err.message})
-                error = err
-                if not last:
-                    self.metrics.escalations.labels(self.spec.name, tier, "tier_unavailable").inc()
-                continue
+        found = await self._next_tier(tiers, 0, run)
+        if found is None:
+            raise run.error
+        i, state = found
+        while True:
+            tier = names[i]
             req = body.model_copy(update={"model": tier})
-            if last:
+            if i == len(names) - 1:
                 view, group = await view_cls.start(req, state, model=self.spec.name)
                 return await self._respond(view, group, request, run, tier, i)
             client_n: list[int | None] = []
@@ -114,18 +111,32 @@ class Cascade:
                 return await self._respond(view, _HeldGroup(group, held, client_n[0]), request, run, tier, i)
             c = out.outputs[0]
             signals = token_signals(c.token_ids[: self.rule.k], (c.logprobs or [])[: self.rule.k])
-            confidence = signals[self.rule.signal] if self.rule.signal in signals else 1.0
+            confidence = signals.get(self.rule.signal, 1.0)
             run.confidence, run.signals = confidence, signals
-            if self.rule.escalates(confidence):
-                group.abort_unfinished()
-                await tiers.release(tier)  # the next tier may evict it now
-                run.record(tier, len(out.prompt_token_ids), len(c.token_ids), confidence=round(confidence, 4),
-                           decision="escalated")
-                self.metrics.escalations.labels(self.spec.name, tier, "low_confidence").inc()
-                continue
-            run.tiers.append({"model": tier, "confidence": round(confidence, 4), "decision": "answered"})
-            return await self._respond(view, _HeldGroup(group, held, client_n[0]), request, run, tier, i)
-        raise error or APIError(503, f"cascade {self.spec.name}: no tier could answer", "server_error")
+            # The next tier is acquired before this one is aborted: if none can load, this answer stands.
+            found = await self._next_tier(tiers, i + 1, run) if self.rule.escalates(confidence) else None
+            if found is None:
+                run.tiers.append({"model": tier, "confidence": round(confidence, 4), "decision": "answered"})
+                return await self._respond(view, _HeldGroup(group, held, client_n[0]), request, run, tier, i)
+            group.abort_unfinished()
+            await tiers.release(tier)  # the next tier may evict it now
+            run.record(tier, len(out.prompt_token_ids), len(c.token_ids), confidence=round(confidence, 4),
+                       decision="escalated")
+            self.metrics.escalations.labels(self.spec.name, tier, "low_confidence").inc()
+            i, state = found
+
+    async def _next_tier(self, tiers: Tiers, start: int, run: _Run):
+        """(index, state) of the first tier from `start` whose model can be acquired; the others are
+        `skipped` with their reason. None when none can (`run.error`: the last one's error)."""
+        for j in range(start, len(self.spec.tiers)):
+            tier = self.spec.tiers[j]
+            try:
+                return j, await tiers.acquire(tier)
+            except APIError as err:
+                run.skipped.append({"model": tier, "reason": err.message})
+                run.error = err
+                self.metrics.escalations.labels(self.spec.name, tier, "tier_unavailable").inc()
+        return None
 
     async def _respond(self, view, group: RequestGroup, request: Request, run: _Run, tier: str, index: int):
         escalated = index > 0

@@ -46,13 +46,18 @@ class CascadeSpec:
     name: str
     tiers: tuple[str, ...]
     rule: CascadeRule = field(default_factory=CascadeRule)
+    options: dict = field(default_factory=dict)  # this cascade's own threshold / k / signal (`;key=value`)
+
+
+OPTION_TYPES = {"threshold": float, "k": int, "signal": str}
 
 
 def add_cascade_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cascade", action="append", default=None, metavar="NAME=SMALL,LARGE[,...]",
+    p.add_argument("--cascade", action="append", default=None, metavar="NAME=SMALL,LARGE[,...][;KEY=VALUE]",
                    help="with several models: a request for `model: NAME` runs the tiers in order; each answers "
                         "unless its confidence over its first --cascade-k tokens is below --cascade-threshold, "
-                        "then the next answers from scratch (repeat the flag for more cascades)")
+                        "then the next answers from scratch (repeat the flag for more cascades; `;threshold=T`, "
+                        "`;k=N`, `;signal=S` set one cascade's own, over the flags)")
     p.add_argument("--cascade-k", type=int, default=None,
                    help=f"tokens a tier writes before its answer is judged (default: {DEFAULT_K}, or the calibration "
                         "file's)")
@@ -72,11 +77,23 @@ def parse_cascades(texts: list[str] | None, models: dict[str, str]) -> list[Casc
     specs: list[CascadeSpec] = []
     names = [t.partition("=")[0].strip() for t in texts or ()]
     for text in texts or ():
-        name, sep, rest = text.partition("=")
+        head, *extras = text.split(";")
+        name, sep, rest = head.partition("=")
         name = name.strip()
         tiers = tuple(t.strip() for t in rest.split(",") if t.strip())
         if not sep or not name:
             raise ValueError(f"--cascade {text!r}: give it as NAME=SMALL,LARGE[,...]")
+        options = {}
+        for extra in extras:
+            key, eq, value = extra.partition("=")
+            key = key.strip()
+            if key not in OPTION_TYPES or not eq:
+                raise ValueError(f"--cascade {text!r}: {extra!r} is not one of "
+                                 f"{', '.join(k + '=...' for k in OPTION_TYPES)}")
+            try:
+                options[key] = OPTION_TYPES[key](value.strip())
+            except ValueError:
+                raise ValueError(f"--cascade {text!r}: {key} must be a {OPTION_TYPES[key].__name__}") from None
         if name in models:
             raise ValueError(f"--cascade {text!r}: {name!r} is already a model's name; a cascade needs its own")
         if names.count(name) > 1:
@@ -94,7 +111,7 @@ def parse_cascades(texts: list[str] | None, models: dict[str, str]) -> list[Casc
                                  f"(served: {', '.join(models)})")
         if len(set(tiers)) < len(tiers):
             raise ValueError(f"--cascade {text!r}: a tier is named twice")
-        specs.append(CascadeSpec(name, tiers))
+        specs.append(CascadeSpec(name, tiers, options=options))
     return specs
 
 
@@ -109,19 +126,22 @@ def build_rule(args: argparse.Namespace, spec: CascadeSpec, sources: dict[str, s
         rule.signal = args.cascade_signal
     if args.cascade_threshold is not None:
         rule.threshold = args.cascade_threshold
-    check_rule(rule)
+    for key, value in spec.options.items():
+        setattr(rule, key, value)
+    check_rule(rule, spec.name)
     return rule
 
 
-def check_rule(rule: CascadeRule) -> None:
+def check_rule(rule: CascadeRule, name: str = "") -> None:
+    where = f" (cascade {name})" if name else ""
     if not (isinstance(rule.threshold, int | float) and not math.isnan(rule.threshold) and 0 <= rule.threshold <= 1):
-        raise ValueError(f"--cascade-threshold: must be a number in [0, 1], got {rule.threshold}")
+        raise ValueError(f"--cascade-threshold{where}: must be a number in [0, 1], got {rule.threshold}")
     if rule.k < 1:
-        raise ValueError(f"--cascade-k: must be at least 1, got {rule.k}")
+        raise ValueError(f"--cascade-k{where}: must be at least 1, got {rule.k}")
     if rule.signal not in SIGNALS:
-        raise ValueError(f"--cascade-signal: one of {', '.join(SIGNALS)}, got {rule.signal!r}")
+        raise ValueError(f"--cascade-signal{where}: one of {', '.join(SIGNALS)}, got {rule.signal!r}")
     if rule.signal == "probe" and rule.probe is None:
-        raise ValueError("--cascade-signal probe: needs a --cascade-config file with a fitted probe")
+        raise ValueError(f"--cascade-signal probe{where}: needs a --cascade-config file with a fitted probe")
 
 
 # -- the calibration file ---------------------------------------------------------------------------
