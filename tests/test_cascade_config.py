@@ -1,0 +1,132 @@
+"""Cascades' start-up checks, signals and probe (issue 55), without a server; and the CLI's one-line
+error for a bad cascade (a real `tokenloom serve` that exits before loading anything)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tokenloom.model.loader import bundled_model_path
+from tokenloom.server.cascade_config import (
+    CascadeRule,
+    build_rule,
+    load_config,
+    parse_cascades,
+    write_config,
+)
+from tokenloom.server.cascade_signals import LogisticProbe, auroc, threshold_for_rate, token_signals
+
+SMOL = bundled_model_path()
+MODELS = {"small": SMOL, "large": SMOL, "other": SMOL}
+
+
+def flags(**kw) -> argparse.Namespace:
+    base = {"cascade_config": None, "cascade_k": None, "cascade_threshold": None, "cascade_signal": None}
+    return argparse.Namespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("c=small,nope", "tier 'nope' is not a served model"),
+    ("c=small,c", "names itself"),
+    ("small=small,large", "already a model's name"),
+    ("c=small", "at least two tiers"),
+    ("c=small,small", "named twice"),
+    ("c", "NAME=SMALL,LARGE"),
+    ("c=small,large;depth=3", "is not one of"),
+    ("c=small,large;k=many", "k must be a int"),
+])
+def test_a_bad_cascade_is_refused_naming_the_flag(text, says):
+    with pytest.raises(ValueError, match="--cascade") as err:
+        parse_cascades([text], MODELS)
+    assert says in str(err.value)
+
+
+def test_cascades_of_cascades_and_cycles_are_refused():
+    with pytest.raises(ValueError, match="tier 'b' is a cascade"):
+        parse_cascades(["a=small,b", "b=small,large"], MODELS)
+    with pytest.raises(ValueError, match="is a cascade"):
+        parse_cascades(["a=b,large", "b=a,large"], MODELS)
+    with pytest.raises(ValueError, match="two cascades"):
+        parse_cascades(["a=small,large", "a=large,small"], MODELS)
+
+
+@pytest.mark.parametrize("threshold", [-0.1, 1.5, math.nan, math.inf])
+def test_a_threshold_outside_0_1_is_refused(threshold):
+    spec = parse_cascades(["c=small,large"], MODELS)[0]
+    with pytest.raises(ValueError, match=r"--cascade-threshold \(cascade c\): must be a number in \[0, 1\]"):
+        build_rule(flags(cascade_threshold=threshold), spec, MODELS)
+    spec = parse_cascades([f"c=small,large;threshold={threshold}"], MODELS)[0]
+    with pytest.raises(ValueError, match="--cascade-threshold"):
+        build_rule(flags(), spec, MODELS)
+
+
+def test_per_cascade_options_win_over_flags_and_the_rule_reads_0_and_1():
+    spec = parse_cascades(["c=small,large;threshold=0.25;k=4;signal=min_top1"], MODELS)[0]
+    rule = build_rule(flags(cascade_threshold=0.9, cascade_k=8), spec, MODELS)
+    assert (rule.threshold, rule.k, rule.signal) == (0.25, 4, "min_top1")
+    assert CascadeRule(threshold=1.0).escalates(1.0) and not CascadeRule(threshold=0.0).escalates(0.0)
+    assert CascadeRule(threshold=0.5).escalates(0.49) and not CascadeRule(threshold=0.5).escalates(0.5)
+    plain = parse_cascades(["c=small,large"], MODELS)[0]
+    with pytest.raises(ValueError, match="--cascade-signal probe .*needs a --cascade-config file"):
+        build_rule(flags(cascade_signal="probe"), plain, MODELS)
+
+
+def test_a_calibration_file_for_other_models_is_refused(tmp_path):
+    path = str(tmp_path / "cal.json")
+    rule = CascadeRule(k=8, signal="probe", threshold=0.3,
+                       probe=LogisticProbe.fit(np.random.default_rng(0).normal(size=(40, 3)), np.arange(40) % 2))
+    write_config(path, [SMOL, SMOL], rule, {"note": "test"})
+    loaded = load_config(path, [SMOL, SMOL])
+    assert (loaded.k, loaded.signal, loaded.threshold) == (8, "probe", 0.3)
+    assert np.allclose(loaded.probe.weights, rule.probe.weights)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(open(SMOL, "rb").read(1 << 20))
+    with pytest.raises(ValueError, match="--cascade-config .*tier 1 was calibrated for .*calibrate this cascade"):
+        load_config(path, [SMOL, str(other)])
+    with pytest.raises(ValueError, match="fitted for 2 tiers"):
+        load_config(path, [SMOL, SMOL, SMOL])
+    (tmp_path / "junk.json").write_text("{")
+    with pytest.raises(ValueError, match="cannot be read as JSON"):
+        load_config(str(tmp_path / "junk.json"), [SMOL, SMOL])
+    data = json.loads(open(path).read())
+    assert data["tiers"][0]["sample_sha256"] and data["tiers"][0]["size"] > 0
+
+
+def test_signals_from_logprobs():
+    sure = {1: math.log(0.99), 2: math.log(0.01)}
+    unsure = {3: math.log(0.4), 4: math.log(0.35)}
+    s = token_signals([1, 1, 4], [sure, sure, unsure])
+    assert s["min_top1"] == pytest.approx(0.4)
+    assert 0.4 < s["p10_top1"] < 0.99
+    assert s["mean_logprob"] == pytest.approx((0.99 * 0.99 * 0.35) ** (1 / 3))
+    # entropy over the top-N and the rest's mass as one outcome: the sure token's is small
+    assert token_signals([1], [sure])["entropy"] > token_signals([3], [unsure])["entropy"]
+    assert token_signals([], []) == dict.fromkeys(s, 1.0)
+
+
+def test_probe_learns_a_separable_label_and_auroc_and_rate_threshold():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(200, 5))
+    y = (x[:, 0] + 0.3 * rng.normal(size=200) > 0).astype(float)
+    probe = LogisticProbe.fit(x, y)
+    p = np.array([probe.p_fail(row) for row in x])
+    assert auroc(p, y.astype(bool)) > 0.9
+    assert auroc([0.1, 0.2], [True, False]) == 0.0 and auroc([1, 1], [True, True]) is None
+    conf = rng.uniform(size=100)
+    t = threshold_for_rate(conf, 0.3)
+    assert abs((conf < t).mean() - 0.3) <= 0.02
+    assert threshold_for_rate(conf, 0) == 0.0 and threshold_for_rate(conf, 1) == 1.0
+
+
+def test_serve_refuses_a_bad_cascade_at_start_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "tokenloom.cli", "serve", f"a={SMOL}", f"b={SMOL}",
+                           "--cascade", "c=a,missing", "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--cascade 'c=a,missing': tier 'missing' is not a served model" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
