@@ -10,10 +10,10 @@ from tokenloom.sampling_params import SamplingParams
 PROMPT = list(range(5, 45))  # 40 tokens: several chunks at 16 per step
 
 
-def pooled(llm, prompt=PROMPT, **kw) -> np.ndarray:
-    out = llm.generate([prompt], SamplingParams(max_tokens=kw.pop("max_tokens", 1), temperature=0, pool_hidden=True),
+def pooled(llm, prompt=PROMPT, max_tokens=1, field="pooled_hidden") -> np.ndarray:
+    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, pool_hidden=True),
                        use_tqdm=False)[0]
-    return np.array(out.outputs[0].pooled_hidden)
+    return np.array(getattr(out.outputs[0], field))
 
 
 def test_pooled_hidden_is_chunking_independent_and_skips_the_prefix_cache(make_llm):
@@ -25,6 +25,7 @@ def test_pooled_hidden_is_chunking_independent_and_skips_the_prefix_cache(make_l
     np.testing.assert_allclose(pooled(whole), a, rtol=1e-5, atol=1e-6)  # again: a cache hit would pool fewer rows
     assert not np.allclose(pooled(whole, prompt=list(range(50, 90))), a)
     assert not np.allclose(pooled(whole, max_tokens=4), a)  # the generated tokens' rows count as well
+    np.testing.assert_allclose(pooled(chunked, max_tokens=4, field="prompt_hidden"), a, rtol=1e-4, atol=1e-5)
 
 
 def test_no_pooled_hidden_unless_asked(make_llm):

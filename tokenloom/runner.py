@@ -107,10 +107,7 @@ class ModelRunner(Runner):
         start = time.perf_counter()
         hidden, logits = self.model(input_ids, batch, self.layer_caches)
         for k, (q0, first, last) in pooled_rows.items():
-            seq = out.scheduled[k][0]
-            rows = hidden[q0 : q0 + last - first].float().sum(dim=0)
-            seq.hidden_sum = rows if seq.hidden_sum is None else seq.hidden_sum + rows
-            seq.hidden_count = last
+            self._pool(out.scheduled[k][0], hidden[q0 : q0 + last - first], first, last)
         drafts = [out.scheduled[k][0].spec_token_ids for k in argmax_rows]
         flat = [r for first, d in zip(argmax_rows.values(), drafts, strict=True) for r in range(first, first + 1 + len(d))]
         tokens = self.model.greedy_tokens(hidden[flat]).tolist() if flat else []
@@ -127,6 +124,19 @@ class ModelRunner(Runner):
             res.accepted, res.token_id = emitted[:-1], emitted[-1]
             res.accepted_logprobs = [None] * len(res.accepted)
         return results
+
+    @staticmethod
+    def _pool(seq, rows: torch.Tensor, first: int, last: int) -> None:
+        """Add the hidden rows of positions [first, last) to the sequence's sum; the prompt's mean is kept
+        apart once the last prompt position is in (a chunk may run past it after a recompute)."""
+        cut = min(max(seq.num_prompt_tokens - first, 0), last - first)
+        for part, ends_prompt in ((rows[:cut], first + cut == seq.num_prompt_tokens), (rows[cut:], False)):
+            if len(part):
+                total = part.float().sum(dim=0)
+                seq.hidden_sum = total if seq.hidden_sum is None else seq.hidden_sum + total
+                if ends_prompt:
+                    seq.prompt_hidden = seq.hidden_sum / seq.num_prompt_tokens
+        seq.hidden_count = last
 
     def _prepare(self, out: StepPlan):
         bs, groups = self.block_size, range(self.layout.num_groups)

@@ -46,7 +46,7 @@ class OutputProcessor:
             CompletionOutput(s.index, self.visible_text(s), s.output_token_ids,
                              "error" if state.error is not None else s.finish_reason, s.stop_reason,
                              s.logprobs if s.params.logprobs is not None else None, state.error,
-                             pooled_hidden(s))
+                             *pooled_hidden(s))
             for s in state.seqs
         ]
         metrics = RequestMetrics(
@@ -79,8 +79,10 @@ class OutputProcessor:
                               for s in state.seqs], finished=True, error=state.error)
 
 
-def pooled_hidden(seq: Sequence) -> list[float] | None:
-    """The mean final hidden state so far, for a request that asked for it (SamplingParams.pool_hidden)."""
+def pooled_hidden(seq: Sequence) -> tuple[list[float] | None, list[float] | None]:
+    """The mean final hidden state so far and over the prompt, for a request that asked for them
+    (SamplingParams.pool_hidden)."""
     if not seq.params.pool_hidden or seq.hidden_sum is None or not seq.hidden_count:
-        return None
-    return (seq.hidden_sum / seq.hidden_count).tolist()
+        return None, None
+    prompt = seq.prompt_hidden.tolist() if seq.prompt_hidden is not None else None
+    return (seq.hidden_sum / seq.hidden_count).tolist(), prompt
