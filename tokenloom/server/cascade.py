@@ -16,8 +16,11 @@ next answers; with none left the answer is the last tier's error (a 503 naming i
 one choice of one prompt (`n` > 1 or several prompts: a 400).
 
 The response carries `served_by` (the answering tier's model), `escalated`, `confidence` (the last
-decision's score), `usage` summed over every tier that ran with `usage.tiers` per tier; in a stream,
-the last chunk before [DONE] carries them.
+decision's score, of the rule's signal) and `confidence_signals` (every signal of that decision),
+`usage` summed over every tier that ran with `usage.tiers` per tier; in a stream, the last chunk before
+[DONE] carries them. A probe (a calibration file's) reads the small tier's pooled hidden state
+(SamplingParams.pool_hidden): over the prompt alone it decides after the prompt ran (a router: one
+token held), over the prompt and the first k tokens at k.
 """
 
 from __future__ import annotations
@@ -104,14 +107,18 @@ class Cascade:
                 view, group = await view_cls.start(req, state, model=self.spec.name)
                 return await self._respond(view, group, request, run, tier, i)
             client_n: list[int | None] = []
-            view, group = await view_cls.start(req, state, model=self.spec.name, adjust=_with_logprobs(client_n))
-            held = await _first_tokens(group, self.rule.k)
+            view, group = await view_cls.start(req, state, model=self.spec.name,
+                                               adjust=_with_logprobs(client_n, self.rule.probe is not None))
+            held = await _first_tokens(group, self.rule.hold)
             out = held[-1] if held else None
             if out is None or out.error is not None:  # aborted (shutdown) or failed: that tier's own answer
                 return await self._respond(view, _HeldGroup(group, held, client_n[0]), request, run, tier, i)
             c = out.outputs[0]
             signals = token_signals(c.token_ids[: self.rule.k], (c.logprobs or [])[: self.rule.k])
-            confidence = signals.get(self.rule.signal, 1.0)
+            if self.rule.probe is not None:
+                pooled = c.prompt_hidden if self.rule.probe_pool == "prompt" else c.pooled_hidden
+                signals["probe"] = 1.0 - self.rule.probe.p_fail(pooled) if pooled is not None else 1.0
+            confidence = signals[self.rule.signal]
             run.confidence, run.signals = confidence, signals
             # The next tier is acquired before this one is aborted: if none can load, this answer stands.
             found = await self._next_tier(tiers, i + 1, run) if self.rule.escalates(confidence) else None
@@ -149,6 +156,8 @@ class Cascade:
                 run.record(tier, usage["prompt_tokens"], usage["completion_tokens"], decision="answered")
             fields = {"served_by": tier, "escalated": escalated,
                       "confidence": None if run.confidence is None else round(run.confidence, 4)}
+            if run.signals is not None:
+                fields["confidence_signals"] = {k: round(v, 4) for k, v in run.signals.items()}
             if run.skipped:
                 fields["skipped"] = run.skipped
             prompt = sum(t["prompt_tokens"] for t in run.tiers)
@@ -177,11 +186,13 @@ class Cascade:
                         why, skipped)
 
 
-def _with_logprobs(client_n: list):
-    """The params' logprobs widened to the signals' top-N; the client's own N kept in `client_n`."""
+def _with_logprobs(client_n: list, pool_hidden: bool):
+    """The params' logprobs widened to the signals' top-N (the client's own N kept in `client_n`), and
+    the pooled hidden state asked for when a probe reads it."""
     def adjust(params) -> None:
         client_n.append(params.logprobs)
         params.logprobs = max(params.logprobs or 0, CONFIDENCE_TOP_N)
+        params.pool_hidden = pool_hidden
     return adjust
 
 

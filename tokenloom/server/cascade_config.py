@@ -37,6 +37,12 @@ class CascadeRule:
     probe: LogisticProbe | None = None  # signal "probe" (from a calibration file)
     probe_pool: str = "prompt"  # what the probe's hidden state is pooled over: "prompt" or "prompt+k"
 
+    @property
+    def hold(self) -> int:
+        """Tokens held before the decision: one for the prompt-only probe (a router: it decides once the
+        prompt ran), else k."""
+        return 1 if self.signal == "probe" and self.probe_pool == "prompt" else self.k
+
     def escalates(self, confidence: float) -> bool:
         return self.threshold >= 1.0 or confidence < self.threshold
 
