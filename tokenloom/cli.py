@@ -1,5 +1,5 @@
 """`tokenloom` command line: serve | generate | pull | models | bench | kv-calc | simulate | simulate-fleet |
-calibrate | lab | dashboard-replay."""
+calibrate | lab | dashboard-replay | calibrate-cascade."""
 
 from __future__ import annotations
 
@@ -126,13 +126,14 @@ def _optional_commands():
     """Subcommands that live in their own packages (server, bench lab, simulator)."""
     from .bench.serve_cli import add_bench_parser
     from .lab.cli import add_lab_parser
+    from .server.cascade_calibrate import add_calibrate_cascade_parser
     from .server.dashboard_replay import add_replay_parser
     from .sim.cli import add_calibrate_parser, add_simulate_parser
     from .sim.fleet_cli import add_simulate_fleet_parser
     from .sim.kv_calc import add_kv_calc_parser
 
     return [add_serve_parser, add_bench_parser, add_kv_calc_parser, add_simulate_parser, add_simulate_fleet_parser,
-            add_calibrate_parser, add_lab_parser, add_replay_parser]
+            add_calibrate_parser, add_lab_parser, add_replay_parser, add_calibrate_cascade_parser]
 
 
 def main(argv: list[str] | None = None) -> int:
