@@ -11,8 +11,10 @@ next tier answers the same body from scratch. The last tier runs as a plain requ
 answer's tokens come from the answering tier only, and the decision is never revised at a long answer's
 end: after k tokens the tier is committed.
 
-A tier whose model cannot be loaded is skipped (`skipped` in the response names it and why) and the
-next answers; with none left the answer is the last tier's error (a 503 naming it). A cascade answers
+A tier whose model cannot be loaded, or that refuses the request (a prompt over its context, a grammar
+its vocabulary cannot spell: any 4xx of its checks), is skipped (`skipped` in the response names it and
+why) and the next answers; with none left the answer is the last tier's error (a 503 naming an unloadable
+tier, the 4xx of a bad request). A cascade answers
 one choice of one prompt (`n` > 1 or several prompts: a 400).
 
 The response carries `served_by` (the answering tier's model), `escalated`, `confidence` (the last
@@ -62,7 +64,7 @@ class CascadeMetrics:
         self.answered = Counter("tokenloom:cascade_answered", "Requests a cascade's tier answered.",
                                 ["cascade", "tier"], registry=self.registry)
         self.escalations = Counter("tokenloom:cascade_escalations", "Requests passed to the next tier, by reason "
-                                   "(low_confidence, tier_unavailable).", ["cascade", "tier", "reason"],
+                                   "(low_confidence, tier_unavailable, tier_cannot_serve).", ["cascade", "tier", "reason"],
                                    registry=self.registry)
         self.tokens = Counter("tokenloom:cascade_tokens", "Tokens each tier of a cascade took (prompt) and wrote "
                               "(completion).", ["cascade", "tier", "kind"], registry=self.registry)
@@ -107,8 +109,20 @@ class Cascade:
                 view, group = await view_cls.start(req, state, model=self.spec.name)
                 return await self._respond(view, group, request, run, tier, i)
             client_n: list[int | None] = []
-            view, group = await view_cls.start(req, state, model=self.spec.name,
-                                               adjust=_with_logprobs(client_n, self.rule.probe is not None))
+            try:
+                view, group = await view_cls.start(req, state, model=self.spec.name,
+                                                   adjust=_with_logprobs(client_n, self.rule.probe is not None))
+            except (APIError, ValueError) as exc:
+                # This tier cannot take the request (its context, its vocabulary for the grammar, its
+                # template): the next one tries; a fault of the request itself is the last tier's answer.
+                found = await self._next_tier(tiers, i + 1, run)
+                if found is None:
+                    raise
+                run.skipped.append({"model": tier, "reason": getattr(exc, "message", None) or str(exc)})
+                self.metrics.escalations.labels(self.spec.name, tier, "tier_cannot_serve").inc()
+                await tiers.release(tier)
+                i, state = found
+                continue
             held = await _first_tokens(group, self.rule.hold)
             out = held[-1] if held else None
             if out is None or out.error is not None:  # aborted (shutdown) or failed: that tier's own answer
