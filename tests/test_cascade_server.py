@@ -32,12 +32,13 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 def server(tmp_path_factory):
     broken = tmp_path_factory.mktemp("models") / "broken.gguf"
     broken.write_bytes(b"not a gguf file at all")
-    proc = ServerProcess([f"smol={SMOL}", "qwen=qwen2.5-coder-0.5b", f"bad={broken}",
+    proc = ServerProcess([f"smol={SMOL}", "qwen=qwen2.5-coder-0.5b", f"bad={broken}", f"bad2={broken}",
                           "--cascade", "up=smol,qwen;threshold=1.0",
                           "--cascade", "stay=smol,qwen;threshold=0.0",
                           "--cascade", "auto=smol,qwen",
                           "--cascade", "tobad=smol,bad;threshold=1.0",
-                          "--cascade", "frombad=bad,qwen"])
+                          "--cascade", "frombad=bad,qwen",
+                          "--cascade", "nobody=bad,bad2"])
     yield proc
     proc.stop()
 
@@ -161,6 +162,8 @@ def test_a_tier_that_cannot_load_is_skipped_and_named(server):
         assert out["choices"][0]["message"]["content"] == chat(http, "smol")["choices"][0]["message"]["content"]
         first = chat(http, "frombad")
         assert (first["served_by"], first["skipped"][0]["model"]) == ("qwen", "bad")
+        r = http.post("/v1/chat/completions", json={"model": "nobody", "messages": CHAT, "max_tokens": 4})
+        assert r.status_code == 503 and "model `bad2` failed to load" in r.json()["error"]["message"], r.text
 
 
 def test_bad_requests_are_4xx_in_openai_shape(server):
