@@ -130,13 +130,13 @@ def test_structured_output_and_tool_call_validate(server, model):
     with server.client() as http:
         fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
         out = http.post("/v1/chat/completions", json={
-            "model": model, "max_tokens": 64, "temperature": 0, "response_format": fmt,
+            "model": model, "max_tokens": 48, "temperature": 0, "response_format": fmt,
             "messages": [{"role": "user", "content": "Give a person as JSON."}]}).json()
         person = json.loads(out["choices"][0]["message"]["content"])
         assert set(person) == {"name", "age"} and isinstance(person["age"], int)
         assert out["served_by"] == ("qwen" if model == "up" else "smol")
         call = http.post("/v1/chat/completions", json={
-            "model": model, "max_tokens": 64, "temperature": 0, "tools": [TOOL], "tool_choice": "required",
+            "model": model, "max_tokens": 40, "temperature": 0, "tools": [TOOL], "tool_choice": "required",
             "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}).json()
         calls = call["choices"][0]["message"]["tool_calls"]
         assert call["choices"][0]["finish_reason"] == "tool_calls"
