@@ -130,3 +130,18 @@ def test_serve_refuses_a_bad_cascade_at_start_in_one_line():
     assert done.returncode != 0
     assert "--cascade 'c=a,missing': tier 'missing' is not a served model" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_shipped_calibration_is_used_for_its_own_files_only(tmp_path, monkeypatch):
+    from tokenloom.server import cascade_config
+
+    write_config(str(tmp_path / "smol.json"), [SMOL, SMOL], CascadeRule(k=5, signal="min_top1", threshold=0.42), {})
+    monkeypatch.setattr(cascade_config, "SHIPPED", tmp_path)
+    spec = parse_cascades(["c=small,large"], MODELS)[0]
+    rule = build_rule(flags(), spec, MODELS)
+    assert (rule.k, rule.signal, rule.threshold) == (5, "min_top1", 0.42)
+    assert build_rule(flags(cascade_threshold=0.9), spec, MODELS).threshold == 0.9  # a flag still wins
+    other = tmp_path / "other.gguf"
+    other.write_bytes(open(SMOL, "rb").read(1 << 20))
+    rule = build_rule(flags(), spec, {**MODELS, "large": str(other)})
+    assert (rule.k, rule.signal, rule.threshold) == (CascadeRule().k, CascadeRule().signal, CascadeRule().threshold)

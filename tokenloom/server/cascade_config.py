@@ -5,7 +5,8 @@ Everything here is checked at start and fails as a ValueError naming the flag (t
 a cascade naming an unknown model, itself, another cascade (cascades of cascades, and so cycles, are
 refused: a tier is a model), a tier twice, fewer than two tiers, a threshold outside [0, 1] or NaN, a
 calibration file fitted for other models (each tier's file is identified by its size and a sampled
-sha256, catalog.sample_sha256) or for another k.
+sha256, catalog.sample_sha256). Without a file, a calibration shipped for the same tier files
+(cascade_defaults/) is used when there is one.
 
 The rule: a tier's answer stands when its confidence (cascade_signals.py) over its first k tokens is at
 least the threshold; threshold 0 never escalates, and 1.0 always does (a confidence can reach 1.0 in
@@ -27,6 +28,7 @@ DEFAULT_K = 16  # a few lines of code: enough tokens to see the answer's start, 
 DEFAULT_SIGNAL = "p10_top1"
 DEFAULT_THRESHOLD = 0.8  # the seed text's "top token < 0.8", on the 10th percentile over the first k
 CONFIG_VERSION = 1
+SHIPPED = Path(__file__).with_name("cascade_defaults")
 
 
 @dataclass
@@ -123,9 +125,8 @@ def parse_cascades(texts: list[str] | None, models: dict[str, str]) -> list[Casc
 
 def build_rule(args: argparse.Namespace, spec: CascadeSpec, sources: dict[str, str]) -> CascadeRule:
     """The cascade's rule: the calibration file's (checked against the tiers' files), then the flags."""
-    rule = CascadeRule()
-    if args.cascade_config:
-        rule = load_config(args.cascade_config, [sources[t] for t in spec.tiers])
+    tier_sources = [sources[t] for t in spec.tiers]
+    rule = load_config(args.cascade_config, tier_sources) if args.cascade_config else shipped_rule(tier_sources)
     if args.cascade_k is not None:
         rule.k = args.cascade_k
     if args.cascade_signal is not None:
@@ -174,6 +175,17 @@ def write_config(path: str, sources: list[str], rule: CascadeRule, report: dict)
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)
+
+
+def shipped_rule(sources: list[str]) -> CascadeRule:
+    """The calibration shipped for these tiers' files (cascade_defaults/, e.g. the catalog's Qwen2.5-Coder
+    0.5B -> 1.5B, fitted on benchmarks/cascade/dev.jsonl), else the defaults."""
+    for path in sorted(SHIPPED.glob("*.json")):
+        try:
+            return load_config(str(path), sources)  # each tier's file identity decides (not its name)
+        except ValueError:
+            continue
+    return CascadeRule()
 
 
 def load_config(path: str, sources: list[str]) -> CascadeRule:
