@@ -43,10 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from server_process import start_server, stop  # noqa: E402
+from server_process import start_server, stop
 
-from tokenloom.server.cascade_calibrate import STOPS, passes  # noqa: E402
-from tokenloom.server.cascade_signals import SIGNALS, auroc  # noqa: E402
+from tokenloom.server.cascade_calibrate import STOPS, passes
+from tokenloom.server.cascade_signals import SIGNALS, auroc
 
 RATES = [round(r, 2) for r in np.linspace(0, 1, 21)]
 
@@ -109,7 +109,7 @@ def summarise(rows: list[dict]) -> dict:
         curve = []
         for rate in RATES:
             esc = np.zeros(len(rows), bool)
-            esc[order[: int(round(rate * len(rows)))]] = True
+            esc[order[: round(rate * len(rows))]] = True
             curve.append(float(np.where(esc, large, small).mean()))
         curves[s] = curve
     summary["quality_vs_escalation"] = {"rates": RATES, "random": [(1 - r) * small.mean() + r * large.mean()
@@ -127,9 +127,9 @@ def write(args, rows: list[dict], summary: dict) -> None:
     lines = [f"# Cascade {args.small} -> {args.large} on HumanEval ({summary['problems']} problems)", "",
              "| | pass@1 | wall s |", "|---|---|---|",
              *(f"| {m} | {p[m]:.3f} | {summary['wall_seconds'][m]:.1f} |" for m in ("small", "large", "cascade")),
-             "", f"escalation rate {summary['escalation_rate']:.2f}; random routing at that rate "
-             f"{summary['random_routing_at_same_rate']:.3f}; cascade wall / large wall "
-             f"{summary['cascade_wall_vs_large'] or 0:.2f}", "", "| signal | AUROC (small fails) |", "|---|---|",
+             "", (f"escalation rate {summary['escalation_rate']:.2f}; random routing at that rate "
+                  f"{summary['random_routing_at_same_rate']:.3f}; cascade wall / large wall "
+                  f"{summary['cascade_wall_vs_large'] or 0:.2f}"), "", "| signal | AUROC (small fails) |", "|---|---|",
              *(f"| {s} | {a if a is None else round(a, 3)} |" for s, a in summary["auroc_small_fails"].items())]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:

@@ -194,4 +194,5 @@ def test_metrics_count_requests_escalations_and_tokens(server):
     assert grew("tokenloom:cascade_escalations_total", cascade="stay") == 0
     assert grew("tokenloom:cascade_tokens_total", cascade="up", tier="smol", kind="completion") >= 16
     assert grew("tokenloom:cascade_tokens_total", cascade="up", tier="qwen", kind="completion") > 0
-    assert "cascade up: answered by qwen (escalated, p10_top1" in server.log_text()
+    assert "cascade up: answered by qwen (escalated; smol: p10_top1 " in server.log_text()
+    assert "cascade stay: answered by smol (first tier; smol: p10_top1 " in server.log_text()

@@ -60,8 +60,30 @@ def _rotate(k):
     return lambda xs: xs[-(k % len(xs)):] + xs[:-(k % len(xs))] if xs else []
 
 
+def _fib(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+def _to_base(base):
+    def convert(n):
+        digits = ""
+        while n:
+            digits = str(n % base) + digits
+            n //= base
+        return digits or "0"
+    return convert
+
+
+def _is_palindrome(s):
+    t = [c.lower() for c in s if c.isalnum()]
+    return t == t[::-1]
+
+
 def _is_prime(n):
-    return n > 1 and all(n % d for d in range(2, int(math.isqrt(n)) + 1))
+    return n > 1 and all(n % d for d in range(2, math.isqrt(n) + 1))
 
 
 def _top_word(s):
@@ -97,23 +119,23 @@ TEMPLATES = [
     ("is_prime", "n: int", "Return True if n is a prime number, else False.",
      lambda p: _is_prime, {}, [(1,), (2,), (15,), (97,), (91,)]),
     ("fib_mod", "n: int", "Return the n-th Fibonacci number (fib(0) = 0, fib(1) = 1) modulo {m}.",
-     lambda p: (lambda n: (lambda f: f(f, n))(lambda f, n: n if n < 2 else (f(f, n - 1) + f(f, n - 2))) % p["m"]),
+     lambda p: (lambda n: _fib(n) % p["m"]),
      {"m": [10, 7, 1000, 13, 97]}, [(0,), (1,), (10,), (15,)]),
     ("collatz_steps", "n: int", "Return how many Collatz steps (n -> n/2 if even, else 3n+1) take n to 1.",
      lambda p: _collatz, {}, [(1,), (6,), (27,)]),
-    ("caesar", "s: str", "Shift every lowercase letter of s forward by {k} in the alphabet (wrapping z to a); "
-     "leave other characters unchanged.", lambda p: _caesar(p["k"]), {"k": [1, 3, 13, 25, 5, 7]},
+    ("caesar", "s: str", ("Shift every lowercase letter of s forward by {k} in the alphabet (wrapping z to a); "
+      "leave other characters unchanged."), lambda p: _caesar(p["k"]), {"k": [1, 3, 13, 25, 5, 7]},
      [("abc xyz",), ("Hello, World!",), ("",)]),
-    ("is_palindrome", "s: str", "Return True if s reads the same backwards, ignoring case and non-alphanumeric "
-     "characters.", lambda p: (lambda s: (lambda t: t == t[::-1])([c.lower() for c in s if c.isalnum()])), {},
+    ("is_palindrome", "s: str", ("Return True if s reads the same backwards, ignoring case and non-alphanumeric "
+      "characters."), lambda p: _is_palindrome, {},
      [("A man, a plan, a canal: Panama",), ("abc",), ("",), ("No lemon, no melon",)]),
-    ("run_length", "s: str", "Return the run-length encoding of s: each run of one character as the character "
-     "followed by the run's length.", lambda p: _rle, {}, [("aaabcc",), ("",), ("abc",), ("zzzzzz",)]),
+    ("run_length", "s: str", ("Return the run-length encoding of s: each run of one character as the character "
+      "followed by the run's length."), lambda p: _rle, {}, [("aaabcc",), ("",), ("abc",), ("zzzzzz",)]),
     ("long_words", "s: str", "Return how many space-separated words of s have more than {k} characters.",
      lambda p: (lambda s: sum(len(w) > p["k"] for w in s.split())), {"k": [2, 3, 5, 4, 6]},
      [("the quick brown fox jumps",), ("",), ("extraordinary a bb ccc",)]),
-    ("top_word", "s: str", "Return the most frequent space-separated word in s; on a tie, the alphabetically "
-     "smallest.", lambda p: _top_word, {}, [("b a b a c",), ("x",), ("dog cat dog bird cat dog",)]),
+    ("top_word", "s: str", ("Return the most frequent space-separated word in s; on a tie, the alphabetically "
+      "smallest."), lambda p: _top_word, {}, [("b a b a c",), ("x",), ("dog cat dog bird cat dog",)]),
     ("invert", "d: dict", "Return a dict mapping each value of d to its key (the values are distinct).",
      lambda p: (lambda d: {v: k for k, v in d.items()}), {}, [({"a": 1, "b": 2},), ({},)]),
     ("scale_clip", "xs: list", "Multiply each element of xs by {f} and clip the result to at most {c}.",
@@ -129,8 +151,8 @@ TEMPLATES = [
     ("count_divisible", "xs: list", "Return how many elements of xs are divisible by {d}.",
      lambda p: (lambda xs: sum(x % p["d"] == 0 for x in xs)), {"d": [2, 3, 5, 7, 4]},
      [([1, 2, 3, 4, 10, 14, 15],), ([],), ([0, 21, 35],)]),
-    ("pad_left", "s: str", "Return s padded on the left with '{c}' to a width of {w} characters (longer strings "
-     "unchanged).", lambda p: (lambda s: s.rjust(p["w"], p["c"])), {"c": list("*0-"), "w": [5, 8]},
+    ("pad_left", "s: str", ("Return s padded on the left with '{c}' to a width of {w} characters (longer strings "
+      "unchanged)."), lambda p: (lambda s: s.rjust(p["w"], p["c"])), {"c": list("*0-"), "w": [5, 8]},
      [("ab",), ("",), ("abcdefghij",)]),
     ("take_every", "xs: list", "Return every {k}-th element of xs, starting with the first.",
      lambda p: (lambda xs: xs[:: p["k"]]), {"k": [2, 3, 4, 5]}, [(list(range(10)),), ([],), ([7, 8],)]),
@@ -141,8 +163,7 @@ TEMPLATES = [
      lambda p: (lambda xs: sum(x for x in xs if p["lo"] <= x <= p["hi"])), {"lo": [0, 2, -5], "hi": [5, 10]},
      [([1, 2, 3, 6, 11, -4],), ([],), ([5, 10, 0],)]),
     ("to_base", "n: int", "Return the non-negative integer n written in base {b} as a string of digits.",
-     lambda p: (lambda n: "0" if n == 0 else (lambda f: f(f, n))(lambda f, n: "" if n == 0 else f(f, n // p["b"])
-                                                                   + str(n % p["b"]))), {"b": [2, 3, 5, 7, 8]},
+     lambda p: _to_base(p["b"]), {"b": [2, 3, 5, 7, 8]},
      [(0,), (10,), (255,)]),
     ("longest_run", "s: str", "Return the length of the longest run of consecutive '{c}' characters in s.",
      lambda p: (lambda s: max((len(x) for x in re.findall(re.escape(p["c"]) + "+", s)), default=0)),
@@ -181,6 +202,5 @@ def _product(*lists):
 if __name__ == "__main__":
     problems = instantiate(random.Random(55))
     with open(OUT, "w") as f:
-        for p in problems:
-            f.write(json.dumps(p) + "\n")
+        f.writelines(json.dumps(p) + "\n" for p in problems)
     print(f"{len(problems)} problems -> {OUT}")

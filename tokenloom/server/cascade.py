@@ -13,15 +13,16 @@ end: after k tokens the tier is committed.
 
 A tier whose model cannot be loaded, or that refuses the request (a prompt over its context, a grammar
 its vocabulary cannot spell: any 4xx of its checks), is skipped (`skipped` in the response names it and
-why) and the next answers; with none left the answer is the last tier's error (a 503 naming an unloadable
-tier, the 4xx of a bad request). A cascade answers
-one choice of one prompt (`n` > 1 or several prompts: a 400).
+why) and the next answers; with none left the answer is the last tier's error (a 503 naming an
+unloadable tier, the 4xx of a bad request). A cascade answers one choice of one text prompt (`n` > 1,
+several prompts or token ids: a 400).
 
-The response carries `served_by` (the answering tier's model), `escalated`, `confidence` (the last
-decision's score, of the rule's signal) and `confidence_signals` (every signal of that decision),
-`usage` summed over every tier that ran with `usage.tiers` per tier; in a stream, the last chunk before
-[DONE] carries them. A probe (a calibration file's) reads the small tier's pooled hidden state
-(SamplingParams.pool_hidden): over the prompt alone it decides after the prompt ran (a router: one
+The response carries `served_by` (the answering tier's model), `escalated` (a tier after the first
+answered, for whatever reason: `skipped` names a tier passed over without a decision), `confidence`
+(the last decision's score, of the rule's signal) and `confidence_signals` (every signal of that
+decision), `usage` summed over every tier that ran with `usage.tiers` per tier; in a stream, the last
+chunk before [DONE] carries them. A probe (a calibration file's) reads the small tier's pooled hidden
+state (SamplingParams.pool_hidden): over the prompt alone it decides after the prompt ran (a router: one
 token held), over the prompt and the first k tokens at k.
 """
 
@@ -43,6 +44,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .streams import RequestGroup
 
 logger = logging.getLogger("tokenloom.server.cascade")
+
 
 class Tiers(Protocol):
     """The front's hold on tier models (multi_serve.TierAccess)."""
@@ -78,6 +80,7 @@ class _Run:
     confidence: float | None = None
     signals: dict | None = None
     error: APIError | None = None  # the last tier that could not be acquired
+    why: str = "no decision"  # the last decision, for the request's log line
 
     def record(self, model: str, prompt_tokens: int, completion_tokens: int, **decision) -> None:
         self.tiers.append({"model": model, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -134,8 +137,12 @@ class Cascade:
                 signals["probe"] = 1.0 - self.rule.probe.p_fail(pooled) if pooled is not None else 1.0
             confidence = signals[self.rule.signal]
             run.confidence, run.signals = confidence, signals
+            low = self.rule.escalates(confidence)
+            run.why = f"{tier}: {self.rule.signal} {confidence:.3f} {'<' if low else '>='} {self.rule.threshold}"
             # The next tier is acquired before this one is aborted: if none can load, this answer stands.
-            found = await self._next_tier(tiers, i + 1, run) if self.rule.escalates(confidence) else None
+            found = await self._next_tier(tiers, i + 1, run) if low else None
+            if low and found is None:
+                run.why += ", but no later tier could load"
             if found is None:
                 run.tiers.append({"model": tier, "confidence": round(confidence, 4), "decision": "answered"})
                 return await self._respond(view, _HeldGroup(group, held, client_n[0]), request, run, tier, i)
@@ -193,11 +200,9 @@ class Cascade:
             self.metrics.tokens.labels(name, t["model"], "prompt").inc(t.get("prompt_tokens", 0))
             self.metrics.tokens.labels(name, t["model"], "completion").inc(t.get("completion_tokens", 0))
         if self.log_requests:
-            why = (f"{self.rule.signal} {run.confidence:.3f} {'<' if escalated else '>='} {self.rule.threshold}"
-                   if run.confidence is not None else "no decision")
             skipped = "".join(f"; skipped {s['model']}: {s['reason']}" for s in run.skipped)
-            logger.info("cascade %s: answered by %s (%s, %s)%s", name, tier, "escalated" if escalated else "first tier",
-                        why, skipped)
+            logger.info("cascade %s: answered by %s (%s; %s)%s", name, tier, "escalated" if escalated else "first tier",
+                        run.why, skipped)
 
 
 def _with_logprobs(client_n: list, pool_hidden: bool):

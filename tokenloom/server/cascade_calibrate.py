@@ -27,8 +27,15 @@ import sys
 import numpy as np
 
 from .cascade_config import DEFAULT_K, CascadeRule, write_config
-from .cascade_signals import CONFIDENCE_TOP_N, SIGNALS, TOKEN_SIGNALS, LogisticProbe, auroc, threshold_for_rate
-from .cascade_signals import token_signals
+from .cascade_signals import (
+    CONFIDENCE_TOP_N,
+    SIGNALS,
+    TOKEN_SIGNALS,
+    LogisticProbe,
+    auroc,
+    threshold_for_rate,
+    token_signals,
+)
 
 logger = logging.getLogger("tokenloom.calibrate")
 
@@ -50,7 +57,7 @@ def passes(problem: dict, completion: str, timeout: float = CHECK_TIMEOUT_S) -> 
     """Does prompt + completion pass the problem's check (run in a fresh interpreter, bounded in time)?"""
     program = f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
     try:
-        done = subprocess.run([sys.executable, "-c", program], capture_output=True, timeout=timeout)
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return False
     return done.returncode == 0

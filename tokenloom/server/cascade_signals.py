@@ -107,5 +107,5 @@ def threshold_for_rate(confidences: Sequence[float], rate: float) -> float:
         return 0.0
     if rate >= 1:
         return 1.0
-    i = min(int(round(rate * len(c))), len(c) - 1)
+    i = min(round(rate * len(c)), len(c) - 1)
     return float(c[i])
