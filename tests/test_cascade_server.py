@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 
 import httpx
+import numpy as np
 import pytest
 from conftest_server import ServerProcess, metric, scrape
 
 from tokenloom.model.loader import bundled_model_path
+from tokenloom.server.cascade_config import CascadeRule, write_config
+from tokenloom.server.cascade_signals import LogisticProbe
 
 pytestmark = pytest.mark.slow
 
@@ -28,17 +31,32 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
                        "required": ["city"], "additionalProperties": False}}}
 
 
+SMOL_HIDDEN = 576  # SmolLM2-135M's hidden size: the probe's features
+
+
+def probe_file(path, bias: float) -> str:
+    """A calibration whose probe ignores its features: p(fail) = sigmoid(bias) for every prompt."""
+    zeros = np.zeros(SMOL_HIDDEN)
+    write_config(str(path), [SMOL, "qwen2.5-coder-0.5b"],
+                 CascadeRule(signal="probe", threshold=0.5, probe=LogisticProbe(zeros, bias, zeros, zeros + 1)), {})
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     broken = tmp_path_factory.mktemp("models") / "broken.gguf"
     broken.write_bytes(b"not a gguf file at all")
+    route_up = probe_file(broken.parent / "route-up.json", 5.0)
+    route_stay = probe_file(broken.parent / "route-stay.json", -5.0)
     proc = ServerProcess([f"smol={SMOL}", "qwen=qwen2.5-coder-0.5b", f"bad={broken}", f"bad2={broken}",
                           "--cascade", "up=smol,qwen;threshold=1.0",
                           "--cascade", "stay=smol,qwen;threshold=0.0",
                           "--cascade", "auto=smol,qwen",
                           "--cascade", "tobad=smol,bad;threshold=1.0",
                           "--cascade", "frombad=bad,qwen",
-                          "--cascade", "nobody=bad,bad2"])
+                          "--cascade", "nobody=bad,bad2",
+                          "--cascade", f"router=smol,qwen;config={route_up}",
+                          "--cascade", f"routerstay=smol,qwen;config={route_stay}"])
     yield proc
     proc.stop()
 
@@ -196,3 +214,16 @@ def test_metrics_count_requests_escalations_and_tokens(server):
     assert grew("tokenloom:cascade_tokens_total", cascade="up", tier="qwen", kind="completion") > 0
     assert "cascade up: answered by qwen (escalated; smol: p10_top1 " in server.log_text()
     assert "cascade stay: answered by smol (first tier; smol: p10_top1 " in server.log_text()
+
+
+def test_the_prompt_only_probe_routes_before_the_small_model_writes(server):
+    """A probe over the prompt's pooled hidden state decides once the prompt ran: one small token held."""
+    with server.client() as http:
+        up = chat(http, "router")
+        assert (up["served_by"], up["escalated"]) == ("qwen", True)
+        assert up["confidence_signals"]["probe"] == pytest.approx(1 - 1 / (1 + np.exp(-5.0)), abs=1e-4)
+        assert 1 <= up["usage"]["tiers"][0]["completion_tokens"] <= 3  # decided after the prompt, not k = 16
+        assert up["choices"][0]["message"]["content"] == chat(http, "qwen")["choices"][0]["message"]["content"]
+        stay = chat(http, "routerstay")
+        assert (stay["served_by"], stay["escalated"]) == ("smol", False)
+        assert stay["choices"][0]["message"]["content"] == chat(http, "smol")["choices"][0]["message"]["content"]

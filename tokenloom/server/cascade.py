@@ -126,10 +126,10 @@ class Cascade:
                 await tiers.release(tier)
                 i, state = found
                 continue
-            held = await _first_tokens(group, self.rule.hold)
+            held, rest = await _first_tokens(group, self.rule.hold)
             out = held[-1] if held else None
             if out is None or out.error is not None:  # aborted (shutdown) or failed: that tier's own answer
-                return await self._respond(view, _HeldGroup(group, held, client_n[0]), request, run, tier, i)
+                return await self._respond(view, _HeldGroup(group, held, rest, client_n[0]), request, run, tier, i)
             c = out.outputs[0]
             signals = token_signals(c.token_ids[: self.rule.k], (c.logprobs or [])[: self.rule.k])
             if self.rule.probe is not None:
@@ -145,7 +145,7 @@ class Cascade:
                 run.why += ", but no later tier could load"
             if found is None:
                 run.tiers.append({"model": tier, "confidence": round(confidence, 4), "decision": "answered"})
-                return await self._respond(view, _HeldGroup(group, held, client_n[0]), request, run, tier, i)
+                return await self._respond(view, _HeldGroup(group, held, rest, client_n[0]), request, run, tier, i)
             group.abort_unfinished()
             await tiers.release(tier)  # the next tier may evict it now
             run.record(tier, len(out.prompt_token_ids), len(c.token_ids), confidence=round(confidence, 4),
@@ -215,28 +215,28 @@ def _with_logprobs(client_n: list, pool_hidden: bool):
     return adjust
 
 
-async def _first_tokens(group: RequestGroup, k: int) -> list:
-    """The outputs of the group's one request until it has k tokens or ends (aborted: empty)."""
+async def _first_tokens(group: RequestGroup, k: int) -> tuple[list, object]:
+    """The newest output of the group's one request once it has k tokens or ended (none: aborted), and
+    the iterator of its outputs after that one."""
     held = []
-    stream = group.streams[0]
-    group.iterator = stream.__aiter__()
+    rest = aiter(group.streams[0])
     while True:
         try:
-            out = await group.iterator.__anext__()
+            out = await anext(rest)
         except StopAsyncIteration:
-            return held
+            return held, rest
         held = [out]
         if out.finished or out.error is not None or len(out.outputs[0].token_ids) >= k:
-            return held
+            return held, rest
 
 
 class _HeldGroup(RequestGroup):
     """The request group as a view reads it: the held output first, then the rest of the same stream,
     each with the logprobs cut back to what the client asked for (None: none)."""
 
-    def __init__(self, group: RequestGroup, held: list, client_n: int | None):
+    def __init__(self, group: RequestGroup, held: list, rest, client_n: int | None):
         super().__init__(group.async_llm, group.base_id)
-        self.streams, self.iterator, self.held, self.client_n = group.streams, group.iterator, held, client_n
+        self.streams, self.rest, self.held, self.client_n = group.streams, rest, held, client_n
         self._trimmed: list = []  # the client's logprobs so far (outputs are cumulative)
 
     async def outputs(self):
@@ -244,7 +244,7 @@ class _HeldGroup(RequestGroup):
             yield 0, self._trim(out)
         if self.held and self.held[-1].finished:
             return
-        async for out in self.iterator:
+        async for out in self.rest:
             yield 0, self._trim(out)
 
     def _trim(self, out):

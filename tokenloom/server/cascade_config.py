@@ -57,7 +57,7 @@ class CascadeSpec:
     options: dict = field(default_factory=dict)  # this cascade's own threshold / k / signal (`;key=value`)
 
 
-OPTION_TYPES = {"threshold": float, "k": int, "signal": str}
+OPTION_TYPES = {"threshold": float, "k": int, "signal": str, "config": str}
 
 
 def add_cascade_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +65,7 @@ def add_cascade_args(p: argparse.ArgumentParser) -> None:
                    help="with several models: a request for `model: NAME` runs the tiers in order; each answers "
                         "unless its confidence over its first --cascade-k tokens is below --cascade-threshold, "
                         "then the next answers from scratch (repeat the flag for more cascades; `;threshold=T`, "
-                        "`;k=N`, `;signal=S` set one cascade's own, over the flags)")
+                        "`;k=N`, `;signal=S`, `;config=FILE` set one cascade's own, over the flags)")
     p.add_argument("--cascade-k", type=int, default=None,
                    help=f"tokens a tier writes before its answer is judged (default: {DEFAULT_K}, or the calibration "
                         "file's)")
@@ -126,7 +126,8 @@ def parse_cascades(texts: list[str] | None, models: dict[str, str]) -> list[Casc
 def build_rule(args: argparse.Namespace, spec: CascadeSpec, sources: dict[str, str]) -> CascadeRule:
     """The cascade's rule: the calibration file's (checked against the tiers' files), then the flags."""
     tier_sources = [sources[t] for t in spec.tiers]
-    rule = load_config(args.cascade_config, tier_sources) if args.cascade_config else shipped_rule(tier_sources)
+    path = spec.options.get("config") or args.cascade_config
+    rule = load_config(path, tier_sources) if path else shipped_rule(tier_sources)
     if args.cascade_k is not None:
         rule.k = args.cascade_k
     if args.cascade_signal is not None:
@@ -134,7 +135,8 @@ def build_rule(args: argparse.Namespace, spec: CascadeSpec, sources: dict[str, s
     if args.cascade_threshold is not None:
         rule.threshold = args.cascade_threshold
     for key, value in spec.options.items():
-        setattr(rule, key, value)
+        if key != "config":
+            setattr(rule, key, value)
     check_rule(rule, spec.name)
     return rule
 
