@@ -137,7 +137,8 @@ def resident_bytes(engine) -> int:
 class MultiModelApp:
     """The pure-ASGI front: dispatches model routes to the models' apps, the rest to `front`."""
 
-    def __init__(self, models: ModelSet, front: FastAPI, api_key: str | None, cascades: dict[str, Cascade] | None = None):
+    def __init__(self, models: ModelSet, front: FastAPI, api_key: str | None,
+                 cascades: dict[str, Cascade] | None = None):
         self.models = models
         self.cascades = cascades or {}
         self.cascade_app = build_cascade_app(self.cascades)
@@ -276,6 +277,7 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
     from ..engine.metrics import CONTENT_TYPE
+    from .state import now_s
     from .tenancy import MetricsAccess, public_metrics
 
     registry = CollectorRegistry()
@@ -323,7 +325,7 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
     async def list_models(request: Request):
         # Filesystem paths only for the operator's --metrics-token, as `serve MODEL` answers.
         paths = access.operator_token(request.headers.get("authorization", "").encode("latin-1", "replace"))
-        listed = [{"id": c.spec.name, "object": "model", "created": 0, "owned_by": "tokenloom",
+        listed = [{"id": c.spec.name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
                    "cascade": {"tiers": list(c.spec.tiers), "k": c.rule.k, "signal": c.rule.signal,
                                "threshold": c.rule.threshold}} for c in (cascades or {}).values()]
         return {"object": "list", "data": models.describe(paths) + listed}
@@ -372,8 +374,9 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
         evictions.set(models.evictions)
         total.set(models.resident_bytes)
         budget.set(models.budget or 0)
-        registries = [registry, *([cascade_metrics.registry] if cascade_metrics else []), *(s.handle.metrics.registry for s in models.slots.values()
-                                  if s.handle is not None and s.handle.metrics is not None)]
+        registries = [registry, *([cascade_metrics.registry] if cascade_metrics else []),
+                      *(s.handle.metrics.registry for s in models.slots.values()
+                        if s.handle is not None and s.handle.metrics is not None)]
         text = generate_latest(_MergedRegistry(registries))
         return Response(text if view == "full" else public_metrics(text), media_type=CONTENT_TYPE)
 
