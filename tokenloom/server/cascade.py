@@ -14,8 +14,10 @@ end: after k tokens the tier is committed.
 A tier whose model cannot be loaded, or that refuses the request (a prompt over its context, a grammar
 its vocabulary cannot spell: any 4xx of its checks), is skipped (`skipped` in the response names it and
 why) and the next answers; with none left the answer is the last tier's error (a 503 naming an
-unloadable tier, the 4xx of a bad request). A cascade answers one choice of one text prompt (`n` > 1,
-several prompts or token ids: a 400).
+unloadable tier, the 4xx of a bad request). The next tier is acquired while the current one still holds
+its answer, so a cascade's tiers are meant to be resident together (the budget should hold them): a next
+tier that cannot load beside it (after the set's load wait) leaves the current answer standing. A cascade
+answers one choice of one text prompt (`n` > 1, several prompts or token ids: a 400).
 
 The response carries `served_by` (the answering tier's model), `escalated` (a tier after the first
 answered, for whatever reason: `skipped` names a tier passed over without a decision), `confidence`
