@@ -146,3 +146,32 @@ def test_a_shipped_calibration_is_used_for_its_own_files_only(tmp_path, monkeypa
     other.write_bytes(Path(SMOL).read_bytes()[: 1 << 20])
     rule = build_rule(flags(), spec, {**MODELS, "large": str(other)})
     assert (rule.k, rule.signal, rule.threshold) == (CascadeRule().k, CascadeRule().signal, CascadeRule().threshold)
+
+
+def test_held_output_then_the_rest_with_the_clients_own_logprobs():
+    """What a view reads of an answer that stands: the held output, then the same stream's later ones,
+    each token's logprobs cut back from the signals' top-N to the client's N (None: none at all)."""
+    import asyncio
+
+    from tokenloom.outputs import CompletionOutput, RequestOutput
+    from tokenloom.server.cascade import _HeldGroup
+    from tokenloom.server.streams import RequestGroup
+
+    lps = [{7: -0.1, 3: -2.0, 9: -3.0}, {4: -0.5, 8: -1.0, 2: -4.0}, {1: -0.2, 5: -2.5, 2: -3.5}]
+    ids = [3, 4, 2]  # the chosen tokens: second, first, third of their rows
+
+    def out(n, done=False):
+        return RequestOutput("r", None, [0], [CompletionOutput(0, "x" * n, ids[:n], "stop" if done else None,
+                                                               logprobs=lps[:n])], finished=done)
+
+    async def rest():
+        yield out(3, done=True)
+
+    async def read(client_n):
+        group = _HeldGroup(RequestGroup(None, "r"), [out(2)], rest(), client_n)
+        return [o async for _, o in group.outputs()]
+
+    none, two = asyncio.run(read(None)), asyncio.run(read(1))
+    assert [len(o.outputs[0].token_ids) for o in two] == [2, 3] and two[-1].finished
+    assert all(o.outputs[0].logprobs is None for o in none)
+    assert two[-1].outputs[0].logprobs == [{7: -0.1, 3: -2.0}, {4: -0.5}, {1: -0.2, 2: -3.5}]
