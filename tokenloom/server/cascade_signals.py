@@ -81,8 +81,9 @@ class LogisticProbe:
         return float(1.0 / (1.0 + math.exp(-float(z @ self.weights + self.bias))))
 
     def to_json(self) -> dict:
-        return {"weights": self.weights.tolist(), "bias": self.bias, "mean": self.mean.tolist(),
-                "scale": self.scale.tolist()}
+        def short(v):  # 7 significant digits: float32's, a third of the file
+            return [float(f"{x:.7g}") for x in np.atleast_1d(v)]
+        return {"weights": short(self.weights), "bias": self.bias, "mean": short(self.mean), "scale": short(self.scale)}
 
     @classmethod
     def from_json(cls, d: dict) -> LogisticProbe:
