@@ -3,7 +3,9 @@
 Each problem is a function signature and docstring (with an example) for the model to complete, and a
 `check(candidate)` of asserts whose expected values come from the reference solution here. Templates
 (arithmetic, strings, lists, dicts) are instantiated with different names and constants, so the set
-spans tasks a 0.5B coder gets right and ones it gets wrong. Deterministic (seeded).
+spans tasks a 0.5B coder gets right and ones it gets wrong. Deterministic (seeded). Each problem names
+its template (`group`): calibration's folds keep a template's variants together, so the probe is
+scored on templates it was not fitted to.
 
     python benchmarks/cascade/make_dev.py            # writes benchmarks/cascade/dev.jsonl
 """
@@ -188,8 +190,8 @@ def instantiate(rng: random.Random):
                           f"    {fn(*example)!r}\n    \"\"\"\n")
                 asserts = "".join(f"    assert candidate({', '.join(map(repr, args))}) == {fn(*args)!r}\n"
                                   for args in inputs)
-                problems.append({"task_id": f"cascade_dev/{len(problems)}", "prompt": prompt, "entry_point": name,
-                                 "test": f"def check(candidate):\n{asserts}"})
+                problems.append({"task_id": f"cascade_dev/{len(problems)}", "group": base, "prompt": prompt,
+                                 "entry_point": name, "test": f"def check(candidate):\n{asserts}"})
     return problems
 
 

@@ -8,8 +8,8 @@ its asserts in a subprocess. Of the small tier's answer the first k tokens give 
 (cascade_signals.py), and its pooled hidden states (over the prompt alone, and over the prompt and the
 first k tokens) the probe's features. The label: the small tier fails.
 
-Every signal's AUROC for "small fails" is measured (the probe's out of fold, 5 folds, so it is not
-scored on what it was fitted to); the signal is the best one unless `--signal` names one; the threshold
+Every signal's AUROC for "small fails" is measured (the probe's out of fold, 5 folds by the problems'
+`group`, so it is not scored on what it, or a variant of the same template, was fitted to); the signal is the best one unless `--signal` names one; the threshold
 is the one at which `--target-escalation` of the dev set escalates. The file records the tiers' files
 (`--cascade-config` refuses it for other models), k, the signal, threshold, the probe and the report.
 """
@@ -111,12 +111,17 @@ def _answers(args: argparse.Namespace, source: str, problems: list[dict], small:
     return [(f.outputs[0], a.outputs[0] if a else None) for f, a in zip(full, at_k or [None] * len(full), strict=True)]
 
 
-def _out_of_fold(features: np.ndarray, failed: np.ndarray) -> np.ndarray:
-    """Each problem's p(fail) from a probe fitted on the other folds."""
-    order = np.random.default_rng(0).permutation(len(failed))
+def _out_of_fold(features: np.ndarray, failed: np.ndarray, groups: list[str]) -> np.ndarray:
+    """Each problem's p(fail) from a probe fitted on the other folds; a group (a template's variants)
+    stays in one fold, so no problem is scored by a probe that saw its near-twin."""
+    names = sorted(set(groups))
+    np.random.default_rng(0).shuffle(names)
     p = np.zeros(len(failed))
-    for fold in np.array_split(order, FOLDS):
-        rest = np.setdiff1d(order, fold)
+    for chunk in np.array_split(np.array(names, dtype=object), min(FOLDS, len(names))):
+        fold = np.array([i for i, g in enumerate(groups) if g in set(chunk)])
+        rest = np.setdiff1d(np.arange(len(failed)), fold)
+        if not len(fold):
+            continue
         if len(set(failed[rest])) < 2:
             p[fold] = failed[rest].mean()
             continue
@@ -143,7 +148,8 @@ def cmd_calibrate_cascade(args: argparse.Namespace) -> int:
                             for c, _ in small]) for name in TOKEN_SIGNALS}
     features = np.array([(c.prompt_hidden if args.probe_pool == "prompt" else at_k.pooled_hidden)
                          for c, at_k in small])
-    conf["probe"] = 1.0 - _out_of_fold(features, failed)
+    conf["probe"] = 1.0 - _out_of_fold(features, failed, [p.get("group", p.get("task_id", str(i)))
+                                                          for i, p in enumerate(problems)])
     aurocs = {name: auroc(1.0 - c, failed.astype(bool)) for name, c in conf.items()}
     signal = args.signal if args.signal != "best" else max(aurocs, key=lambda s: aurocs[s] or 0.0)
     threshold = threshold_for_rate(conf[signal], args.target_escalation)
