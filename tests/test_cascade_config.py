@@ -99,6 +99,20 @@ def test_a_calibration_file_for_other_models_is_refused(tmp_path):
     assert data["tiers"][0]["sample_sha256"] and data["tiers"][0]["size"] > 0
 
 
+def test_another_signal_of_a_calibration_brings_its_own_threshold(tmp_path):
+    path = str(tmp_path / "cal.json")
+    write_config(path, [SMOL, SMOL], CascadeRule(signal="p10_top1", threshold=0.55,
+                                                 thresholds={"p10_top1": 0.55, "min_top1": 0.31}), {})
+    spec = parse_cascades(["c=small,large"], MODELS)[0]
+    assert build_rule(flags(cascade_config=path), spec, MODELS).threshold == 0.55
+    rule = build_rule(flags(cascade_config=path, cascade_signal="min_top1"), spec, MODELS)
+    assert (rule.signal, rule.threshold) == ("min_top1", 0.31)
+    rule = build_rule(flags(cascade_config=path, cascade_signal="min_top1", cascade_threshold=0.7), spec, MODELS)
+    assert rule.threshold == 0.7
+    own = parse_cascades([f"c=small,large;config={path};signal=min_top1"], MODELS)[0]
+    assert build_rule(flags(), own, MODELS).threshold == 0.31
+
+
 def test_signals_from_logprobs():
     sure = {1: math.log(0.99), 2: math.log(0.01)}
     unsure = {3: math.log(0.4), 4: math.log(0.35)}
@@ -175,3 +189,18 @@ def test_held_output_then_the_rest_with_the_clients_own_logprobs():
     assert [len(o.outputs[0].token_ids) for o in two] == [2, 3] and two[-1].finished
     assert all(o.outputs[0].logprobs is None for o in none)
     assert two[-1].outputs[0].logprobs == [{7: -0.1, 3: -2.0}, {4: -0.5}, {1: -0.2, 2: -3.5}]
+
+
+def test_the_shipped_qwen_coder_calibration_loads_for_the_catalog_pair():
+    from tokenloom.model import catalog
+    from tokenloom.server.cascade_config import SHIPPED, shipped_rule
+
+    pair = ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
+    if not all(catalog.local_path(name) for name in pair):
+        pytest.skip("the Qwen2.5-Coder pair is not pulled (tokenloom pull NAME)")
+    shipped = json.loads((SHIPPED / "qwen2.5-coder-0.5b-1.5b.json").read_text())
+    rule = shipped_rule(pair)
+    assert (rule.signal, rule.threshold, rule.k) == (shipped["signal"], shipped["threshold"], shipped["k"])
+    assert rule.signal != "probe" or rule.probe is not None
+    assert "HumanEval" not in shipped["calibration"]["dev"]
+    assert shipped_rule(pair[::-1]).threshold == CascadeRule().threshold  # the other way round: not its tiers

@@ -154,7 +154,8 @@ def cmd_calibrate_cascade(args: argparse.Namespace) -> int:
     signal = args.signal if args.signal != "best" else max(aurocs, key=lambda s: aurocs[s] or 0.0)
     threshold = threshold_for_rate(conf[signal], args.target_escalation)
     rule = CascadeRule(k=args.k, signal=signal, threshold=threshold, probe_pool=args.probe_pool,
-                       probe=LogisticProbe.fit(features, failed) if len(set(failed)) > 1 else None)
+                       probe=LogisticProbe.fit(features, failed) if len(set(failed)) > 1 else None,
+                       thresholds={s: threshold_for_rate(c, args.target_escalation) for s, c in conf.items()})
     if rule.signal == "probe" and rule.probe is None:
         raise ValueError("calibrate-cascade: the small tier passed (or failed) every problem; no probe to fit")
     escalate = np.array([rule.escalates(c) for c in conf[signal]])
@@ -162,7 +163,12 @@ def cmd_calibrate_cascade(args: argparse.Namespace) -> int:
     report = {"problems": len(problems), "dev": args.dev, "small_pass": float(small_ok.mean()),
               "large_pass": float(large_ok.mean()), "cascade_pass": float(cascade_ok.mean()),
               "escalation_rate": float(escalate.mean()), "auroc_small_fails": aurocs,
-              "max_tokens": args.max_tokens, "quantization": getattr(args, "quantization", None)}
+              "max_tokens": args.max_tokens, "quantization": getattr(args, "quantization", None),
+              # each problem's outcome and confidences (the probe's out of fold): a refit needs no rerun
+              "per_problem": [{"task_id": p.get("task_id"), "small_pass": bool(ok_s), "large_pass": bool(ok_l),
+                               **{name: round(float(c[i]), 5) for name, c in conf.items()}}
+                              for i, (p, ok_s, ok_l) in enumerate(zip(problems, small_ok, large_ok, strict=True))]}
     write_config(args.out, list(args.tiers), rule, report)
-    print(json.dumps({"signal": signal, "threshold": threshold, **report}, indent=1))
+    print(json.dumps({"signal": signal, "threshold": threshold,
+                      **{k: v for k, v in report.items() if k != "per_problem"}}, indent=1))
     return 0

@@ -38,6 +38,7 @@ class CascadeRule:
     threshold: float = DEFAULT_THRESHOLD
     probe: LogisticProbe | None = None  # signal "probe" (from a calibration file)
     probe_pool: str = "prompt"  # what the probe's hidden state is pooled over: "prompt" or "prompt+k"
+    thresholds: dict = field(default_factory=dict)  # a calibration's threshold per signal (the same target)
 
     @property
     def hold(self) -> int:
@@ -73,8 +74,8 @@ def add_cascade_args(p: argparse.ArgumentParser) -> None:
                    help=f"in [0, 1]: a tier escalates when its confidence is below it; 0 never, 1 always (default: "
                         f"{DEFAULT_THRESHOLD}, or the calibration file's)")
     p.add_argument("--cascade-signal", choices=SIGNALS, default=None,
-                   help=f"the confidence signal (default: {DEFAULT_SIGNAL}, or the calibration file's; `probe` "
-                        "needs a --cascade-config file)")
+                   help=f"the confidence signal (default: {DEFAULT_SIGNAL}, or the calibration file's, whose "
+                        "threshold for another signal comes with it; `probe` needs a calibration file)")
     p.add_argument("--cascade-config", metavar="FILE", default=None,
                    help="a calibration file from `tokenloom calibrate-cascade` (signal, threshold, k, probe), for "
                         "the cascade of the same tier models; flags given beside it win")
@@ -130,12 +131,14 @@ def build_rule(args: argparse.Namespace, spec: CascadeSpec, sources: dict[str, s
     rule = load_config(path, tier_sources) if path else shipped_rule(tier_sources)
     if args.cascade_k is not None:
         rule.k = args.cascade_k
-    if args.cascade_signal is not None:
-        rule.signal = args.cascade_signal
+    signal = spec.options.get("signal", args.cascade_signal)
+    if signal is not None and signal != rule.signal:
+        # Another signal of a calibrated file: its own threshold for the same escalation target.
+        rule.signal, rule.threshold = signal, rule.thresholds.get(signal, rule.threshold)
     if args.cascade_threshold is not None:
         rule.threshold = args.cascade_threshold
     for key, value in spec.options.items():
-        if key != "config":
+        if key not in ("config", "signal"):
             setattr(rule, key, value)
     check_rule(rule, spec.name)
     return rule
@@ -171,7 +174,8 @@ def model_identity(source: str) -> dict:
 
 def write_config(path: str, sources: list[str], rule: CascadeRule, report: dict) -> None:
     data = {"version": CONFIG_VERSION, "tiers": [{"source": s, **model_identity(s)} for s in sources],
-            "k": rule.k, "signal": rule.signal, "threshold": rule.threshold, "probe_pool": rule.probe_pool,
+            "k": rule.k, "signal": rule.signal, "threshold": rule.threshold, "thresholds": rule.thresholds,
+            "probe_pool": rule.probe_pool,
             "probe": rule.probe.to_json() if rule.probe is not None else None, "calibration": report}
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -207,7 +211,8 @@ def load_config(path: str, sources: list[str]) -> CascadeRule:
             raise ValueError(f"--cascade-config {path}: tier {i} was calibrated for {recorded.get('file') or recorded}, "
                              f"not for {source} ({mine.get('file', source)}): calibrate this cascade's models")
     rule = CascadeRule(k=int(data.get("k", DEFAULT_K)), signal=data.get("signal", DEFAULT_SIGNAL),
-                       threshold=data.get("threshold", DEFAULT_THRESHOLD), probe_pool=data.get("probe_pool", "prompt"))
+                       threshold=data.get("threshold", DEFAULT_THRESHOLD), probe_pool=data.get("probe_pool", "prompt"),
+                       thresholds=data.get("thresholds") or {})
     if data.get("probe"):
         rule.probe = LogisticProbe.from_json(data["probe"])
     return rule
