@@ -1,5 +1,5 @@
 """`tokenloom` command line: serve | generate | pull | models | bench | kv-calc | simulate | simulate-fleet |
-calibrate | lab | dashboard-replay."""
+calibrate | lab | dashboard-replay | calibrate-cascade."""
 
 from __future__ import annotations
 
@@ -147,6 +147,9 @@ COMMANDS = {
     "lab": (".lab.cli:add_lab_parser", "compare static, dynamic and continuous batching on one workload"),
     "dashboard-replay": (".server.replay_cli:add_replay_parser",
                          "open a recorded lab/simulate run in the dashboard page, step by step"),
+    "calibrate-cascade": (".server.cascade_calibrate:add_calibrate_cascade_parser",
+                          ("fit a cascade's signal, threshold and probe on a labelled dev set; writes the file "
+                           "--cascade-config loads")),
 }
 
 

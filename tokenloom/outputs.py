@@ -18,6 +18,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None  # with finish_reason "error": what went wrong (an internal error)
+    pooled_hidden: list[float] | None = None  # with SamplingParams.pool_hidden: the mean final hidden state
+    prompt_hidden: list[float] | None = None  # ... and its mean over the prompt alone
 
     @property
     def finished(self) -> bool:

@@ -103,9 +103,11 @@ class ModelRunner(Runner):
         self._copy_blocks(out.swap_in, self.host_cache, self.kv_cache)
         if out.is_empty:
             return []
-        input_ids, batch, sample_rows, prompt_rows, argmax_rows = self._prepare(out)
+        input_ids, batch, sample_rows, prompt_rows, argmax_rows, pooled_rows = self._prepare(out)
         start = time.perf_counter()
         hidden, logits = self.model(input_ids, batch, self.layer_caches)
+        for k, (q0, first, last) in pooled_rows.items():
+            self._pool(out.scheduled[k][0], hidden[q0 : q0 + last - first], first, last)
         drafts = [out.scheduled[k][0].spec_token_ids for k in argmax_rows]
         flat = [r for first, d in zip(argmax_rows.values(), drafts, strict=True) for r in range(first, first + 1 + len(d))]
         tokens = self.model.greedy_tokens(hidden[flat]).tolist() if flat else []
@@ -122,6 +124,19 @@ class ModelRunner(Runner):
             res.accepted, res.token_id = emitted[:-1], emitted[-1]
             res.accepted_logprobs = [None] * len(res.accepted)
         return results
+
+    @staticmethod
+    def _pool(seq, rows: torch.Tensor, first: int, last: int) -> None:
+        """Add the hidden rows of positions [first, last) to the sequence's sum; the prompt's mean is kept
+        apart once the last prompt position is in (a chunk may run past it after a recompute)."""
+        cut = min(max(seq.num_prompt_tokens - first, 0), last - first)
+        for part, ends_prompt in ((rows[:cut], first + cut == seq.num_prompt_tokens), (rows[cut:], False)):
+            if len(part):
+                total = part.float().sum(dim=0)
+                seq.hidden_sum = total if seq.hidden_sum is None else seq.hidden_sum + total
+                if ends_prompt:
+                    seq.prompt_hidden = seq.hidden_sum / seq.num_prompt_tokens
+        seq.hidden_count = last
 
     def _prepare(self, out: StepPlan):
         bs, groups = self.block_size, range(self.layout.num_groups)
@@ -142,6 +157,7 @@ class ModelRunner(Runner):
         sample_rows: dict[int, int] = {}  # scheduled index -> first logits row (one more per draft)
         argmax_rows: dict[int, int] = {}  # scheduled index -> its first flat row (one more per draft), argmax alone
         prompt_rows: dict[int, tuple[int, int, int]] = {}  # scheduled index -> (logits row, position, count)
+        pooled_rows: dict[int, tuple[int, int, int]] = {}  # pool_hidden: scheduled index -> (row, from, to position)
         row_lora: list = []  # per flat row: its LoRA adapter or None (padding rows: the row they repeat)
         # Decode rows first (with any static-batch padding right after them), then short prefill chunks,
         # then long ones: the model sends the first groups and the last to different kernels.
@@ -182,6 +198,11 @@ class ModelRunner(Runner):
                 if start > 0:  # query i (at position start+i) sees context positions <= start+i
                     mask = torch.from_numpy(np.arange(ctx)[None, :] <= pos[:, None]).to(self.device)
                 prefills.append(PrefillSpan(q0, n, context_slots[0][-1], mask, context_starts[0][-1]))
+            if seq.params.pool_hidden and (last := ctx - len(seq.spec_token_ids)) > seq.hidden_count:
+                # Positions pooled once only (after a recompute-preemption the rows before are not added
+                # again), and drafts not at all (they may be rejected).
+                first = max(start, seq.hidden_count)
+                pooled_rows[k] = (q0 + first - start, first, last)
             if seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens:
                 # The row at prompt position p predicts prompt token p+1; the last prompt position samples.
                 # After a recompute-preemption, positions whose logprobs exist are not done again.
@@ -218,7 +239,8 @@ class ModelRunner(Runner):
             other_groups=tuple(GroupSlots(slot_mappings[g], tables[g], context_slots[g], context_starts[g])
                                for g in groups[1:]),
         )
-        return torch.tensor(tokens, dtype=torch.long, device=dev), batch, sample_rows, prompt_rows, argmax_rows
+        return (torch.tensor(tokens, dtype=torch.long, device=dev), batch, sample_rows, prompt_rows, argmax_rows,
+                pooled_rows)
 
     def _padded_tables(self, rows: list[np.ndarray]) -> torch.Tensor:
         """[rows, longest] block tables, zero-padded."""

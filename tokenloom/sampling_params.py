@@ -154,6 +154,10 @@ class SamplingParams:
     # and the tenant whose fair share it draws on (`--fairness vtc`; the server sets the `user` field).
     slo: SLO | dict | None = None
     tenant: str | None = None
+    # The mean of the model's final (normed) hidden state over every token it runs for this request, in
+    # its output (a cascade's probe, server/cascade.py; not an API field). Such a request skips the
+    # prefix cache, so the mean covers the whole prompt.
+    pool_hidden: bool = False
 
     def __post_init__(self) -> None:
         self._normalise()

@@ -77,6 +77,10 @@ class Sequence:
         # Outputs
         self.output_text = ""
         self.logprobs: list[TokenLogprobs] = []
+        # params.pool_hidden: the sum of the final hidden state over positions [0, hidden_count)
+        self.hidden_sum = None
+        self.hidden_count = 0
+        self.prompt_hidden = None  # its mean over the prompt's positions alone, once they all ran
         self.prompt_logprobs: list[TokenLogprobs | None] = []
         self.stop_reason: int | str | None = None
 

@@ -266,7 +266,7 @@ class KVCacheManager:
     def get_computed_blocks(self, seq: Sequence) -> list[tuple[KVBlock | None, ...]]:
         """Cached blocks holding the longest prefix of `seq`'s tokens (see `cached_prefix`). At least one
         token is always left to compute, because its logits are needed to sample."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None or seq.params.pool_hidden:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         return self.cached_prefix(self._keys_up_to(seq, max_blocks))

@@ -45,7 +45,8 @@ class OutputProcessor:
         outputs = [
             CompletionOutput(s.index, self.visible_text(s), s.output_token_ids,
                              "error" if state.error is not None else s.finish_reason, s.stop_reason,
-                             s.logprobs if s.params.logprobs is not None else None, state.error)
+                             s.logprobs if s.params.logprobs is not None else None, state.error,
+                             *pooled_hidden(s))
             for s in state.seqs
         ]
         metrics = RequestMetrics(
@@ -76,3 +77,12 @@ class OutputProcessor:
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids,
                              [CompletionOutput(s.index, "", [], "error", None, None, state.error)
                               for s in state.seqs], finished=True, error=state.error)
+
+
+def pooled_hidden(seq: Sequence) -> tuple[list[float] | None, list[float] | None]:
+    """The mean final hidden state so far and over the prompt, for a request that asked for them
+    (SamplingParams.pool_hidden)."""
+    if not seq.params.pool_hidden or seq.hidden_sum is None or not seq.hidden_count:
+        return None, None
+    prompt = seq.prompt_hidden.tolist() if seq.prompt_hidden is not None else None
+    return (seq.hidden_sum / seq.hidden_count).tolist(), prompt

@@ -157,4 +157,5 @@ class _ChatView(GenerationView):
         return {key: {**head, "tool_calls": calls}, "finish_reason": "tool_calls"}
 
 
+ChatView = _ChatView
 create_chat_completion = _ChatView.create

@@ -54,4 +54,5 @@ class _CompletionView(GenerationView):
         return {"text": text, "logprobs": logprobs}
 
 
+CompletionView = _CompletionView
 create_completion = _CompletionView.create

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -48,6 +49,9 @@ class GenerationView(abc.ABC):
         self.created = now_s()
         self.tok = state.tokenizer
         self.n = 1  # choices per prompt, once the params are known
+        # Extra top-level fields of the response and the stream's last chunk, given the usage; a `usage`
+        # it returns replaces the view's (a cascade's, cascade.py; in a stream only with include_usage).
+        self.annotate: Callable[[dict], dict] | None = None
 
     @abc.abstractmethod
     async def engine_inputs(self) -> tuple[SamplingParams, list[list[int]]]:
@@ -66,9 +70,20 @@ class GenerationView(abc.ABC):
     @classmethod
     async def create(cls, req: _SamplingFields, request: Request, state: ServerState):
         """The route handler: a JSON response or a StreamingResponse."""
+        view, group = await cls.start(req, state)
+        return await view.respond(group, request)
+
+    @classmethod
+    async def start(cls, req: _SamplingFields, state: ServerState, model: str | None = None,
+                    adjust: Callable[[SamplingParams], None] | None = None) -> tuple[GenerationView, RequestGroup]:
+        """The view and its engine requests, added (a cascade, cascade.py, reads their first tokens before
+        `respond`); `model`: the name the response carries (default: the request's, checked);
+        `adjust`: a last change to the params before the checks (a cascade's logprobs)."""
         arrival = time.monotonic()
-        view = cls(state, req, state.check_model(req.model))
+        view = cls(state, req, model or state.check_model(req.model))
         params, prompts = await view.engine_inputs()
+        if adjust is not None:
+            adjust(params)
         state.client_priority.check(params.priority)  # the operator's range, not the engine's int32
         params.tenant = req.user
         params.slo = state.slo_policy.resolve(req.slo, req.user)  # a bad field or class: a 400 naming it
@@ -84,9 +99,13 @@ class GenerationView(abc.ABC):
         finally:
             if lora is not None:  # the engine's own pins hold it from here
                 state.adapters.release(lora.lora_name)
-        if req.stream:  # null = false
-            return WriteTimeoutStreamingResponse(view.stream(group), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
-        return await until_disconnect(request, view.collect(group))
+        return view, group
+
+    async def respond(self, group: RequestGroup, request: Request):
+        """The JSON response or the StreamingResponse of the group's outputs."""
+        if self.req.stream:  # null = false
+            return WriteTimeoutStreamingResponse(self.stream(group), media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+        return await until_disconnect(request, self.collect(group))
 
     # -- one JSON response -----------------------------------------------------------------------
 
@@ -108,8 +127,9 @@ class GenerationView(abc.ABC):
         choices.sort(key=lambda ch: ch["index"])
         prompt_tokens = sum(len(out.prompt_token_ids) for out in outputs.values())
         completion_tokens = sum(len(c.token_ids) for out in outputs.values() for c in out.outputs)
+        usage = convert.usage(prompt_tokens, completion_tokens)
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": convert.usage(prompt_tokens, completion_tokens)}
+                "choices": choices, "usage": usage, **(self.annotate(usage) if self.annotate else {})}
 
     # -- an SSE stream ---------------------------------------------------------------------------
 
@@ -130,9 +150,14 @@ class GenerationView(abc.ABC):
                     yield self._chunk([self._choice(d, True)])
             if len(finished) < len(group.streams):  # the engine aborted it: the server is shutting down
                 raise _aborted()
-            if self.req.stream_options is not None and self.req.stream_options.include_usage:
-                usage = convert.usage(sum(tracker.prompt_tokens.values()), sum(tracker.completion_tokens.values()))
-                yield self._chunk([], usage=usage)
+            usage = convert.usage(sum(tracker.prompt_tokens.values()), sum(tracker.completion_tokens.values()))
+            include_usage = self.req.stream_options is not None and self.req.stream_options.include_usage
+            extra = {"usage": usage} if include_usage else {}
+            if self.annotate is not None:
+                fields = self.annotate(usage)
+                extra.update(fields if include_usage else {k: v for k, v in fields.items() if k != "usage"})
+            if extra:
+                yield self._chunk([], **extra)
         except Exception as exc:  # noqa: BLE001 - the stream ends with an error event, then [DONE]
             yield sse(from_exception(exc).body())
         finally:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from .cascade_config import add_cascade_args
+
 
 def add_multi_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models-preset", metavar="FILE", default=None,
@@ -23,13 +25,14 @@ def add_multi_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-models-autoload", dest="models_autoload", action="store_false",
                    help="with several models: a request for one not loaded is a 400 naming its status "
                         "(POST /models/load loads it) instead of loading it")
+    add_cascade_args(p)
 
 
 def is_multi(args: argparse.Namespace) -> bool:
     tags = args.model_tag or []
     named = len(tags) == 1 and "=" in tags[0] and not os.path.exists(tags[0])
     return (len(tags) > 1 or named or args.memory_budget is not None or args.models_max is not None
-            or args.models_preset is not None or args.sleep_idle_seconds is not None)
+            or args.models_preset is not None or args.sleep_idle_seconds is not None or bool(args.cascade))
 
 
 # A preset table's engine flags: EngineConfig's, as `serve` spells them (dashes or underscores), less the

@@ -9,6 +9,8 @@ flight until its response (a stream included) is done. The front's own routes: `
 `/health`, `/version`, `/metrics` (every resident model's families merged, each sample labelled by
 `model_name`, plus the set's gauges). Any other path (the dashboard, LoRA routes) goes to the model
 named by `?model=`, else the first. The engines share one ForwardTurn: one forward at a time.
+A generation request naming a cascade (`--cascade NAME=SMALL,LARGE`) goes to cascade.py, which
+acquires each tier's model here as it runs it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from fastapi.responses import Response
 
 from .. import __version__
 from ..engine.forward_turn import ForwardTurn
+from .cascade import Cascade, CascadeMetrics, build_cascade_app
+from .cascade_config import build_rule, parse_cascades
 from .errors import APIError, install_error_handlers
 from .model_set import (
     Handle,
@@ -44,6 +48,7 @@ from .multi_flags import preset_flags
 logger = logging.getLogger("tokenloom.server")
 
 ROUTED_POSTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+CASCADE_POSTS = ("/v1/completions", "/v1/chat/completions")
 FRONT_PATHS = ("/v1/models", "/models", "/models/load", "/models/unload", "/health", "/version", "/metrics")
 DEFAULT_BUDGET_SHARE = 0.8  # of the memory this process may use (the cgroup limit, else MemTotal)
 
@@ -129,8 +134,11 @@ def resident_bytes(engine) -> int:
 class MultiModelApp:
     """The pure-ASGI front: dispatches model routes to the models' apps, the rest to `front`."""
 
-    def __init__(self, models: ModelSet, front: FastAPI, api_key: str | None):
+    def __init__(self, models: ModelSet, front: FastAPI, api_key: str | None,
+                 cascades: dict[str, Cascade] | None = None):
         self.models = models
+        self.cascades = cascades or {}
+        self.cascade_app = build_cascade_app(self.cascades)
         self.front = front
         self.state = front.state  # the CLI's signal handler finds begin_shutdown here
         self.expected = f"Bearer {api_key}".encode() if api_key else None
@@ -146,6 +154,9 @@ class MultiModelApp:
         generation = scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ROUTED_POSTS
         if generation:
             name, replay = await _model_field(receive)
+            if name in self.cascades:
+                await self._cascade(scope, replay, send)
+                return
         else:
             name = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[0]
         try:
@@ -163,9 +174,46 @@ class MultiModelApp:
         finally:
             await self.models.release(slot)
 
+    async def _cascade(self, scope, receive, send) -> None:
+        """A request for a cascade: cascade.py runs it, acquiring each tier's model through `TierAccess`
+        (an escalated tier is released as soon as it is aborted, so the next may evict it)."""
+        access = TierAccess(self.models)
+        try:
+            if self.front.state.tokenloom.shutting_down:
+                raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+            if scope["path"] not in CASCADE_POSTS:
+                raise APIError(400, f"model: a cascade has no one tokenizer; use a tier's model for {scope['path']}",
+                               param="model")
+            await self.cascade_app({**scope, "tokenloom.tiers": access}, receive, send)
+        except APIError as err:
+            await err.response()(scope, receive, send)
+        finally:
+            await access.release_all()
+
     def _refused(self, scope) -> bool:
         return (self.expected is not None and scope["type"] == "http" and scope["path"].startswith("/models")
                 and not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected))
+
+
+class TierAccess:
+    """The tiers one cascade request holds: each acquired (loaded, in flight) when it runs."""
+
+    def __init__(self, models: ModelSet):
+        self.models = models
+        self.held: dict[str, object] = {}
+
+    async def acquire(self, name: str):
+        slot = await self.models.acquire(name)
+        self.held[name] = slot
+        return slot.handle.app.state.tokenloom
+
+    async def release(self, name: str) -> None:
+        if (slot := self.held.pop(name, None)) is not None:
+            await self.models.release(slot)
+
+    async def release_all(self) -> None:
+        for name in list(self.held):
+            await self.release(name)
 
 
 def _unauthorized() -> Response:
@@ -220,11 +268,13 @@ class _MergedRegistry:
 
 
 def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutdown_timeout: float,
-                on_start=()) -> FastAPI:
-    """The front's own routes and lifespan (`on_start`: the models to load before serving)."""
+                on_start=(), cascades: dict[str, Cascade] | None = None, cascade_metrics=None) -> FastAPI:
+    """The front's own routes and lifespan (`on_start`: the models to load before serving; `cascades`:
+    listed in /v1/models, their counters in /metrics)."""
     from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
     from ..engine.metrics import CONTENT_TYPE
+    from .state import now_s
     from .tenancy import MetricsAccess, public_metrics
 
     registry = CollectorRegistry()
@@ -279,7 +329,10 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
     async def list_models(request: Request):
         # Filesystem paths only for the operator's --metrics-token, as `serve MODEL` answers.
         paths = access.operator_token(request.headers.get("authorization", "").encode("latin-1", "replace"))
-        return {"object": "list", "data": models.describe(paths)}
+        listed = [{"id": c.spec.name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
+                   "cascade": {"tiers": list(c.spec.tiers), "k": c.rule.k, "signal": c.rule.signal,
+                               "threshold": c.rule.threshold}} for c in (cascades or {}).values()]
+        return {"object": "list", "data": models.describe(paths) + listed}
 
     async def _name(request: Request) -> str:
         try:
@@ -328,8 +381,9 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
         sleeps.set(models.sleeps)
         total.set(models.resident_bytes)
         budget.set(models.budget or 0)
-        registries = [registry, *(s.handle.metrics.registry for s in models.slots.values()
-                                  if s.handle is not None and s.handle.metrics is not None)]
+        registries = [registry, *([cascade_metrics.registry] if cascade_metrics else []),
+                      *(s.handle.metrics.registry for s in models.slots.values()
+                        if s.handle is not None and s.handle.metrics is not None)]
         text = generate_latest(_MergedRegistry(registries))
         return Response(text if view == "full" else public_metrics(text), media_type=CONTENT_TYPE)
 
@@ -360,9 +414,23 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
     configs = {s.name: engine_config_from_args(spec_args(args, s)) for s in specs}  # each model's flags checked now
     for spec in specs:
         catalog.missing_pull(spec.source)  # a bad source fails now, in one line
+    sources = {s.name: s.source for s in specs}
+    cascade_specs = parse_cascades(args.cascade, sources)  # a bad cascade fails now, before the port and loads
+    if not cascade_specs and (args.cascade_config or args.cascade_k is not None or args.cascade_threshold is not None
+                              or args.cascade_signal is not None):
+        raise ValueError("--cascade-config/-k/-threshold/-signal: set for no cascade; add --cascade NAME=SMALL,LARGE")
     sockets = bind(args.host, args.port)
     for spec in specs:
         catalog.pull_missing(spec.source)
+    try:
+        for cascade in cascade_specs:  # the calibration file is checked against the tiers' files, now present
+            cascade.rule = build_rule(args, cascade, sources)
+    except ValueError:
+        for sock in sockets:
+            sock.close()
+        raise
+    cascade_metrics = CascadeMetrics()
+    cascades = {c.name: Cascade(c, cascade_metrics, not args.disable_log_requests) for c in cascade_specs}
     estimates = {s.name: estimate_bytes(model_path(s.source), configs[s.name].kv_cache_memory_bytes) for s in specs}
     budget = args.memory_budget if args.memory_budget is not None else default_budget()
     dashboard = DashboardOptions(not args.disable_dashboard, args.dashboard_max_viewers, args.dashboard_show_text)
@@ -377,12 +445,16 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
         raise ValueError(str(exc)) from None
     on_start = [s.name for s in specs if s.load_on_startup]  # each loaded at start if it fits beside the ones before it
     front = build_front(models, api_key=args.api_key, metrics_token=args.metrics_token,
-                        metrics_open=args.metrics_open, shutdown_timeout=args.shutdown_timeout, on_start=on_start)
-    app = MultiModelApp(models, front, args.api_key)
+                        metrics_open=args.metrics_open, shutdown_timeout=args.shutdown_timeout, on_start=on_start,
+                        cascades=cascades, cascade_metrics=cascade_metrics)
+    app = MultiModelApp(models, front, args.api_key, cascades)
     wrapped = BodySizeLimitMiddleware(app, max_bytes=args.max_request_body_bytes)
     if args.api_key:
         wrapped = APIKeyMiddleware(wrapped, api_key=args.api_key, operator_token=args.metrics_token)
     wrapped.state = front.state
     logger.info("%d models (%s), memory budget %d bytes, at most %s resident; at start each is loaded that fits",
                 len(specs), ", ".join(f"{s.name}={s.source}" for s in specs), budget, args.models_max or "any number")
+    for c in cascade_specs:
+        logger.info("cascade %s: %s; a tier escalates when %s over its first %d tokens < %s", c.name,
+                    " -> ".join(c.tiers), c.rule.signal, c.rule.k, c.rule.threshold)
     return wrapped, sockets, f"{len(specs)} models taking turns at the CPU"

@@ -1,0 +1,218 @@
+"""What a cascade is (issue 55): `--cascade NAME=SMALL,LARGE[,...]`, its decision rule (`--cascade-k`,
+`--cascade-threshold`, `--cascade-signal`) and the calibration file `--cascade-config FILE` loads.
+
+Everything here is checked at start and fails as a ValueError naming the flag (the CLI's error line):
+a cascade naming an unknown model, itself, another cascade (cascades of cascades, and so cycles, are
+refused: a tier is a model), a tier twice, fewer than two tiers, a threshold outside [0, 1] or NaN, a
+calibration file fitted for other models (each tier's file is identified by its size and a sampled
+sha256, catalog.sample_sha256). Without a file, a calibration shipped for the same tier files
+(cascade_defaults/) is used when there is one.
+
+The rule: a tier's answer stands when its confidence (cascade_signals.py) over its first k tokens is at
+least the threshold; threshold 0 never escalates, and 1.0 always does (a confidence can reach 1.0 in
+float32, so "always" is stated, not left to `<`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .cascade_signals import SIGNALS, LogisticProbe
+
+DEFAULT_K = 16  # a few lines of code: enough tokens to see the answer's start, few to waste on escalation
+DEFAULT_SIGNAL = "p10_top1"
+DEFAULT_THRESHOLD = 0.8  # the seed text's "top token < 0.8", on the 10th percentile over the first k
+CONFIG_VERSION = 1
+SHIPPED = Path(__file__).with_name("cascade_defaults")
+
+
+@dataclass
+class CascadeRule:
+    k: int = DEFAULT_K
+    signal: str = DEFAULT_SIGNAL
+    threshold: float = DEFAULT_THRESHOLD
+    probe: LogisticProbe | None = None  # signal "probe" (from a calibration file)
+    probe_pool: str = "prompt"  # what the probe's hidden state is pooled over: "prompt" or "prompt+k"
+    thresholds: dict = field(default_factory=dict)  # a calibration's threshold per signal (the same target)
+
+    @property
+    def hold(self) -> int:
+        """Tokens held before the decision: one for the prompt-only probe (a router: it decides once the
+        prompt ran), else k."""
+        return 1 if self.signal == "probe" and self.probe_pool == "prompt" else self.k
+
+    def escalates(self, confidence: float) -> bool:
+        return self.threshold >= 1.0 or confidence < self.threshold
+
+
+@dataclass
+class CascadeSpec:
+    name: str
+    tiers: tuple[str, ...]
+    rule: CascadeRule = field(default_factory=CascadeRule)
+    options: dict = field(default_factory=dict)  # this cascade's own threshold / k / signal (`;key=value`)
+
+
+OPTION_TYPES = {"threshold": float, "k": int, "signal": str, "config": str}
+
+
+def add_cascade_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cascade", action="append", default=None, metavar="NAME=SMALL,LARGE[,...][;KEY=VALUE]",
+                   help="with several models: a request for `model: NAME` runs the tiers in order; each answers "
+                        "unless its confidence over its first --cascade-k tokens is below --cascade-threshold, "
+                        "then the next answers from scratch (repeat the flag for more cascades; `;threshold=T`, "
+                        "`;k=N`, `;signal=S`, `;config=FILE` set one cascade's own, over the flags)")
+    p.add_argument("--cascade-k", type=int, default=None,
+                   help=f"tokens a tier writes before its answer is judged (default: {DEFAULT_K}, or the calibration "
+                        "file's)")
+    p.add_argument("--cascade-threshold", type=float, default=None,
+                   help=f"in [0, 1]: a tier escalates when its confidence is below it; 0 never, 1 always (default: "
+                        f"{DEFAULT_THRESHOLD}, or the calibration file's)")
+    p.add_argument("--cascade-signal", choices=SIGNALS, default=None,
+                   help=f"the confidence signal (default: {DEFAULT_SIGNAL}, or the calibration file's, whose "
+                        "threshold for another signal comes with it; `probe` needs a calibration file)")
+    p.add_argument("--cascade-config", metavar="FILE", default=None,
+                   help="a calibration file from `tokenloom calibrate-cascade` (signal, threshold, k, probe), for "
+                        "the cascade of the same tier models; flags given beside it win")
+
+
+def parse_cascades(texts: list[str] | None, models: dict[str, str]) -> list[CascadeSpec]:
+    """`--cascade` values checked against the served models (name -> source)."""
+    specs: list[CascadeSpec] = []
+    names = [t.partition("=")[0].strip() for t in texts or ()]
+    for text in texts or ():
+        head, *extras = text.split(";")
+        name, sep, rest = head.partition("=")
+        name = name.strip()
+        tiers = tuple(t.strip() for t in rest.split(",") if t.strip())
+        if not sep or not name:
+            raise ValueError(f"--cascade {text!r}: give it as NAME=SMALL,LARGE[,...]")
+        options = {}
+        for extra in extras:
+            key, eq, value = extra.partition("=")
+            key = key.strip()
+            if key not in OPTION_TYPES or not eq:
+                raise ValueError(f"--cascade {text!r}: {extra!r} is not one of "
+                                 f"{', '.join(k + '=...' for k in OPTION_TYPES)}")
+            try:
+                options[key] = OPTION_TYPES[key](value.strip())
+            except ValueError:
+                raise ValueError(f"--cascade {text!r}: {key} must be a {OPTION_TYPES[key].__name__}") from None
+        if name in models:
+            raise ValueError(f"--cascade {text!r}: {name!r} is already a model's name; a cascade needs its own")
+        if names.count(name) > 1:
+            raise ValueError(f"--cascade {text!r}: two cascades are named {name!r}")
+        if len(tiers) < 2:
+            raise ValueError(f"--cascade {text!r}: a cascade needs at least two tiers (SMALL,LARGE)")
+        for tier in tiers:
+            if tier == name:
+                raise ValueError(f"--cascade {text!r}: the cascade names itself as a tier")
+            if tier in names:
+                raise ValueError(f"--cascade {text!r}: tier {tier!r} is a cascade; a tier must be a model "
+                                 "(cascades of cascades, and so cycles, are refused)")
+            if tier not in models:
+                raise ValueError(f"--cascade {text!r}: tier {tier!r} is not a served model "
+                                 f"(served: {', '.join(models)})")
+        if len(set(tiers)) < len(tiers):
+            raise ValueError(f"--cascade {text!r}: a tier is named twice")
+        specs.append(CascadeSpec(name, tiers, options=options))
+    return specs
+
+
+def build_rule(args: argparse.Namespace, spec: CascadeSpec, sources: dict[str, str]) -> CascadeRule:
+    """The cascade's rule: the calibration file's (checked against the tiers' files), then the flags."""
+    tier_sources = [sources[t] for t in spec.tiers]
+    path = spec.options.get("config") or args.cascade_config
+    rule = load_config(path, tier_sources) if path else shipped_rule(tier_sources)
+    if args.cascade_k is not None:
+        rule.k = args.cascade_k
+    signal = spec.options.get("signal", args.cascade_signal)
+    if signal is not None and signal != rule.signal:
+        # Another signal of a calibrated file: its own threshold for the same escalation target.
+        rule.signal, rule.threshold = signal, rule.thresholds.get(signal, rule.threshold)
+    if args.cascade_threshold is not None:
+        rule.threshold = args.cascade_threshold
+    for key, value in spec.options.items():
+        if key not in ("config", "signal"):
+            setattr(rule, key, value)
+    check_rule(rule, spec.name)
+    return rule
+
+
+def check_rule(rule: CascadeRule, name: str = "") -> None:
+    where = f" (cascade {name})" if name else ""
+    if not (isinstance(rule.threshold, int | float) and not math.isnan(rule.threshold) and 0 <= rule.threshold <= 1):
+        raise ValueError(f"--cascade-threshold{where}: must be a number in [0, 1], got {rule.threshold}")
+    if rule.k < 1:
+        raise ValueError(f"--cascade-k{where}: must be at least 1, got {rule.k}")
+    if rule.signal not in SIGNALS:
+        raise ValueError(f"--cascade-signal{where}: one of {', '.join(SIGNALS)}, got {rule.signal!r}")
+    if rule.signal == "probe" and rule.probe is None:
+        raise ValueError(f"--cascade-signal probe{where}: needs a --cascade-config file with a fitted probe")
+
+
+# -- the calibration file ---------------------------------------------------------------------------
+
+def model_identity(source: str) -> dict:
+    """What names a tier's weights: its file's size and sampled sha256 (an HF directory: its first weight file)."""
+    from ..model import catalog
+    from ..model.load import model_path
+
+    path = Path(model_path(source))
+    if path.is_dir():
+        files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf"))
+        path = files[0] if files else path
+    if not path.is_file():
+        return {"source": source}
+    return {"file": path.name, "size": path.stat().st_size, "sample_sha256": catalog.sample_sha256(path)}
+
+
+def write_config(path: str, sources: list[str], rule: CascadeRule, report: dict) -> None:
+    data = {"version": CONFIG_VERSION, "tiers": [{"source": s, **model_identity(s)} for s in sources],
+            "k": rule.k, "signal": rule.signal, "threshold": rule.threshold, "thresholds": rule.thresholds,
+            "probe_pool": rule.probe_pool,
+            "probe": rule.probe.to_json() if rule.probe is not None else None, "calibration": report}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def shipped_rule(sources: list[str]) -> CascadeRule:
+    """The calibration shipped for these tiers' files (cascade_defaults/, e.g. the catalog's Qwen2.5-Coder
+    0.5B -> 1.5B, fitted on benchmarks/cascade/dev.jsonl), else the defaults."""
+    for path in sorted(SHIPPED.glob("*.json")):
+        try:
+            return load_config(str(path), sources)  # each tier's file identity decides (not its name)
+        except ValueError:
+            continue
+    return CascadeRule()
+
+
+def load_config(path: str, sources: list[str]) -> CascadeRule:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--cascade-config {path}: cannot be read as JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("version") != CONFIG_VERSION:
+        raise ValueError(f"--cascade-config {path}: not a calibration file of version {CONFIG_VERSION}")
+    tiers = data.get("tiers") or []
+    if len(tiers) != len(sources):
+        raise ValueError(f"--cascade-config {path}: fitted for {len(tiers)} tiers, the cascade has {len(sources)}")
+    for i, (recorded, source) in enumerate(zip(tiers, sources, strict=True)):
+        mine = model_identity(source)
+        if {k: recorded.get(k) for k in mine} != mine:
+            raise ValueError(f"--cascade-config {path}: tier {i} was calibrated for {recorded.get('file') or recorded}, "
+                             f"not for {source} ({mine.get('file', source)}): calibrate this cascade's models")
+    rule = CascadeRule(k=int(data.get("k", DEFAULT_K)), signal=data.get("signal", DEFAULT_SIGNAL),
+                       threshold=data.get("threshold", DEFAULT_THRESHOLD), probe_pool=data.get("probe_pool", "prompt"),
+                       thresholds=data.get("thresholds") or {})
+    if data.get("probe"):
+        rule.probe = LogisticProbe.from_json(data["probe"])
+    return rule
