@@ -233,3 +233,28 @@ load_on_startup = false
     done = subprocess.run([sys.executable, "-m", "tokenloom.cli", "serve", *BASE_ARGS, "--models-preset", str(bad)],
                           check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "[a]: unknown key 'port'" in done.stderr, done.stderr
+
+
+def test_keep_alive_and_sleep_idle_unload_idle_models_and_a_bad_one_is_a_400():
+    """Ollama's `keep_alive` per request and llama.cpp's `--sleep-idle-seconds`: a model idle past its
+    keep-alive is unloaded (then autoloaded by the next request); a bad value is a 400 naming it."""
+    import time
+
+    server = ServerProcess([f"a={MODEL}", f"b={MODEL}", "--sleep-idle-seconds", "3600"])
+    try:
+        with server.client() as http:
+            body = {"prompt": PROMPTS[0], "max_tokens": 2, "temperature": 0}
+            assert http.post("/v1/completions", json={**body, "model": "b", "keep_alive": 0}).status_code == 200
+            for _ in range(40):
+                if statuses(http)["b"] == "unloaded":
+                    break
+                time.sleep(0.25)
+            assert statuses(http) == {"a": "loaded", "b": "unloaded"}  # a: an hour of keep-alive left
+            assert metric(scrape(server.url), "tokenloom:model_sleeps") == 1
+            r = http.post("/v1/completions", json={**body, "model": "b", "keep_alive": "-1"})
+            assert r.status_code == 200 and statuses(http)["b"] == "loaded"
+            for bad in ("forever", True, [5], "1e400"):
+                r = http.post("/v1/completions", json={**body, "model": "a", "keep_alive": bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "keep_alive", (bad, r.text)
+    finally:
+        server.stop()

@@ -22,7 +22,9 @@ import gc
 import hmac
 import json
 import logging
+import math
 import os
+import re
 from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
@@ -150,10 +152,10 @@ class MultiModelApp:
                 return
             await self.front(scope, receive, send)
             return
-        name, replay = None, receive
+        name, replay, keep_alive = None, receive, None
         generation = scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ROUTED_POSTS
         if generation:
-            name, replay = await _model_field(receive)
+            name, replay, keep_alive = await _model_field(receive)
             if name in self.cascades:
                 await self._cascade(scope, replay, send)
                 return
@@ -164,6 +166,7 @@ class MultiModelApp:
                 raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
             # Only a generation request (behind the API key) loads a model: a dashboard or an unknown
             # path, which the key does not guard, must not make the server load and evict.
+            keep_alive = parse_keep_alive(keep_alive)
             slot = await self.models.acquire(name, autoload=generation)
         except APIError as err:
             if scope["type"] == "http":
@@ -172,7 +175,7 @@ class MultiModelApp:
         try:
             await slot.handle.app(scope, replay, send)
         finally:
-            await self.models.release(slot)
+            await self.models.release(slot, keep_alive)
 
     async def _cascade(self, scope, receive, send) -> None:
         """A request for a cascade: cascade.py runs it, acquiring each tier's model through `TierAccess`
@@ -222,8 +225,9 @@ def _unauthorized() -> Response:
 
 
 async def _model_field(receive):
-    """The body's `model` (None when absent or not JSON: the model's own app answers a bad body) and a
-    receive that replays the body. The body is already bounded by the size-limit middleware."""
+    """The body's `model` (None when absent or not JSON: the model's own app answers a bad body), a
+    receive that replays the body, and the body's `keep_alive` as sent (None when absent). The body is
+    already bounded by the size-limit middleware."""
     chunks = []
     while True:
         message = await receive()
@@ -233,14 +237,36 @@ async def _model_field(receive):
     body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
     try:
         parsed = json.loads(body)
-        name = parsed.get("model") if isinstance(parsed, dict) else None
     except ValueError:
-        name = None
+        parsed = None
+    name = parsed.get("model") if isinstance(parsed, dict) else None
+    keep_alive = parsed.get("keep_alive") if isinstance(parsed, dict) else None
 
     async def replay():
         return chunks.pop(0) if chunks else await receive()
 
-    return (name if isinstance(name, str) else None), replay
+    return (name if isinstance(name, str) else None), replay, keep_alive
+
+
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?")
+_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_keep_alive(value) -> float | None:
+    """A request's `keep_alive`, as Ollama takes it: seconds (a number) or a duration ("30s", "5m",
+    "1h", "-1"); 0 unloads the model once idle, a negative one keeps it. None when absent; a 400 naming
+    the field otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise APIError(400, f"keep_alive: seconds or a duration such as \"5m\", got {type(value).__name__}",
+                       param="keep_alive")
+    match = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
+    seconds = float(value) if not isinstance(value, str) else (
+        float(match.group(1)) * _UNIT_S[match.group(2)] if match else math.nan)
+    if not math.isfinite(seconds) or abs(seconds) > 10 ** 9:
+        raise APIError(400, f"keep_alive: seconds or a duration such as \"5m\", got {value!r}"[:200], param="keep_alive")
+    return seconds
 
 
 class _FrontState:
