@@ -40,6 +40,17 @@ def random_case(num_seqs: int, heads: int, kv_heads: int, head_dim: int, block_s
     return q, k, v, tables, lens
 
 
+
+def assert_close_to_torch_and_rows_alone(kernel, tables, lens, bs, q, k, v) -> None:
+    """The kernel's output is torch's reference within float error, and each row's bits are its own:
+    the same alone as among the others."""
+    ref_impl = pa.TorchDecodeAttention()
+    out = kernel(kernel.prepare(tables, lens, bs), q, k, v, 0.125)
+    torch.testing.assert_close(out, ref_impl(ref_impl.prepare(tables, lens, bs), q, k, v, 0.125), rtol=1e-5, atol=1e-5)
+    for r in range(len(lens)):
+        one = kernel(kernel.prepare(tables[r : r + 1], lens[r : r + 1], bs), q[r : r + 1], k, v, 0.125)
+        assert torch.equal(one, out[r : r + 1]), r
+
 @needs_kernel
 @pytest.mark.parametrize("which", KERNELS)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
@@ -79,16 +90,11 @@ def test_the_avx512_kernel_takes_every_group_and_head_dim(group, head_dim, kv_dt
     lens[2] = max(int(lens[2]), 6)
     tables[3:5], lens[3:5] = tables[2], torch.tensor([lens[2] - 1, lens[2] - 5])  # the prompt's other tokens
     k, v = cache_as(k, kv_dtype), cache_as(v, kv_dtype)
-    kernel, ref_impl = kernel_for("avx512"), pa.TorchDecodeAttention()
+    kernel = kernel_for("avx512")
     suffix = {torch.float32: "f32", torch.float16: "f16", torch.int8: "q8"}[kv_dtype]
     assert kernel.kernel_for(group * kv_heads, kv_heads, head_dim, kv_dtype) is getattr(
         LIB512, f"paged_decode_attention_avx512_{suffix}")
-    out = kernel(kernel.prepare(tables, lens, bs), q, k, v, 0.125)
-    ref = ref_impl(ref_impl.prepare(tables, lens, bs), q, k, v, 0.125)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    for r in range(len(lens)):
-        one = kernel(kernel.prepare(tables[r : r + 1], lens[r : r + 1], bs), q[r : r + 1], k, v, 0.125)
-        assert torch.equal(one, out[r : r + 1]), r
+    assert_close_to_torch_and_rows_alone(kernel, tables, lens, bs, q, k, v)
 
 
 @needs_avx512
@@ -162,13 +168,8 @@ def test_a_prompts_rows_share_a_task_and_keep_their_bits(which, kv_dtype, heads,
     rows += [(other, 37), (other, 301)]  # decodes
     rows += [(prompt, c) for c in (3, 1, 2)]  # a short prompt's tokens, out of order
     tables, lens, q = rows_case(rows, heads, head_dim, gen)
-    kernel, ref_impl = kernel_for(which), pa.TorchDecodeAttention()
-    full = kernel(kernel.prepare(tables, lens, bs), q, k, v, 0.125)
-    ref = ref_impl(ref_impl.prepare(tables, lens, bs), q, k, v, 0.125)
-    torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5)
-    for r in range(len(rows)):
-        one = kernel(kernel.prepare(tables[r : r + 1], lens[r : r + 1], bs), q[r : r + 1], k, v, 0.125)
-        assert torch.equal(one, full[r : r + 1]), r
+    kernel = kernel_for(which)
+    assert_close_to_torch_and_rows_alone(kernel, tables, lens, bs, q, k, v)
 
 
 @needs_kernel
