@@ -336,3 +336,20 @@ def test_requests_that_wait_for_their_models_load_are_counted():
         assert slot.load_waits == 1 and 0 < slot.load_wait_seconds < 5
 
     asyncio.run(main())
+
+
+def test_a_request_that_comes_in_as_its_model_is_put_to_sleep_keeps_it():
+    async def main():
+        fakes = Fakes({"a": 100})
+        models = fakes.model_set(sleep_idle_s=0)
+        await models.release(await models.acquire("a"))
+        slot = models.slots["a"]
+        assert models.sleep_due(slot, time.monotonic()) is not None  # due: the sleeper would take it ...
+        held = await models.acquire("a")  # ... but a request acquires it first
+        await models._sleep(slot)
+        assert slot.status == "loaded" and "a" in fakes.live and models.sleeps == 0  # neither drained nor aborted
+        await models.release(held)
+        await models._sleep(slot)
+        assert slot.status == "unloaded" and models.sleeps == 1
+
+    asyncio.run(main())

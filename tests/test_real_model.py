@@ -82,7 +82,7 @@ def test_cli_generate_json():
     assert set(result) == {"token_ids", "text", "finish_reason"}
     assert len(result["token_ids"]) <= 8 and result["text"].strip().startswith("Paris")
     # serve's forward path by default, named in the log
-    assert "forward plan:" in proc.stderr and "(asked auto)" in proc.stderr, proc.stderr
+    assert "forward plan:" in proc.stderr and "(asked auto" in proc.stderr, proc.stderr
 
 
 def test_bad_model_files_give_clear_errors(tmp_path):

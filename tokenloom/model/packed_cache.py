@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from .quant.gemm import why_not
 from .quant.head import RescoredHead
 from .quant.modules import Int4Linear, Int8Linear, SplitRowsLinear
 
@@ -72,6 +73,7 @@ def cache_key(path: str, plan) -> str:
     st = os.stat(path)
     what = {"format": FORMAT, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
             "device": st.st_dev, "sample": sample_sha256(Path(path)), "code": code_digest(),
+            "torch": torch.__version__,  # the torch int4 path's packed layout is torch's own
             "plan": [plan.quantization, plan.residual, plan.projections.name, plan.lm_head.name,
                      [list(x) for x in plan.on_torch]]}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
@@ -85,8 +87,9 @@ def _modules(model) -> dict[str, SplitRowsLinear]:
     return found
 
 
-def _crc(tensors: dict[str, torch.Tensor]) -> int:
-    crc = 0
+def _crc(tensors: dict[str, torch.Tensor], manifest: str) -> int:
+    """CRC-32 over the manifest's text and every tensor's bytes, in name order."""
+    crc = zlib.crc32(manifest.encode())
     for name in sorted(tensors):
         crc = zlib.crc32(tensors[name].contiguous().view(-1).view(torch.uint8).numpy().data, crc)
     return crc
@@ -113,10 +116,11 @@ def store(model, path: str, plan) -> Path | None:
         root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=root, suffix=".partial")
         os.close(fd)
-        save_file(tensors, tmp, metadata={"manifest": json.dumps(manifest), "crc32": str(_crc(tensors)),
+        text = json.dumps(manifest)
+        save_file(tensors, tmp, metadata={"manifest": text, "crc32": str(_crc(tensors, text)),
                                           "source": os.path.basename(path)})
         os.replace(tmp, target)
-    except (OSError, RuntimeError, TypeError, ValueError) as exc:  # a full disk, a module it cannot describe
+    except Exception as exc:  # noqa: BLE001 - a full disk (SafetensorError), a module it cannot describe: the load stands
         logger.warning("packed weights not cached (%s: %s); the model is loaded all the same", type(exc).__name__, exc)
         if tmp is not None:
             with contextlib.suppress(OSError):
@@ -143,13 +147,14 @@ def load(path: str, plan) -> tuple[dict, dict[str, torch.Tensor]] | None:
             meta = f.metadata() or {}
         manifest, crc = json.loads(meta["manifest"]), int(meta["crc32"])
         tensors = load_file(str(entry))
-        if not isinstance(manifest, dict) or _crc(tensors) != crc:
+        if not isinstance(manifest, dict) or _crc(tensors, meta["manifest"]) != crc:
             raise ValueError("its tensors' CRC-32 does not match")
     except Exception as exc:  # noqa: BLE001 - a damaged file can fail in the header, the JSON or the tensors
         logger.warning("packed-weight cache entry %s is damaged (%s: %s): rebuilt", entry.name, type(exc).__name__, exc)
         entry.unlink(missing_ok=True)
         return None
-    os.utime(entry)  # recently used: evicted last
+    with contextlib.suppress(OSError):  # another process may have evicted it since: its tensors are mapped
+        os.utime(entry)  # recently used: evicted last
     return manifest, tensors
 
 
@@ -167,15 +172,20 @@ def restore(model, cached: tuple[dict, dict[str, torch.Tensor]], kernel, head_ro
     for key, t in tensors.items():
         name, _, field = key.rpartition("/")
         by_module.setdefault(name, {})[field] = t
+    def kernel_for(attrs: dict):  # the loader's rule: the plan's kernels where they take the shape
+        fits = kernel is not None and why_not(attrs["out_features"], attrs["in_features"]) is None
+        return kernel if fits else None
+
     try:
-        built = {name: _CLASSES[manifest[name]["class"]].from_packed_state(manifest[name], by_module[name], kernel)
-                 for name in names}
+        built = {name: _CLASSES[manifest[name]["class"]].from_packed_state(
+            manifest[name], by_module[name], kernel_for(manifest[name])) for name in names}
+        top = manifest["logits_proj"]["top"] if HEAD in built else None
     except (KeyError, TypeError, ValueError) as exc:
         logger.warning("packed-weight cache entry does not fit (%s): packing again", exc)
         return False
     for name, module in built.items():
         if name == HEAD:
-            model.logits_proj = RescoredHead(module, head_rows, top=manifest["logits_proj"]["top"])
+            model.logits_proj = RescoredHead(module, head_rows, top=top)
             continue
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, module)

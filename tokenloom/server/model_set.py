@@ -316,12 +316,23 @@ class ModelSet:
             for slot in list(self.slots.values()):
                 due = self.sleep_due(slot, now)
                 if due is not None and due <= now:
-                    logger.info("model %s idle for %.0f s: unloaded (it loads again when asked for)",
-                                slot.name, now - slot.last_used)
-                    self.sleeps += 1
-                    slot.keep_alive = None  # the next load starts from the set's rule again
-                    await self.unload(slot.name)
+                    try:
+                        await _unstoppable(self._sleep(slot))
+                    except Exception:
+                        logger.exception("model %s: unloading it for idleness failed", slot.name)
             await asyncio.sleep(period)
+
+    async def _sleep(self, slot: ModelSlot) -> None:
+        """Unload `slot` for idleness, if it is still idle once its lock is held (a request that came in
+        meanwhile keeps it: never drained nor aborted, unlike `unload`)."""
+        async with slot.lock:
+            if slot.status != "loaded" or slot.inflight or slot.pinned or slot.unloading:
+                return
+            logger.info("model %s idle for %.0f s: unloaded (it loads again when asked for)",
+                        slot.name, time.monotonic() - slot.last_used)
+            self.sleeps += 1
+            slot.keep_alive = None  # the next load starts from the set's rule again
+            await self._stop(slot, 0.0)
 
     async def _notify(self) -> None:
         async with self._changed:

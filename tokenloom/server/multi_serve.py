@@ -262,8 +262,11 @@ def parse_keep_alive(value) -> float | None:
         raise APIError(400, f"keep_alive: seconds or a duration such as \"5m\", got {type(value).__name__}",
                        param="keep_alive")
     match = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
-    seconds = float(value) if not isinstance(value, str) else (
-        float(match.group(1)) * _UNIT_S[match.group(2)] if match else math.nan)
+    try:
+        seconds = float(value) if not isinstance(value, str) else (
+            float(match.group(1)) * _UNIT_S[match.group(2)] if match else math.nan)
+    except OverflowError:  # an integer of hundreds of digits
+        seconds = math.inf
     if not math.isfinite(seconds) or abs(seconds) > 10 ** 9:
         raise APIError(400, f"keep_alive: seconds or a duration such as \"5m\", got {value!r}"[:200], param="keep_alive")
     return seconds
@@ -434,13 +437,13 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
     if args.served_model_name:
         raise ValueError("--served-model-name: with several models name each one as NAME=SOURCE")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    specs = parse_model_specs(args.model_tag) if args.model_tag or not args.models_preset else []
+    specs = parse_model_specs(args.model_tag or [None]) if args.model_tag or not args.models_preset else []
     if args.models_preset:
         specs = check_names(specs + parse_models_preset(args.models_preset, preset_flags))
     configs = {s.name: engine_config_from_args(spec_args(args, s)) for s in specs}  # each model's flags checked now
     for spec in specs:
         catalog.missing_pull(spec.source)  # a bad source fails now, in one line
-    sources = {s.name: s.source for s in specs}
+    sources = {name: s.source for s in specs for name in s.names}  # aliases too: a cascade may not take one
     cascade_specs = parse_cascades(args.cascade, sources)  # a bad cascade fails now, before the port and loads
     if not cascade_specs and (args.cascade_config or args.cascade_k is not None or args.cascade_threshold is not None
                               or args.cascade_signal is not None):
