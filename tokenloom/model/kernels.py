@@ -155,10 +155,14 @@ class CPU:
         return (lib, None) if lib is not None else (None, f"csrc/{spec.name}.c did not build or pass its check")
 
 
+def cache_root() -> Path:
+    """tokenloom's cache: `$TOKENLOOM_CACHE_DIR`, else `$XDG_CACHE_HOME/tokenloom`, else ~/.cache/tokenloom."""
+    return Path(os.environ.get("TOKENLOOM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenloom"))
+
+
 def cache_dir() -> Path:
-    base = os.environ.get("TOKENLOOM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenloom")
-    return Path(base) / "kernels"
+    return cache_root() / "kernels"
 
 
 @functools.cache

@@ -178,7 +178,7 @@ def quantize_model(model: DecoderModel, method: str, blocks: dict[str, torch.Ten
     for name in names:
         module = model.get_submodule(name)
         dense = weights.pop(name + ".weight", None) or (lambda m=module: m.weight)
-        fits = kernel if gemm.why_not(module.out_features, module.in_features) is None else None  # else torch's op
+        fits = gemm.kernel_for_shape(kernel, module.out_features, module.in_features)  # None: torch's op
         b = None
         if method == "int4":
             b = blocks.pop(name + ".weight", None)
@@ -201,7 +201,7 @@ def quantize_model(model: DecoderModel, method: str, blocks: dict[str, torch.Ten
     head = weights.pop("lm_head.weight", None)
     if head is None:
         head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    head_kernel = kernel if gemm.why_not(*head.shape) is None else None
+    head_kernel = gemm.kernel_for_shape(kernel, *head.shape)
     if lm_head == "int8":
         model.logits_proj = Int8Linear(head, dtype, head_kernel)
     elif lm_head == INT4_RESCORED:

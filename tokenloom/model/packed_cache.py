@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from .quant.gemm import why_not
+from . import kernels
+from .quant.gemm import kernel_for_shape
 from .quant.head import RescoredHead
 from .quant.modules import Int4Linear, Int8Linear, SplitRowsLinear
 
@@ -50,11 +51,7 @@ def cache_dir() -> Path | None:
     asked = os.environ.get(CACHE_ENV)
     if asked and asked.lower() in ("off", "0", "none"):
         return None
-    if asked:
-        return Path(asked)
-    base = os.environ.get("TOKENLOOM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tokenloom")
-    return Path(base) / "packed"
+    return Path(asked) if asked else kernels.cache_root() / "packed"
 
 
 @functools.cache
@@ -172,13 +169,11 @@ def restore(model, cached: tuple[dict, dict[str, torch.Tensor]], kernel, head_ro
     for key, t in tensors.items():
         name, _, field = key.rpartition("/")
         by_module.setdefault(name, {})[field] = t
-    def kernel_for(attrs: dict):  # the loader's rule: the plan's kernels where they take the shape
-        fits = kernel is not None and why_not(attrs["out_features"], attrs["in_features"]) is None
-        return kernel if fits else None
-
     try:
         built = {name: _CLASSES[manifest[name]["class"]].from_packed_state(
-            manifest[name], by_module[name], kernel_for(manifest[name])) for name in names}
+            manifest[name], by_module[name],
+            kernel_for_shape(kernel, manifest[name]["out_features"], manifest[name]["in_features"]))
+            for name in names}
         top = manifest["logits_proj"]["top"] if HEAD in built else None
     except (KeyError, TypeError, ValueError) as exc:
         logger.warning("packed-weight cache entry does not fit (%s): packing again", exc)

@@ -29,6 +29,12 @@ def why_not(out_features: int, in_features: int) -> str | None:
     return None
 
 
+def kernel_for_shape(kernel, out_features: int, in_features: int):
+    """`kernel` for a weight of this shape where it takes it, else None (torch's op): the loader's rule,
+    also the packed-weight cache's when it rebuilds a module."""
+    return kernel if kernel is not None and why_not(out_features, in_features) is None else None
+
+
 class QuantGemm:
     """ctypes front of csrc/quant_gemm.c (AVX-512) or csrc/quant_gemm_avx2.c (AVX2 + FMA): float32
     x [M, K] -> float32 [M, N] over int4 or int8 weights."""
