@@ -48,7 +48,12 @@ def server(tmp_path_factory):
     broken.write_bytes(b"not a gguf file at all")
     route_up = probe_file(broken.parent / "route-up.json", 5.0)
     route_stay = probe_file(broken.parent / "route-stay.json", -5.0)
+    # A tier of its own short context, and a cascade from the preset file (after the command line's).
+    preset = broken.parent / "models.toml"
+    preset.write_text(f'[short]\nsource = "{SMOL}"\nmax_model_len = 64\n'
+                      '[fits]\ntiers = ["short", "qwen"]\nthreshold = 0\n')
     proc = ServerProcess([f"smol={SMOL}", "qwen=qwen2.5-coder-0.5b", f"bad={broken}", f"bad2={broken}",
+                          "--models-preset", str(preset),
                           "--cascade", "up=smol,qwen;threshold=1.0",
                           "--cascade", "stay=smol,qwen;threshold=0.0",
                           "--cascade", "auto=smol,qwen",
@@ -182,6 +187,28 @@ def test_a_tier_that_cannot_load_is_skipped_and_named(server):
         assert (first["served_by"], first["skipped"][0]["model"]) == ("qwen", "bad")
         r = http.post("/v1/chat/completions", json={"model": "nobody", "messages": CHAT, "max_tokens": 4})
         assert r.status_code == 503 and "model `bad2` failed to load" in r.json()["error"]["message"], r.text
+
+
+def test_a_tier_that_cannot_serve_the_request_is_skipped_by_rule(server):
+    """`short` holds 64 tokens: a longer prompt is past its context, so the next tier answers it."""
+    long_prompt = "Count the apples: " + "one apple, " * 40
+    with server.client() as http:
+        before = scrape(server.url)
+        r = http.post("/v1/completions", json={"model": "fits", "prompt": long_prompt, "max_tokens": 8,
+                                               "temperature": 0})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert (out["served_by"], out["escalated"]) == ("qwen", True)
+        assert out["skipped"][0]["model"] == "short" and "64" in out["skipped"][0]["reason"], out["skipped"]
+        own = http.post("/v1/completions", json={"model": "qwen", "prompt": long_prompt, "max_tokens": 8,
+                                                 "temperature": 0}).json()
+        assert out["choices"][0]["text"] == own["choices"][0]["text"]
+        short = http.post("/v1/completions", json={"model": "fits", "prompt": PROMPT, "max_tokens": 8}).json()
+        assert (short["served_by"], short["escalated"]) == ("short", False)  # threshold 0: it stands
+        after = scrape(server.url)
+    labels = {"cascade": "fits", "tier": "short", "reason": "tier_cannot_serve"}
+    assert metric(after, "tokenloom:cascade_escalations_total", **labels) - metric(
+        before, "tokenloom:cascade_escalations_total", **labels) == 1
 
 
 def test_bad_requests_are_4xx_in_openai_shape(server):

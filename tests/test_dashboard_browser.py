@@ -59,7 +59,7 @@ def server():
 class Dashboard:
     """One browser tab on /dashboard, logged in through the key form."""
 
-    def __init__(self, browser, server, key: str = KEY):
+    def __init__(self, browser, server, key: str = KEY, path: str = "/dashboard"):
         self.context = browser.new_context(viewport={"width": 1440, "height": 1100})
         self.page = self.context.new_page()
         self.errors: list[str] = []
@@ -67,7 +67,7 @@ class Dashboard:
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
         self.page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
         self.page.on("request", lambda r: self.urls.append(r.url))
-        response = self.page.goto(f"{server.url}/dashboard")
+        response = self.page.goto(f"{server.url}{path}")
         assert response.status == 401  # no key yet: the form, not the page
         self.page.fill("#key", key)
         self.page.click("button[type=submit]")
@@ -207,6 +207,34 @@ def test_the_key_is_needed_and_stays_out_of_urls(dashboard, server):
     tab.page.wait_for_selector("#status.live", timeout=60_000)
     for url in tab.urls + wrong.urls:
         assert KEY not in url and "not-the-key" not in url, url
+
+
+def test_a_multi_model_server_shows_every_model_and_cascade(browser):
+    from tokenloom.model.loader import bundled_model_path
+
+    model = bundled_model_path()
+    srv = ServerProcess([f"a={model}", f"b={model}", "--cascade", "both=a,b", "--max-model-len", "384"], api_key=KEY)
+    try:
+        tab = Dashboard(browser, srv, path="/dashboard?model=b")
+        try:
+            tab.wait_live()
+            assert tab.page.inner_text("#model") == "b"
+            tab.page.wait_for_selector("#models-panel:not([hidden]) #models tr[data-name=a]", timeout=30_000)
+            rows = tab.page.eval_on_selector_all("#models tbody tr", "trs => trs.map(t => [t.dataset.name, "
+                                                 "t.dataset.status, t.className])")
+            assert rows == [["a", "loaded", ""], ["b", "loaded", "selected"]]
+            r = httpx.post(f"{srv.url}/v1/completions", headers=AUTH, timeout=120,
+                           json={"model": "both", "prompt": "The capital of France is", "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            tab.page.wait_for_selector("#cascades tr[data-name=both][data-requests='1']", timeout=30_000)
+            assert r.json()["served_by"] in tab.page.inner_text("#cascades tr[data-name=both]")
+            tab.page.click("#models tr[data-name=a] a")  # a resident model's name opens its own page
+            tab.page.wait_for_function("document.getElementById('model').textContent === 'a'", timeout=60_000)
+            assert all("401" in e for e in tab.errors), tab.errors  # only the new page's key form
+        finally:
+            tab.close()
+    finally:
+        srv.stop()
 
 
 def _rss_kib(pid: int) -> int:

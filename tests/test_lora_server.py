@@ -3,6 +3,8 @@ adapters in /v1/models, `model` choosing one, run-time load/unload and their err
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -13,6 +15,7 @@ import transformers
 from conftest_server import ServerProcess
 
 from tokenloom import LLM, LoRARequest, SamplingParams
+from tokenloom.model.loader import bundled_model_path
 
 pytestmark = pytest.mark.slow
 
@@ -153,3 +156,47 @@ def test_runtime_lora_names_must_be_valid_unicode():
         with pytest.raises(ValidationError, match="unicode|surrogate"):
             model.model_validate({"lora_name": "\ud800", "lora_path": "/x"} if model is LoadLoRAAdapterRequest
                                  else {"lora_name": "\ud800"})
+
+
+def test_each_model_of_a_multi_model_server_serves_its_own_adapters(server, adapters, tmp_path):
+    """A models preset gives `a` its adapters (`lora_modules`); `b`, the same file, has none. A request
+    naming an adapter goes to its model and equals the single-model server's answer under it; one loaded
+    at run time (`?model=b`) is served by `b`; a request for an adapter of an unloaded model loads it."""
+    with server.client() as c:
+        single = complete(c, "alpha").json()["choices"][0]["text"]
+    preset = tmp_path / "models.toml"
+    preset.write_text(f'[a]\nsource = "{bundled_model_path()}"\nenable_lora = true\n'
+                      f'lora_modules = ["alpha={adapters["alpha"]}"]\n'
+                      f'[b]\nsource = "{bundled_model_path()}"\nenable_lora = true\n')
+    multi = ServerProcess(["--models-preset", str(preset), "--allow-runtime-lora-updating"])
+    try:
+        with multi.client() as c:
+            listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+            assert listed["alpha"]["parent"] == "a" and "parent" not in listed["b"]
+            assert complete(c, "alpha").json()["choices"][0]["text"] == single
+            r = c.post("/v1/load_lora_adapter?model=b", json={"lora_name": "gamma", "lora_path": adapters["gamma"]})
+            assert r.status_code == 200, r.text
+            assert complete(c, "gamma").status_code == 200
+            assert {m["id"]: m for m in c.get("/v1/models").json()["data"]}["gamma"]["parent"] == "b"
+            assert c.post("/models/unload", json={"model": "a"}).status_code == 200
+            assert complete(c, "alpha").json()["choices"][0]["text"] == single  # autoloads `a`
+            assert complete(c, "beta").status_code == 404  # the single server's adapter, not this one's
+    finally:
+        multi.stop()
+
+
+def test_a_preset_s_adapters_are_checked_at_start(tmp_path):
+    from tokenloom.server.model_set import parse_models_preset
+    from tokenloom.server.multi_flags import preset_flags
+
+    for table, says in (("lora_modules = 'x=/y'", "must be a list"), ("lora_modules = ['nopath']", "not name=path"),
+                        ("lora_modules = ['a=/x']", "two models are served as 'a'")):
+        path = tmp_path / "models.toml"
+        path.write_text(f"[a]\nsource = 'x'\n{table}\n")
+        with pytest.raises(ValueError, match=says) as err:
+            parse_models_preset(str(path), preset_flags)
+        assert "--models-preset" in str(err.value)
+    path.write_text(f"[a]\nsource = '{bundled_model_path()}'\nlora_modules = ['x=/y']\n")
+    done = subprocess.run([sys.executable, "-m", "tokenloom.cli", "serve", "--models-preset", str(path), "--port", "0"],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "adapters need enable_lora = true" in done.stderr, done.stderr

@@ -217,7 +217,7 @@ def test_a_request_that_goes_away_during_its_models_load_leaves_it_loaded_not_ha
 
 # -- --models-preset --------------------------------------------------------------------------------
 
-def preset(tmp_path, text: str) -> list:
+def preset(tmp_path, text: str):
     from tokenloom.server.model_set import parse_models_preset
     from tokenloom.server.multi_flags import preset_flags
 
@@ -226,8 +226,12 @@ def preset(tmp_path, text: str) -> list:
     return parse_models_preset(str(path), preset_flags)
 
 
+def preset_models(tmp_path, text: str) -> list:
+    return preset(tmp_path, text).models
+
+
 def test_a_preset_gives_each_model_its_source_names_switches_and_own_flags(tmp_path):
-    specs = preset(tmp_path, """
+    specs = preset_models(tmp_path, """
 [chat]
 source = "smollm2-135m"
 aliases = ["default", "small"]
@@ -268,11 +272,53 @@ speculative_config = {method = "ngram", num_speculative_tokens = 3}
     ("[a]\nsource = 'x'\npin = 'yes'", "`pin` must be true or false"),
     ("[a]\nsource = 'x'\naliases = 'b'", "`aliases` must be a list"),
     ("[a]\nsource = 'x'\n[b]\nsource = 'y'\naliases = ['a']", "two models are served as 'a'"),
+    ("[a]\nsource = 'x'\ntiers = ['a', 'b']", "a model .* or a cascade .*, not both"),
 ])
 def test_a_bad_preset_is_one_clear_error_naming_the_file_and_table(tmp_path, text, says):
     with pytest.raises(ValueError, match=says) as err:
         preset(tmp_path, text)
     assert "--models-preset" in str(err.value)
+
+
+PRESET_WITH_CASCADE = """
+[small]
+source = "x.gguf"
+[large]
+source = "y.gguf"
+[coder]
+tiers = ["small", "large"]
+threshold = 1
+k = 8
+"""
+
+
+def test_a_preset_table_with_tiers_is_a_cascade_checked_as_the_flag_is(tmp_path):
+    from tokenloom.server.cascade_config import parse_cascades
+
+    got = preset(tmp_path, PRESET_WITH_CASCADE)
+    assert [m.name for m in got.models] == ["small", "large"]
+    flagged = parse_cascades(["fast=large,small;signal=min_top1"], {"small": "x", "large": "y"}, got.cascades)
+    by_name = {c.name: c for c in flagged}
+    assert by_name["coder"].tiers == ("small", "large") and by_name["coder"].options == {"threshold": 1.0, "k": 8}
+    assert by_name["fast"].options == {"signal": "min_top1"}
+
+
+@pytest.mark.parametrize(("table", "says"), [
+    ("tiers = 'small'", "`tiers` must be a list"),
+    ("tiers = ['small']", "at least two tiers"),
+    ("tiers = ['small', 'nope']", "tier 'nope' is not a served model"),
+    ("tiers = ['small', 'coder']", "names itself"),
+    ("tiers = ['small', 'large']\nthreshold = true", "`threshold` must be a number"),
+    ("tiers = ['small', 'large']\nk = 2.5", "`k` must be an integer"),
+    ("tiers = ['small', 'large']\nport = 1", "unknown key `port` for a cascade"),
+])
+def test_a_bad_preset_cascade_names_the_file_table_and_key(tmp_path, table, says):
+    from tokenloom.server.cascade_config import parse_cascades
+
+    got = preset(tmp_path, "[small]\nsource = 'x'\n[large]\nsource = 'y'\n[coder]\n" + table)
+    with pytest.raises(ValueError, match=says) as err:
+        parse_cascades(None, {"small": "x", "large": "y"}, got.cascades)
+    assert "--models-preset" in str(err.value) and "[coder]" in str(err.value)
 
 
 def test_a_missing_preset_file_is_one_clear_error(tmp_path):
@@ -351,5 +397,40 @@ def test_a_request_that_comes_in_as_its_model_is_put_to_sleep_keeps_it():
         await models.release(held)
         await models._sleep(slot)
         assert slot.status == "unloaded" and models.sleeps == 1
+
+    asyncio.run(main())
+
+
+# -- the dashboard's overview of every model and cascade ---------------------------------------------
+
+def test_the_dashboard_overview_shows_every_model_its_batch_and_each_cascade():
+    from types import SimpleNamespace
+
+    from tokenloom.engine.stats import EngineStats
+    from tokenloom.server.cascade import Cascade, CascadeMetrics
+    from tokenloom.server.cascade_config import CascadeSpec
+    from tokenloom.server.multi_serve import overview
+
+    async def main():
+        fakes = Fakes({"a": 100, "b": 200})
+        models = fakes.model_set(budget=1000)
+        slot = await models.acquire("a")
+        slot.handle.metrics = SimpleNamespace(latest=EngineStats(3, 2, 0, 0.25, 0, 0, 0))  # as its engine published
+        metrics = CascadeMetrics()
+        cascades = {"c": Cascade(CascadeSpec("c", ("a", "b")), metrics)}
+        metrics.requests.labels("c").inc(3)
+        metrics.answered.labels("c", "a").inc(2)
+        metrics.answered.labels("c", "b").inc()
+        metrics.escalations.labels("c", "a", "low_confidence").inc()
+        metrics.tokens.labels("c", "a", "completion").inc(40)
+        view = overview(models, cascades, metrics)
+        a, b = view["models"]
+        assert (a["name"], a["status"], a["resident_bytes"], a["in_flight"]) == ("a", "loaded", 100, 1)
+        assert (a["running"], a["waiting"], a["kv_usage"]) == (3, 2, 0.25)
+        assert (b["status"], b["resident_bytes"]) == ("unloaded", 0) and "running" not in b
+        assert (view["resident_bytes"], view["budget_bytes"], view["evictions"]) == (100, 1000, 0)
+        assert view["cascades"] == [{"name": "c", "tiers": ["a", "b"], "requests": 3, "answered": {"a": 2, "b": 1},
+                                     "escalations": {"low_confidence": 1}, "completion_tokens": {"a": 40}}]
+        await models.release(slot)
 
     asyncio.run(main())

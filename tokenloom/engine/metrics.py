@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ..outputs import RequestOutput
 from ..slo import ATTAINMENT_KINDS, Attainment
+from .stats import EngineStats
 
 logger = logging.getLogger("tokenloom.metrics")
 
@@ -52,6 +53,9 @@ class EngineMetrics:
         self.model_name = model_name
         self.log_interval_s = log_interval_s
         self.log_requests = log_requests
+        # The newest stats the engine thread published: one reference, read off that thread without a
+        # lock (a multi-model server's dashboard shows every model's batch from it).
+        self.latest: EngineStats | None = None
 
         def metric(kind, name: str, doc: str, buckets: tuple | None = None):
             extra = {"buckets": buckets} if buckets else {}
@@ -190,7 +194,7 @@ class EngineMetrics:
             )
 
     def _update_gauges(self, engine) -> None:
-        st = engine.stats()
+        st = self.latest = engine.stats()
         self.running.set(st.num_running)
         self.waiting.set(st.num_waiting)
         self.swapped.set(st.num_swapped)

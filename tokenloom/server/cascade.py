@@ -73,6 +73,27 @@ class CascadeMetrics:
         self.tokens = Counter("tokenloom:cascade_tokens", "Tokens each tier of a cascade took (prompt) and wrote "
                               "(completion).", ["cascade", "tier", "kind"], registry=self.registry)
 
+    def summary(self) -> dict[str, dict]:
+        """Per cascade, the counters as the dashboard shows them: requests, answered per tier,
+        escalations per reason, completion tokens per tier."""
+        out: dict[str, dict] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if not sample.name.endswith("_total"):
+                    continue  # the `_created` timestamps
+                labels, value = sample.labels, int(sample.value)
+                row = out.setdefault(labels["cascade"], {"requests": 0, "answered": {}, "escalations": {},
+                                                         "completion_tokens": {}})
+                if family.name == "tokenloom:cascade_requests":
+                    row["requests"] += value
+                elif family.name == "tokenloom:cascade_answered":
+                    row["answered"][labels["tier"]] = value
+                elif family.name == "tokenloom:cascade_escalations":
+                    row["escalations"][labels["reason"]] = row["escalations"].get(labels["reason"], 0) + value
+                elif labels["kind"] == "completion":
+                    row["completion_tokens"][labels["tier"]] = value
+        return out
+
 
 @dataclasses.dataclass
 class _Run:

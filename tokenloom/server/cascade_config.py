@@ -59,6 +59,7 @@ class CascadeSpec:
 
 
 OPTION_TYPES = {"threshold": float, "k": int, "signal": str, "config": str}
+TOML_KINDS = {float: "a number", int: "an integer", str: "a string"}
 
 
 def add_cascade_args(p: argparse.ArgumentParser) -> None:
@@ -81,47 +82,74 @@ def add_cascade_args(p: argparse.ArgumentParser) -> None:
                         "the cascade of the same tier models; flags given beside it win")
 
 
-def parse_cascades(texts: list[str] | None, models: dict[str, str]) -> list[CascadeSpec]:
-    """`--cascade` values checked against the served models (name -> source)."""
+def parse_cascades(texts: list[str] | None, models: dict[str, str],
+                   preset: list[tuple[str, str, dict]] = ()) -> list[CascadeSpec]:
+    """`--cascade` values and a models preset's cascade tables (`preset`: (where, name, table) each, the
+    table's `tiers` and options as TOML gave them), checked against the served models (name -> source)."""
+    entries = [_from_flag(text) for text in texts or ()] + [_from_table(*entry) for entry in preset]
+    names = [name for _, name, _, _ in entries]
     specs: list[CascadeSpec] = []
-    names = [t.partition("=")[0].strip() for t in texts or ()]
-    for text in texts or ():
-        head, *extras = text.split(";")
-        name, sep, rest = head.partition("=")
-        name = name.strip()
-        tiers = tuple(t.strip() for t in rest.split(",") if t.strip())
-        if not sep or not name:
-            raise ValueError(f"--cascade {text!r}: give it as NAME=SMALL,LARGE[,...]")
-        options = {}
-        for extra in extras:
-            key, eq, value = extra.partition("=")
-            key = key.strip()
-            if key not in OPTION_TYPES or not eq:
-                raise ValueError(f"--cascade {text!r}: {extra!r} is not one of "
-                                 f"{', '.join(k + '=...' for k in OPTION_TYPES)}")
-            try:
-                options[key] = OPTION_TYPES[key](value.strip())
-            except ValueError:
-                raise ValueError(f"--cascade {text!r}: {key} must be a {OPTION_TYPES[key].__name__}") from None
+    for where, name, tiers, options in entries:
         if name in models:
-            raise ValueError(f"--cascade {text!r}: {name!r} is already a model's name; a cascade needs its own")
+            raise ValueError(f"{where}: {name!r} is already a model's name; a cascade needs its own")
         if names.count(name) > 1:
-            raise ValueError(f"--cascade {text!r}: two cascades are named {name!r}")
+            raise ValueError(f"{where}: two cascades are named {name!r}")
         if len(tiers) < 2:
-            raise ValueError(f"--cascade {text!r}: a cascade needs at least two tiers (SMALL,LARGE)")
+            raise ValueError(f"{where}: a cascade needs at least two tiers (SMALL,LARGE)")
         for tier in tiers:
             if tier == name:
-                raise ValueError(f"--cascade {text!r}: the cascade names itself as a tier")
+                raise ValueError(f"{where}: the cascade names itself as a tier")
             if tier in names:
-                raise ValueError(f"--cascade {text!r}: tier {tier!r} is a cascade; a tier must be a model "
+                raise ValueError(f"{where}: tier {tier!r} is a cascade; a tier must be a model "
                                  "(cascades of cascades, and so cycles, are refused)")
             if tier not in models:
-                raise ValueError(f"--cascade {text!r}: tier {tier!r} is not a served model "
-                                 f"(served: {', '.join(models)})")
+                raise ValueError(f"{where}: tier {tier!r} is not a served model (served: {', '.join(models)})")
         if len(set(tiers)) < len(tiers):
-            raise ValueError(f"--cascade {text!r}: a tier is named twice")
+            raise ValueError(f"{where}: a tier is named twice")
         specs.append(CascadeSpec(name, tiers, options=options))
     return specs
+
+
+def _from_flag(text: str) -> tuple[str, str, tuple[str, ...], dict]:
+    """One `--cascade NAME=SMALL,LARGE[;key=value...]`: (where, name, tiers, options)."""
+    where = f"--cascade {text!r}"
+    head, *extras = text.split(";")
+    name, sep, rest = head.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"{where}: give it as NAME=SMALL,LARGE[,...]")
+    options = {}
+    for extra in extras:
+        key, eq, value = extra.partition("=")
+        key = key.strip()
+        if key not in OPTION_TYPES or not eq:
+            raise ValueError(f"{where}: {extra!r} is not one of {', '.join(k + '=...' for k in OPTION_TYPES)}")
+        try:
+            options[key] = OPTION_TYPES[key](value.strip())
+        except ValueError:
+            raise ValueError(f"{where}: {key} must be a {OPTION_TYPES[key].__name__}") from None
+    return where, name.strip(), tuple(t.strip() for t in rest.split(",") if t.strip()), options
+
+
+def _from_table(where: str, name: str, table: dict) -> tuple[str, str, tuple[str, ...], dict]:
+    """A models preset's cascade table (`tiers = ["small", "large"]`, and `threshold`, `k`, `signal`,
+    `config` as `;key=value` takes them; a path as the command line takes it, like a model's `source`)."""
+    tiers = table.get("tiers")
+    if not isinstance(tiers, list) or not all(isinstance(t, str) and t for t in tiers):
+        raise ValueError(f"{where}: `tiers` must be a list of model names, the smallest first")
+    options = {}
+    for key, value in table.items():
+        if key == "tiers":
+            continue
+        kind = OPTION_TYPES.get(key)
+        if kind is None:
+            raise ValueError(f"{where}: unknown key `{key}` for a cascade (tiers, {', '.join(OPTION_TYPES)})")
+        # TOML's own types: an integer is a fine threshold, a bool is no number
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else (
+            type(value) is kind)
+        if not ok:
+            raise ValueError(f"{where}: `{key}` must be {TOML_KINDS[kind]}, got {value!r}")
+        options[key] = float(value) if kind is float else value
+    return where, name, tuple(tiers), options
 
 
 def build_rule(args: argparse.Namespace, spec: CascadeSpec, sources: dict[str, str]) -> CascadeRule:

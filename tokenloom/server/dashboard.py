@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -70,6 +71,8 @@ class DashboardOptions:
     max_viewers: int = DEFAULT_MAX_VIEWERS
     show_text: bool = False  # prompts and outputs in snapshots (--dashboard-show-text), for the metrics token
     max_viewers_per_client: int = DEFAULT_MAX_VIEWERS_PER_CLIENT
+    # A multi-model server's view of every model and cascade (multi_serve.overview), in each frame.
+    overview: Callable[[], dict] | None = None
 
 
 @dataclass(eq=False)
@@ -88,8 +91,9 @@ class DashboardHub:
     """The viewers, and the one task that builds snapshots for them."""
 
     def __init__(self, async_llm: AsyncLLM, recorder: EngineRecorder, max_viewers: int = DEFAULT_MAX_VIEWERS,
-                 max_viewers_per_client: int | None = None):
+                 max_viewers_per_client: int | None = None, overview: Callable[[], dict] | None = None):
         self.async_llm = async_llm
+        self.overview = overview
         self.recorder = recorder
         self.max_viewers = max_viewers
         self.max_viewers_per_client = max_viewers_per_client  # None: no per-client bound (auth off)
@@ -145,6 +149,8 @@ class DashboardHub:
                 snap = {"error": f"no snapshot: {exc!r}"}
             self.snapshots += 1
             snap["server"] = self.stats()
+            if self.overview is not None:
+                snap["overview"] = self.overview()
             frames: dict[tuple[bool, bool], bytes] = {}  # each view encoded once, for all its viewers
             for viewer in self.viewers:
                 if (frame := frames.get(viewer.view)) is None:
@@ -280,7 +286,7 @@ def add_dashboard_routes(app: FastAPI, state, access: MetricsAccess, options: Da
     recorder = EngineRecorder(async_llm.engine, state.model_name, options.show_text)
     auth_on = access.api_key is not None or access.metrics_token is not None
     hub = DashboardHub(async_llm, recorder, options.max_viewers,
-                       options.max_viewers_per_client if auth_on else None)
+                       options.max_viewers_per_client if auth_on else None, options.overview)
     app.state.dashboard = hub
     page, login = page_html(), _static("dashboard_login.html")
 

@@ -35,8 +35,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import APIError
+
+if TYPE_CHECKING:
+    from ..model.lora import LoRARequest
 
 logger = logging.getLogger("tokenloom.server.models")
 
@@ -52,10 +56,15 @@ class ModelSpec:
     flags: tuple[tuple[str, object], ...] = ()  # its own engine flags (argparse dests), over the command line's
     pin: bool = False  # never evicted
     load_on_startup: bool = True  # loaded at start if it fits beside the ones before it
+    lora_modules: tuple[LoRARequest, ...] = ()  # its adapters (a preset's `lora_modules`), served by name
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.name, *self.aliases)
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        return tuple(r.lora_name for r in self.lora_modules)
 
 
 def parse_model_specs(tags: list[str]) -> list[ModelSpec]:
@@ -75,10 +84,10 @@ def parse_model_specs(tags: list[str]) -> list[ModelSpec]:
 
 
 def check_names(specs: list[ModelSpec]) -> list[ModelSpec]:
-    """`specs`, if no served name (or alias) is given to two models; a ValueError naming it otherwise."""
+    """`specs`, if no served name (alias, adapter) is given twice; a ValueError naming it otherwise."""
     seen: dict[str, str] = {}
     for spec in specs:
-        for name in spec.names:
+        for name in (*spec.names, *spec.adapters):
             if name in seen:
                 raise ValueError(f"two models are served as {name!r} ({seen[name]} and {spec.source}); "
                                  "name one with NAME=SOURCE (or its preset table)")
@@ -86,13 +95,21 @@ def check_names(specs: list[ModelSpec]) -> list[ModelSpec]:
     return specs
 
 
-PRESET_KEYS = ("source", "aliases", "pin", "load_on_startup")  # a table's own keys; the rest are engine flags
+PRESET_KEYS = ("source", "aliases", "pin", "load_on_startup", "lora_modules")  # the rest are engine flags
 
 
-def parse_models_preset(path: str, parse_flags: Callable[[str, dict], dict]) -> list[ModelSpec]:
+@dataclass
+class Preset:
+    models: list[ModelSpec]
+    cascades: list[tuple[str, str, dict]]  # (where, name, table): checked by cascade_config.parse_cascades
+
+
+def parse_models_preset(path: str, parse_flags: Callable[[str, dict], dict]) -> Preset:
     """`--models-preset FILE`: a TOML table per model, named by its served name, in the file's order:
-    `source` (required), `aliases`, `pin`, `load_on_startup`, and its own engine flags (`parse_flags`
-    checks them as the command line would, naming the table and the key). Errors name the file."""
+    `source` (required), `aliases`, `pin`, `load_on_startup`, `lora_modules` (as `--lora-modules`), and
+    its own engine flags (`parse_flags` checks them as the command line would, naming the table and the
+    key). A table with `tiers` instead
+    of `source` is a cascade (as `--cascade NAME=...`). Errors name the file."""
     import tomllib
 
     try:
@@ -104,11 +121,16 @@ def parse_models_preset(path: str, parse_flags: Callable[[str, dict], dict]) -> 
         raise ValueError(f"--models-preset {path}: not TOML ({exc})") from None
     if not tables:
         raise ValueError(f"--models-preset {path}: no models (a [NAME] table per model)")
-    specs = []
+    specs, cascades = [], []
     for name, table in tables.items():
         where = f"--models-preset {path}: [{name}]"
         if not isinstance(table, dict):
             raise ValueError(f"{where}: a table per model ([{name}] with source = ...), got a {type(table).__name__}")  # noqa: TRY004 - the CLI's one-line errors
+        if "tiers" in table:
+            if "source" in table:
+                raise ValueError(f"{where}: a model (`source`) or a cascade (`tiers`), not both")
+            cascades.append((where, name, table))
+            continue
         source = table.get("source")
         if not isinstance(source, str) or not source:
             raise ValueError(f"{where}: `source` (a catalog name, GGUF file or HF directory) is required")
@@ -120,11 +142,24 @@ def parse_models_preset(path: str, parse_flags: Callable[[str, dict], dict]) -> 
             if not isinstance(value, bool):
                 raise ValueError(f"{where}: `{key}` must be true or false, got {value!r}")  # noqa: TRY004 - as above
         flags = parse_flags(where, {k: v for k, v in table.items() if k not in PRESET_KEYS})
-        specs.append(ModelSpec(name, source, tuple(aliases), tuple(flags.items()), **switches))
+        adapters = _preset_adapters(where, table.get("lora_modules", []))
+        specs.append(ModelSpec(name, source, tuple(aliases), tuple(flags.items()), **switches, lora_modules=adapters))
     try:
-        return check_names(specs)
+        return Preset(check_names(specs), cascades)
     except ValueError as exc:
         raise ValueError(f"--models-preset {path}: {exc}") from None
+
+
+def _preset_adapters(where: str, values) -> tuple[LoRARequest, ...]:
+    """A table's `lora_modules`: a list as `--lora-modules` takes them ("NAME=PATH" or its JSON form)."""
+    from .lora_routes import parse_lora_modules
+
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise ValueError(f"{where}: `lora_modules` must be a list of \"NAME=PATH\" strings")
+    try:
+        return tuple(parse_lora_modules(values))
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 @dataclass
@@ -157,15 +192,17 @@ def plan_evictions(resident: list[Resident], need_bytes: int, budget: int | None
     return evict if fits() else None
 
 
-def estimate_bytes(path: str, kv_cache_bytes: int) -> int:
-    """Bytes a model will hold before it is loaded: its weight files (a GGUF file, or an HF directory's
-    safetensors / bin files; packed int4 from a wider file is smaller, so this errs high) plus its KV pool."""
-    p = Path(path)
-    if p.is_dir():
-        weights = sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf"))
-    else:
-        weights = p.stat().st_size if p.exists() else 0
-    return weights + kv_cache_bytes
+def estimate_bytes(paths: list[str], kv_cache_bytes: int) -> int:
+    """Bytes a model will hold before it is loaded: the weight files of its `paths` (the model's, its
+    adapters' and a draft's: a GGUF file, or a directory's safetensors / bin files; packed int4 from a
+    wider file is smaller, so this errs high) plus its KV pool."""
+    total = kv_cache_bytes
+    for path in map(Path, paths):
+        if path.is_dir():
+            total += sum(f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf"))
+        elif path.exists():
+            total += path.stat().st_size
+    return total
 
 
 class ModelTooLarge(ValueError):
@@ -183,6 +220,7 @@ class Handle:
     health_problem: Callable[[], str | None] = lambda: None
     info: dict = field(default_factory=dict)  # extra /v1/models fields (max_model_len, root)
     metrics: object | None = None
+    adapters: Callable[[], tuple[str, ...]] = tuple  # the adapters it serves now (its own and any loaded at run time)
 
 
 @dataclass
@@ -232,7 +270,8 @@ class ModelSet:
         garbage collection of the engine, multi_serve.py)."""
         self.slots = {s.name: ModelSlot(s, (estimates or {}).get(s.name, 0), pinned=s.name in pinned or s.pin)
                       for s in specs}
-        self.names = {name: s.name for s in specs for name in s.names}  # every served name and alias -> slot
+        # every served name, alias and adapter -> its model's slot (a request for an adapter loads its model)
+        self.names = {name: s.name for s in specs for name in (*s.names, *s.adapters)}
         self.default, self.loader, self.evictions = specs[0].name, loader, 0
         self.budget, self.models_max = budget, models_max  # residency: bytes, and a count (None: no limit)
         self.autoload, self.drain_timeout, self.load_wait_s = autoload, drain_timeout, load_wait_s
@@ -245,7 +284,11 @@ class ModelSet:
     # -- lookups ----------------------------------------------------------------------------------
 
     def slot(self, name: str | None) -> ModelSlot:
-        slot = self.slots.get(self.names.get(self.default if name is None else name, ""))
+        key = self.names.get(self.default if name is None else name)
+        if key is None:  # an adapter loaded at run time into a resident model (it goes with the model)
+            key = next((s.name for s in self.slots.values() if s.handle is not None and name in s.handle.adapters()),
+                       None)
+        slot = self.slots.get(key or "")
         if slot is None:
             raise APIError(404, f"The model `{name}` does not exist. Served: {', '.join(self.slots)}",
                            "invalid_request_error", "model", "model_not_found")
@@ -490,9 +533,16 @@ class ModelSet:
             out = dict(s.handle.info) if s.handle else {"root": s.spec.source}
             return out if paths else out | {"root": s.name}
 
-        return [{"id": s.name, "object": "model", "created": now_s(), "owned_by": "tokenloom", **info(s),
-                 "status": s.status_json(), "resident_bytes": s.resident_bytes, "estimated_bytes": s.estimate,
-                 "pinned": s.pinned, "requests_in_flight": s.inflight} for s in self.slots.values()]
+        listed = []
+        for s in self.slots.values():
+            listed.append({"id": s.name, "object": "model", "created": now_s(), "owned_by": "tokenloom", **info(s),
+                           "status": s.status_json(), "resident_bytes": s.resident_bytes, "estimated_bytes": s.estimate,
+                           "pinned": s.pinned, "requests_in_flight": s.inflight})
+            # its adapters as `serve MODEL` lists them: by name, with their model as `parent`
+            for adapter in s.handle.adapters() if s.handle is not None else s.spec.adapters:
+                listed.append({"id": adapter, "object": "model", "created": now_s(), "owned_by": "tokenloom",
+                               "root": adapter, "parent": s.name, "status": s.status_json()})
+        return listed
 
 
 

@@ -12,8 +12,9 @@ from .cascade_config import add_cascade_args
 def add_multi_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models-preset", metavar="FILE", default=None,
                    help="several models from a TOML file: a [NAME] table per model with its source, aliases, "
-                        "pin, load_on_startup and its own engine flags (e.g. quantization, max_model_len, "
-                        "kv_cache_memory_bytes, speculative_config); after any MODEL given on the command line")
+                        "pin, load_on_startup, lora_modules and its own engine flags (e.g. quantization, "
+                        "max_model_len, kv_cache_memory_bytes, speculative_config), or a cascade's tiers; after "
+                        "any MODEL given on the command line")
     p.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
                    help="with several models: bytes the resident models' weights and KV pools may take; loading "
                         "one evicts least-recently-used idle ones (default: 80%% of the memory this process may use)")
@@ -58,7 +59,7 @@ def preset_flags(where: str, table: dict) -> dict:
     for key, value in table.items():
         dest = key.replace("-", "_")
         if dest not in known:
-            raise ValueError(f"{where}: unknown key {key!r} (a table takes source, aliases, pin, load_on_startup "
+            raise ValueError(f"{where}: unknown key {key!r} (a table takes source, aliases, pin, load_on_startup, lora_modules "
                              f"and engine flags: {', '.join(sorted(known))})")
         flag = "--" + dest.replace("_", "-")
         if isinstance(actions[dest], argparse.BooleanOptionalAction) and not isinstance(value, bool):

@@ -76,10 +76,11 @@ def real_loader(args: argparse.Namespace, turn: ForwardTurn, dashboard):
         config = engine_config_from_args(ns)
         catalog.pull_missing(config.model)
         catalog.pull_missing(config.draft_model, "speculative_config.model")
-        served = load_served_engine(ns, config)
+        served = load_served_engine(ns, config, spec.lora_modules)
         served.async_llm.turn = turn
         app = build_app(served.async_llm, served.names, metrics=served.metrics, model_path=served.path,
-                        dashboard=dashboard, **app_options(ns))
+                        dashboard=dashboard, lora_modules=list(spec.lora_modules),
+                        allow_runtime_lora_updating=args.allow_runtime_lora_updating, **app_options(ns))
         stack = contextlib.AsyncExitStack()
 
         async def start() -> None:
@@ -91,7 +92,8 @@ def real_loader(args: argparse.Namespace, turn: ForwardTurn, dashboard):
 
         engine = served.async_llm.engine
         return Handle(app, resident_bytes(engine), start, stop, served.async_llm.health_problem,
-                      {"root": served.path, "max_model_len": config.max_model_len}, served.metrics)
+                      {"root": served.path, "max_model_len": config.max_model_len}, served.metrics,
+                      lambda: tuple(app.state.tokenloom.loras))
 
     return load
 
@@ -100,6 +102,16 @@ def spec_args(args: argparse.Namespace, spec: ModelSpec) -> argparse.Namespace:
     """The command line's flags with `spec`'s own (its preset table's) over them, its source and names."""
     return argparse.Namespace(**{**vars(args), **dict(spec.flags), "model": spec.source,
                                  "served_model_name": list(spec.names)})
+
+
+def _local(source: str | None) -> list[str]:
+    """A draft model's file, if it is on this machine yet (a catalog draft is pulled at its model's load)."""
+    from ..model.load import model_path
+
+    try:
+        return [model_path(source)] if source else []
+    except (OSError, ValueError):
+        return []
 
 
 def _collect_frozen() -> None:
@@ -124,13 +136,22 @@ def _forget_endpoints() -> None:
 
 
 def resident_bytes(engine) -> int:
-    """The model's weights (parameters and buffers) and its KV pool (device and host-swap tensors)."""
+    """What the model holds once loaded: its weights (parameters and buffers) and KV pool (device and
+    host-swap tensors), a draft model's weights and KV pool, and the adapters loaded by then (its
+    `lora_modules`; adapters first used later are not counted until its next load)."""
     from ..model.load import weight_bytes
 
-    runner = engine.runner
-    kv = sum(t.numel() * t.element_size() for t in (getattr(runner, "kv_cache", None),
-                                                     getattr(runner, "host_cache", None)) if t is not None)
-    return (weight_bytes(engine.model) if engine.model is not None else 0) + kv
+    def pool(runner) -> int:
+        return sum(t.numel() * t.element_size() for t in (getattr(runner, "kv_cache", None),
+                                                         getattr(runner, "host_cache", None)) if t is not None)
+
+    total = (weight_bytes(engine.model) if engine.model is not None else 0) + pool(engine.runner)
+    draft = getattr(engine.speculation, "draft", None)
+    if getattr(draft, "model", None) is not None:
+        total += weight_bytes(draft.model) + pool(draft.runner)
+    if engine.adapters is not None:
+        total += sum(w.nbytes for w in engine.adapters.loaded.values())
+    return total
 
 
 class MultiModelApp:
@@ -419,6 +440,24 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
     return app
 
 
+def overview(models: ModelSet, cascades: dict[str, Cascade], cascade_metrics: CascadeMetrics | None) -> dict:
+    """What every model's dashboard shows of the whole server: each configured model (its status, bytes,
+    requests in flight and, when resident, its batch as its engine last published it) and each cascade's
+    counters. Read on the event loop, between any model's steps."""
+    rows = []
+    for s in models.slots.values():
+        latest = getattr(s.handle.metrics, "latest", None) if s.handle is not None else None
+        rows.append({"name": s.name, "status": s.status, "resident_bytes": s.resident_bytes, "pinned": s.pinned,
+                     "in_flight": s.inflight, "loads": s.loads,
+                     **({"running": latest.num_running, "waiting": latest.num_waiting,
+                         "kv_usage": round(latest.kv_usage, 4)} if latest is not None else {})})
+    counts = cascade_metrics.summary() if cascade_metrics is not None else {}
+    return {"models": rows, "resident_bytes": models.resident_bytes, "budget_bytes": models.budget,
+            "evictions": models.evictions,
+            "cascades": [{"name": name, "tiers": list(c.spec.tiers), **counts.get(name, {"requests": 0})}
+                         for name, c in cascades.items()]}
+
+
 def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
     """`serve A B ...`: the models checked and sized, the port bound (`bind(host, port)`, cli.py's);
     returns the app, the sockets and what the start-up line says (cli.py serves them)."""
@@ -431,20 +470,30 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
     if fleet is not None:
         raise ValueError("--data-parallel-size: not with several models (serve one model per fleet)")
     if args.lora_modules:
-        raise ValueError("--lora-modules: not with several models yet (serve one model to use adapters)")
+        raise ValueError("--lora-modules: with several models, give each model its adapters in its --models-preset "
+                         "table (lora_modules = [\"NAME=PATH\"], with enable_lora = true)")
     if args.model is not None:
         raise ValueError("--model: with several models give each as a positional MODEL (or NAME=SOURCE)")
     if args.served_model_name:
         raise ValueError("--served-model-name: with several models name each one as NAME=SOURCE")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     specs = parse_model_specs(args.model_tag or [None]) if args.model_tag or not args.models_preset else []
+    preset_cascades = []
     if args.models_preset:
-        specs = check_names(specs + parse_models_preset(args.models_preset, preset_flags))
+        preset = parse_models_preset(args.models_preset, preset_flags)
+        specs, preset_cascades = check_names(specs + preset.models), preset.cascades
+        if not specs:
+            raise ValueError(f"--models-preset {args.models_preset}: only cascades; give their models too "
+                             "(a [NAME] table with `source`, or MODEL on the command line)")
     configs = {s.name: engine_config_from_args(spec_args(args, s)) for s in specs}  # each model's flags checked now
+    for spec in specs:
+        if spec.lora_modules and not configs[spec.name].enable_lora:
+            raise ValueError(f"--models-preset: [{spec.name}] has lora_modules; adapters need enable_lora = true "
+                             "(in its table, or --enable-lora for every model)")
     for spec in specs:
         catalog.missing_pull(spec.source)  # a bad source fails now, in one line
     sources = {name: s.source for s in specs for name in s.names}  # aliases too: a cascade may not take one
-    cascade_specs = parse_cascades(args.cascade, sources)  # a bad cascade fails now, before the port and loads
+    cascade_specs = parse_cascades(args.cascade, sources, preset_cascades)  # a bad one fails now, before the port
     if not cascade_specs and (args.cascade_config or args.cascade_k is not None or args.cascade_threshold is not None
                               or args.cascade_signal is not None):
         raise ValueError("--cascade-config/-k/-threshold/-signal: set for no cascade; add --cascade NAME=SMALL,LARGE")
@@ -460,7 +509,9 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
         raise
     cascade_metrics = CascadeMetrics()
     cascades = {c.name: Cascade(c, cascade_metrics, not args.disable_log_requests) for c in cascade_specs}
-    estimates = {s.name: estimate_bytes(model_path(s.source), configs[s.name].kv_cache_memory_bytes) for s in specs}
+    estimates = {s.name: estimate_bytes([model_path(s.source), *(r.lora_path for r in s.lora_modules),
+                                         *_local(configs[s.name].draft_model)], configs[s.name].kv_cache_memory_bytes)
+                 for s in specs}
     budget = args.memory_budget if args.memory_budget is not None else default_budget()
     dashboard = DashboardOptions(not args.disable_dashboard, args.dashboard_max_viewers, args.dashboard_show_text)
     try:
@@ -472,6 +523,7 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
         for sock in sockets:
             sock.close()
         raise ValueError(str(exc)) from None
+    dashboard.overview = lambda: overview(models, cascades, cascade_metrics)  # every model's page shows them all
     on_start = [s.name for s in specs if s.load_on_startup]  # each loaded at start if it fits beside the ones before it
     front = build_front(models, api_key=args.api_key, metrics_token=args.metrics_token,
                         metrics_open=args.metrics_open, shutdown_timeout=args.shutdown_timeout, on_start=on_start,

@@ -165,6 +165,7 @@
       span.append(k + " ", b);
       return span;
     }));
+    fillModels(snap.overview);
     drawBatch(snap);
     drawKV(snap);
     fillQueues(snap);
@@ -361,6 +362,54 @@
       "swapped-count", snap.num_swapped);
     fillTable("running", snap.running, (r) => [r.id, fmt(r.age_s, 1), r.computed, r.output_tokens, r.blocks],
       "running-count", snap.num_running);
+  }
+
+  // A multi-model server's every model and cascade (server/multi_serve.py `overview`); the model this page
+  // shows is in bold, each resident one's name a link to its own page.
+  function fillModels(overview) {
+    $("models-panel").hidden = !overview;
+    if (!overview) return;
+    const MiB = (bytes) => fmt(bytes / 1048576, 0);
+    const shown = lastSnap.model;
+    const rows = overview.models.map((m) => {
+      const tr = document.createElement("tr");
+      const name = document.createElement("td");
+      if (m.status === "loaded") {
+        const a = document.createElement("a");
+        a.href = "?model=" + encodeURIComponent(m.name);
+        a.textContent = m.name;
+        name.append(a);
+      } else name.textContent = m.name;
+      if (m.name === shown) tr.className = "selected";
+      tr.append(name);
+      for (const value of [m.status + (m.pinned ? " (pinned)" : ""), MiB(m.resident_bytes), m.in_flight,
+        m.running ?? "", m.waiting ?? "", m.kv_usage === undefined ? "" : Math.round(100 * m.kv_usage) + "%", m.loads]) {
+        const td = document.createElement("td");
+        td.textContent = value;
+        tr.append(td);
+      }
+      tr.dataset.name = m.name;
+      tr.dataset.status = m.status;
+      return tr;
+    });
+    $("models").tBodies[0].replaceChildren(...rows);
+    const pairs = (o) => Object.entries(o || {}).map(([k, v]) => k + " " + v).join(", ");
+    const cascades = overview.cascades.map((c) => {
+      const tr = document.createElement("tr");
+      for (const value of [c.name, c.tiers.join(" → "), c.requests, pairs(c.answered), pairs(c.escalations)]) {
+        const td = document.createElement("td");
+        td.textContent = value;
+        tr.append(td);
+      }
+      tr.dataset.name = c.name;
+      tr.dataset.requests = c.requests;
+      return tr;
+    });
+    $("cascades").tBodies[0].replaceChildren(...cascades);
+    $("cascades").hidden = !cascades.length;
+    $("models-caption").textContent = "(" + MiB(overview.resident_bytes) + " MiB resident" +
+      (overview.budget_bytes ? " of a " + MiB(overview.budget_bytes) + " MiB budget" : "") +
+      ", " + overview.evictions + " evictions)";
   }
 
   function timeAxis(ctx, left, plot, y, windowS, step) {
