@@ -18,8 +18,9 @@ nothing else running. Sections (`--sections`, all by default):
   holds SmolLM2, against `serve qwen2.5-coder-0.5b` alone (ABBA).
 - **together**: SmolLM2 and Qwen2.5-Coder-0.5B each under 8 concurrent streams: each alone, then both at
   once, in one multi-model server (the engines take turns) and in two single-model servers side by side
-  on the same cores. Reported: each model's output throughput and the sum of the shares each keeps of
-  its own alone throughput (1.0: nothing lost to sharing; the raw summed tok/s beside it).
+  on the same cores. Reported: each model's streamed tokens per second (together: only while both loads
+  run) and the sum of the shares each keeps of its own alone throughput (1.0: nothing lost to sharing;
+  the raw summed tok/s over the faster one's alone beside it).
 - **swap**: one trace of requests alternating between SmolLM2 and Qwen2.5-Coder-0.5B, one at a time,
   through tokenloom and through llama-server's router mode (`--models-dir`, a child process per model;
   `--llama-server PATH`, else that half is skipped, said so), each with `--models-max 1` (every change
@@ -142,7 +143,8 @@ def budget(resident: dict[str, int]) -> dict:
     sizes = sorted(resident[m] for m in models)
     budget_bytes = sum(sizes) - sizes[0] // 2  # any two fit, all three do not
     preset = RAW / "budget.toml"
-    preset.write_text("".join(f'[{m}]\nsource = "{m}"\nload_on_startup = false\n' for m in models))
+    # quoted keys: a catalog name's dots would make TOML nested tables
+    preset.write_text("".join(f'["{m}"]\nsource = "{m}"\nload_on_startup = false\n' for m in models))
     proc = serve(["--models-preset", str(preset), "--memory-budget", str(budget_bytes)], name="budget")
     result: dict = {"budget_bytes": budget_bytes, "resident_measured": {m: resident[m] for m in models}}
     try:
@@ -197,8 +199,12 @@ def budget(resident: dict[str, int]) -> dict:
 
 # -- resident / together ------------------------------------------------------------------------------
 
+_PHASES = iter(range(10**6))  # every run's prompts start differently: no prefix-cache hit from an earlier run
+
+
 def samples(n: int, out_tokens: int, prompt: str = "Write a long story about a lighthouse keeper. " * 8):
-    return [SampleRequest(f"{i}: {prompt}", 100, out_tokens) for i in range(n)]
+    phase = next(_PHASES)
+    return [SampleRequest(f"Run {phase}, request {i}: {prompt}", 100, out_tokens) for i in range(n)]
 
 
 def load_run(port: int, model: str, n: int, concurrency: int, out_tokens: int = 64):
@@ -210,6 +216,26 @@ def measure(port: int, model: str, n: int, concurrency: int):
     cfg, reqs = load_run(port, model, n, concurrency)
     results, duration = asyncio.run(run_load(cfg, reqs))
     return compute_metrics(results, duration)
+
+
+def alone_tps(port: int, model: str, n: int, concurrency: int) -> float:
+    """Tokens per second of one load alone, counted as `both_at_once` counts them."""
+    cfg, reqs = load_run(port, model, n, concurrency)
+    times = token_times(asyncio.run(run_load(cfg, reqs))[0])
+    return len(times) / (max(times) - min(times))
+
+
+def token_times(results) -> list[float]:
+    """When each streamed chunk (a token) arrived, over every finished request (perf_counter seconds)."""
+    times = []
+    for r in results:
+        if r.success:
+            t = r.start_time + r.ttft
+            times.append(t)
+            for gap in r.itl:
+                t += gap
+                times.append(t)
+    return times
 
 
 def resident(rounds: int = 2) -> dict:
@@ -229,11 +255,15 @@ def resident(rounds: int = 2) -> dict:
 
 
 def both_at_once(ports: dict[str, int], counts: dict[str, int], concurrency: int) -> dict[str, float]:
+    """Each model's tokens per second while both loads run: counted from the later first token to the
+    earlier last one (the one that finishes first leaves the other alone for its tail, not counted)."""
     async def go():
         runs = [run_load(*load_run(ports[m], m, counts[m], concurrency)) for m in ports]
         return await asyncio.gather(*runs)
 
-    return {m: compute_metrics(r, d).output_throughput for m, (r, d) in zip(ports, asyncio.run(go()), strict=True)}
+    times = {m: token_times(r) for m, (r, _) in zip(ports, asyncio.run(go()), strict=True)}
+    t0, t1 = max(min(t) for t in times.values()), min(max(t) for t in times.values())
+    return {m: sum(t0 <= x <= t1 for x in t) / (t1 - t0) for m, t in times.items()}
 
 
 def together(concurrency: int = 8, seconds: float = 40.0) -> dict:
@@ -245,7 +275,7 @@ def together(concurrency: int = 8, seconds: float = 40.0) -> dict:
         alone = {}
         for m in models:
             measure(PORT, m, concurrency, concurrency)  # warm-up
-            alone[m] = measure(PORT, m, 4 * concurrency, concurrency).output_throughput
+            alone[m] = alone_tps(PORT, m, 4 * concurrency, concurrency)
         counts = {m: max(concurrency, round(alone[m] * seconds / 64)) for m in models}  # ~`seconds` each alone
         both = both_at_once({m: PORT for m in models}, counts, concurrency)
         out["multi"] = {"alone_tps": alone, "together_tps": both}
@@ -258,7 +288,7 @@ def together(concurrency: int = 8, seconds: float = 40.0) -> dict:
         alone = {}
         for m in models:
             measure(ports[m], m, concurrency, concurrency)
-            alone[m] = measure(ports[m], m, 4 * concurrency, concurrency).output_throughput
+            alone[m] = alone_tps(ports[m], m, 4 * concurrency, concurrency)
         both = both_at_once(ports, counts, concurrency)
         out["side_by_side"] = {"alone_tps": alone, "together_tps": both}
     finally:

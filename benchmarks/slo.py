@@ -170,7 +170,9 @@ def bench_model(model: str, args, out: Path) -> dict:
             raise RuntimeError(f"{model}: no request of the capacity run succeeded (see {out}/server-*.log)")
         record["capacity"] = {"rps": capacity, "output_tps": cap["output_tps"]}
         print(f"{model}: capacity {capacity:.2f} req/s, {cap['output_tps']:.0f} output tok/s", flush=True)
-        if args.slo_ttft_ms and args.slo_tpot_ms:
+        if args.skip_sweep:
+            slo = {"ttft_ms": None, "tpot_ms": None}
+        elif args.slo_ttft_ms and args.slo_tpot_ms:
             slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
         else:
             low = run_cell(url, mixed_requests(max(8, round(0.25 * capacity * args.duration_s)), 2, None),
@@ -183,7 +185,7 @@ def bench_model(model: str, args, out: Path) -> dict:
 
     record["sweep"] = {}
     traces = {}
-    for policy in args.policies:
+    for policy in [] if args.skip_sweep else args.policies:
         proc = serve(model, POLICIES[policy], out, policy)
         try:
             cells = []
@@ -205,7 +207,7 @@ def bench_model(model: str, args, out: Path) -> dict:
         finally:
             stop(proc)
 
-    if not args.skip_sim:
+    if not args.skip_sim and traces:
         record["sim"] = simulate_cells(model, steps, traces, out)
     if not args.skip_fairness:
         record["fairness"] = fairness(model, capacity, cap["output_tps"], args, out)
@@ -329,6 +331,7 @@ def main() -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="default: 3x the p90 TTFT at 0.25x capacity")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 1.5x the p90 TPOT at 0.25x capacity")
     p.add_argument("--skip-sim", action="store_true")
+    p.add_argument("--skip-sweep", action="store_true", help="capacity and fairness only (no SLO sweep, no sim)")
     p.add_argument("--skip-fairness", action="store_true")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="slo.json, slo.md, the plot")
     p.add_argument("--raw-dir", type=Path, default=Path("benchmarks/runs/slo"),
@@ -343,7 +346,8 @@ def main() -> int:
         records = [bench_model(m, args, args.raw_dir) for m in args.models]
     (args.out / "slo.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1, default=float))
     (args.out / "slo.md").write_text(markdown(records, meta))
-    plot(records, args.out / "slo_attainment.png")
+    if any(r["sweep"] for r in records):
+        plot(records, args.out / "slo_attainment.png")
     print(f"wrote {args.out}/slo.json, slo.md, slo_attainment.png")
     return 0
 

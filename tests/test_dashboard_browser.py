@@ -227,7 +227,11 @@ def test_a_multi_model_server_shows_every_model_and_cascade(browser):
                            json={"model": "both", "prompt": "The capital of France is", "max_tokens": 8})
             assert r.status_code == 200, r.text
             tab.page.wait_for_selector("#cascades tr[data-name=both][data-requests='1']", timeout=30_000)
-            assert r.json()["served_by"] in tab.page.inner_text("#cascades tr[data-name=both]")
+            answered = tab.page.inner_text("#cascades tr[data-name=both] td:nth-child(4)")
+            assert answered == f"{r.json()['served_by']} 1", answered
+            # a viewer is no request in flight: it keeps no model from eviction or sleep
+            listed = httpx.get(f"{srv.url}/v1/models", headers=AUTH, timeout=10).json()["data"]
+            assert {m["id"]: m["requests_in_flight"] for m in listed if "cascade" not in m} == {"a": 0, "b": 0}
             tab.page.click("#models tr[data-name=a] a")  # a resident model's name opens its own page
             tab.page.wait_for_function("document.getElementById('model').textContent === 'a'", timeout=60_000)
             assert all("401" in e for e in tab.errors), tab.errors  # only the new page's key form

@@ -71,6 +71,26 @@ def test_fcfs_without_vtc_serves_the_heavy_tenant_first():
     assert "light-0" not in served[:10]
 
 
+def test_a_tenant_with_nothing_running_gets_a_seat_within_a_step():
+    """The batch full of a heavy tenant's long requests: a light one's request does not wait for one of
+    them to end (about 50 steps), only for its counter to be the lower one (a step). The heavy row with the least done gives up its seat once (recomputed later), and no
+    more seats change hands while each tenant has a row running."""
+    s = scheduler(max_num_seqs=2)
+    for i in range(4):
+        s.add(req("heavy", i, max_tokens=50))
+    for t in range(5):
+        run_step(s, float(t))
+    assert {q.request_id for q in s.running} == {"heavy-0", "heavy-1"}
+    s.add(req("light", 0, arrival=5.0))  # lifted to heavy's counter: the seat changes hands once heavy's is above
+    assert "light-0" not in [rid for rid, _ in run_step(s, 5.0)]
+    assert "light-0" in [rid for rid, _ in run_step(s, 6.0)]
+    assert s.num_preemptions == 1 and len([q for q in s.running if q.params.tenant == "heavy"]) == 1
+    for t in range(7, 13):
+        run_step(s, float(t))
+        finish_done(s)
+    assert s.num_preemptions == 1  # light's request ran to its end; nobody else was put out
+
+
 def test_a_tenant_back_from_idle_is_lifted_to_the_backlogged_minimum():
     vtc = VirtualTokenCounter()
     a, b, c = req("a", 0), req("b", 0), req("c", 0)

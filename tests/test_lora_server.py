@@ -174,6 +174,9 @@ def test_each_model_of_a_multi_model_server_serves_its_own_adapters(server, adap
             listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
             assert listed["alpha"]["parent"] == "a" and "parent" not in listed["b"]
             assert complete(c, "alpha").json()["choices"][0]["text"] == single
+            for taken in ("a", "alpha"):  # a model's name, another model's adapter: they route elsewhere
+                r = c.post("/v1/load_lora_adapter?model=b", json={"lora_name": taken, "lora_path": adapters["gamma"]})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "lora_name", r.text
             r = c.post("/v1/load_lora_adapter?model=b", json={"lora_name": "gamma", "lora_path": adapters["gamma"]})
             assert r.status_code == 200, r.text
             assert complete(c, "gamma").status_code == 200
@@ -196,7 +199,14 @@ def test_a_preset_s_adapters_are_checked_at_start(tmp_path):
         with pytest.raises(ValueError, match=says) as err:
             parse_models_preset(str(path), preset_flags)
         assert "--models-preset" in str(err.value)
-    path.write_text(f"[a]\nsource = '{bundled_model_path()}'\nlora_modules = ['x=/y']\n")
-    done = subprocess.run([sys.executable, "-m", "tokenloom.cli", "serve", "--models-preset", str(path), "--port", "0"],
-                          check=False, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "adapters need enable_lora = true" in done.stderr, done.stderr
+    model = bundled_model_path()
+    for table, extra, says in (
+            ("lora_modules = ['x=/y']", [], "lora_modules need enable_lora = true"),
+            (f"enable_lora = true\nlora_modules = ['x={tmp_path / 'none'}']", [], "is not a directory"),
+            (f"enable_lora = true\nlora_modules = [{{name = 'x', path = '{tmp_path}'}}]", ["--cascade", "x=a,b"],
+             "'x' is already a model's name")):
+        path.write_text(f"[a]\nsource = '{model}'\n{table}\n[b]\nsource = '{model}'\n")
+        done = subprocess.run([sys.executable, "-m", "tokenloom.cli", "serve", "--models-preset", str(path), "--port",
+                               "0", *extra], check=False, capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and says in done.stderr, done.stderr
+        assert "--models-preset" in done.stderr or "--cascade" in done.stderr

@@ -23,13 +23,16 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..outputs import RequestOutput
 from ..slo import ATTAINMENT_KINDS, Attainment
-from .stats import EngineStats
+
+if TYPE_CHECKING:
+    from .stats import EngineStats
 
 logger = logging.getLogger("tokenloom.metrics")
 

@@ -26,7 +26,9 @@ requests that can no longer make theirs give up their seats to those that can (`
 stall-free allowance is capped by the tightest TPOT among the decoding rows, slicing every prompt.
 
 With `--fairness vtc` (engine/fairness.py) waiting sequences are admitted lowest virtual token counter
-of their tenant first, the policy ordering those of equal counters; every planned token is charged.
+of their tenant first, the policy ordering those of equal counters; every planned token is charged; and
+while the batch is full, a tenant with nothing running gets a seat from the tenant of the highest
+counter (`_fair_seat`).
 
 The batching mode only decides who may be admitted: `continuous` admits at every step; `static`
 forms a batch of up to `max_num_seqs` only when nothing runs, and admits no one else until the
@@ -41,7 +43,7 @@ import time
 
 from ..config import EngineConfig
 from ..step import Sequence, SequenceStatus, StepPlan
-from .fairness import VirtualTokenCounter
+from .fairness import VirtualTokenCounter, tenant_of
 from .kv_cache import KVCacheManager
 from .policies import get_policy
 from .slo_policy import SLOScheduling
@@ -96,6 +98,7 @@ class Scheduler:
         self._planned_prefill = 0
         self._adapters = set()
         yielded = self._yield_seats(out, now) if self.slo is not None else 0
+        yielded += self._fair_seat(out) if self.vtc is not None else 0
         if self.slo is not None and self.stall_free is not None:
             self.stall_free.tpot_cap = self.slo.tpot_cap(self.running)
         self._decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
@@ -155,6 +158,26 @@ class Scheduler:
             self._preempt(self.running.pop(), out)
             n += 1
         return n
+
+    def _fair_seat(self, out: StepPlan) -> int:
+        """--fairness vtc: while the batch is full and the waiting sequence of the lowest counter is of a
+        tenant with nothing running, the running row of the highest counter (of those, the one with the
+        fewest computed tokens: the least to recompute) gives up its seat, if its counter is above the
+        waiting one's. So a light tenant waits for one step, not for a heavy tenant's requests to end.
+        Returns how many seats were given up (0 or 1)."""
+        if (self.config.batching != "continuous" or not self.waiting
+                or len(self.running) < self.config.max_num_seqs):
+            return 0
+        counter = self.vtc.counter
+        best = min(self.waiting, key=counter)
+        if tenant_of(best) in {tenant_of(s) for s in self.running}:
+            return 0
+        victim = max(self.running, key=lambda s: (counter(s), -s.num_computed_tokens))
+        if counter(victim) <= counter(best):
+            return 0
+        self.running.remove(victim)
+        self._preempt(victim, out)
+        return 1
 
     def _fit_drafts(self, out: StepPlan, budget: int) -> None:
         """Speculative drafts ride on what the step leaves over: after every running row and admission

@@ -133,6 +133,8 @@ def _from_flag(text: str) -> tuple[str, str, tuple[str, ...], dict]:
 def _from_table(where: str, name: str, table: dict) -> tuple[str, str, tuple[str, ...], dict]:
     """A models preset's cascade table (`tiers = ["small", "large"]`, and `threshold`, `k`, `signal`,
     `config` as `;key=value` takes them; a path as the command line takes it, like a model's `source`)."""
+    if not name:
+        raise ValueError(f"{where}: a cascade needs a name (the table's)")
     tiers = table.get("tiers")
     if not isinstance(tiers, list) or not all(isinstance(t, str) and t for t in tiers):
         raise ValueError(f"{where}: `tiers` must be a list of model names, the smallest first")

@@ -150,7 +150,10 @@ class DashboardHub:
             self.snapshots += 1
             snap["server"] = self.stats()
             if self.overview is not None:
-                snap["overview"] = self.overview()
+                try:
+                    snap["overview"] = self.overview()
+                except Exception as exc:  # noqa: BLE001 - shown, like a snapshot that failed: the ticker goes on
+                    snap["overview_error"] = f"no overview: {exc!r}"
             frames: dict[tuple[bool, bool], bytes] = {}  # each view encoded once, for all its viewers
             for viewer in self.viewers:
                 if (frame := frames.get(viewer.view)) is None:

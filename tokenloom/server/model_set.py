@@ -6,8 +6,9 @@ Statuses (llama.cpp router's names): `unloaded` (configured, not in memory), `lo
 `POST /models/load` tries again). A loaded model being unloaded stays `loaded` with `"unloading": true`
 until its in-flight requests drained; requests arriving meanwhile wait and then load it again.
 
-Residency: every resident model counts its bytes (its weights and its KV pool, measured once loaded;
-before, the estimate of `estimate_bytes`: the weight files plus the KV pool the flags give). Loading a
+Residency: every resident model counts its bytes (its weights and KV pool, a draft model's and the
+adapters loaded with it, measured once loaded; before, the estimate of `estimate_bytes`: the weight
+files plus the KV pool the flags give). Loading a
 model evicts least-recently-used idle models (`plan_evictions`) until the resident bytes plus its own
 fit the memory budget and at most `models_max` are resident; a pinned model, or one with requests in
 flight (or in a load or unload), is never evicted. When not enough can be evicted now, the load waits
@@ -65,6 +66,10 @@ class ModelSpec:
     @property
     def adapters(self) -> tuple[str, ...]:
         return tuple(r.lora_name for r in self.lora_modules)
+
+    def loads_like(self, other: ModelSpec) -> bool:
+        """Does `other` load the same bytes (source, engine flags, adapters; names aside)?"""
+        return (self.source, self.flags, self.lora_modules) == (other.source, other.flags, other.lora_modules)
 
 
 def parse_model_specs(tags: list[str]) -> list[ModelSpec]:
@@ -151,13 +156,16 @@ def parse_models_preset(path: str, parse_flags: Callable[[str, dict], dict]) -> 
 
 
 def _preset_adapters(where: str, values) -> tuple[LoRARequest, ...]:
-    """A table's `lora_modules`: a list as `--lora-modules` takes them ("NAME=PATH" or its JSON form)."""
+    """A table's `lora_modules`: a list as `--lora-modules` takes them, each "NAME=PATH" or a table
+    {name = ..., path = ...} (the flag's JSON form)."""
+    import json
+
     from .lora_routes import parse_lora_modules
 
-    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
-        raise ValueError(f"{where}: `lora_modules` must be a list of \"NAME=PATH\" strings")
+    if not isinstance(values, list) or not all(isinstance(v, (str, dict)) for v in values):
+        raise ValueError(f"{where}: `lora_modules` must be a list of \"NAME=PATH\" or {{name = ..., path = ...}}")
     try:
-        return tuple(parse_lora_modules(values))
+        return tuple(parse_lora_modules([v if isinstance(v, str) else json.dumps(v, default=str) for v in values]))
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
 
@@ -220,7 +228,7 @@ class Handle:
     health_problem: Callable[[], str | None] = lambda: None
     info: dict = field(default_factory=dict)  # extra /v1/models fields (max_model_len, root)
     metrics: object | None = None
-    adapters: Callable[[], tuple[str, ...]] = tuple  # the adapters it serves now (its own and any loaded at run time)
+    adapters: Callable[[], dict[str, str]] = dict  # name -> path of the adapters it serves now (run-time ones too)
 
 
 @dataclass
@@ -300,8 +308,8 @@ class ModelSet:
 
     def check_fits(self, slot: ModelSlot, nbytes: int) -> None:
         if self.budget is not None and nbytes > self.budget:
-            raise ModelTooLarge(f"model {slot.name!r} ({slot.spec.source}) needs {nbytes} bytes (weights and KV pool) "
-                                f"but --memory-budget is {self.budget} bytes")
+            raise ModelTooLarge(f"model {slot.name!r} ({slot.spec.source}) needs {nbytes} bytes (weights, KV pool, "
+                                f"draft, adapters) but --memory-budget is {self.budget} bytes")
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -426,8 +434,8 @@ class ModelSet:
             slot.loads += 1
             slot.load_seconds = time.monotonic() - started
             slot.last_used = time.monotonic()
-            for same in self.slots.values():  # the next load of this source reserves what it really took
-                if same.spec.source == slot.spec.source:
+            for same in self.slots.values():  # the next load of this model reserves what it really took
+                if same.spec.loads_like(slot.spec):
                     same.estimate = handle.bytes
             logger.info("model %s loaded in %.1fs: %d bytes resident (%d in all%s)", slot.name, slot.load_seconds,
                         handle.bytes, self.resident_bytes, f" of {self.budget}" if self.budget else "")
@@ -538,10 +546,15 @@ class ModelSet:
             listed.append({"id": s.name, "object": "model", "created": now_s(), "owned_by": "tokenloom", **info(s),
                            "status": s.status_json(), "resident_bytes": s.resident_bytes, "estimated_bytes": s.estimate,
                            "pinned": s.pinned, "requests_in_flight": s.inflight})
-            # its adapters as `serve MODEL` lists them: by name, with their model as `parent`
-            for adapter in s.handle.adapters() if s.handle is not None else s.spec.adapters:
+            # its adapters as `serve MODEL` lists them: with their model as `parent`, paths for the operator
+            adapters = s.handle.adapters() if s.handle is not None else {r.lora_name: r.lora_path
+                                                                         for r in s.spec.lora_modules}
+            for adapter, path in adapters.items():
                 listed.append({"id": adapter, "object": "model", "created": now_s(), "owned_by": "tokenloom",
-                               "root": adapter, "parent": s.name, "status": s.status_json()})
+                               "root": path if paths else adapter, **({"lora_path": path} if paths else {}),
+                               "parent": s.name, "status": s.status_json(),
+                               **({"max_model_len": s.handle.info["max_model_len"]}
+                                  if s.handle is not None and "max_model_len" in s.handle.info else {})})
         return listed
 
 

@@ -16,8 +16,9 @@ def add_multi_args(p: argparse.ArgumentParser) -> None:
                         "max_model_len, kv_cache_memory_bytes, speculative_config), or a cascade's tiers; after "
                         "any MODEL given on the command line")
     p.add_argument("--memory-budget", type=int, default=None, metavar="BYTES",
-                   help="with several models: bytes the resident models' weights and KV pools may take; loading "
-                        "one evicts least-recently-used idle ones (default: 80%% of the memory this process may use)")
+                   help="with several models: bytes the resident models (weights, KV pools, drafts, adapters) may "
+                        "take; loading one evicts least-recently-used idle ones (default: 80%% of the memory this "
+                        "process may use)")
     p.add_argument("--models-max", type=int, default=None, metavar="N",
                    help="with several models: at most N resident at once (default: no limit but the budget)")
     p.add_argument("--sleep-idle-seconds", type=float, default=None, metavar="S",
@@ -59,8 +60,8 @@ def preset_flags(where: str, table: dict) -> dict:
     for key, value in table.items():
         dest = key.replace("-", "_")
         if dest not in known:
-            raise ValueError(f"{where}: unknown key {key!r} (a table takes source, aliases, pin, load_on_startup, lora_modules "
-                             f"and engine flags: {', '.join(sorted(known))})")
+            raise ValueError(f"{where}: unknown key {key!r} (a table takes source, aliases, pin, load_on_startup, "
+                             f"lora_modules and engine flags: {', '.join(sorted(known))})")
         flag = "--" + dest.replace("_", "-")
         if isinstance(actions[dest], argparse.BooleanOptionalAction) and not isinstance(value, bool):
             raise ValueError(f"{where}: `{key}` must be true or false, got {value!r}")  # noqa: TRY004 - the CLI's one-line errors

@@ -93,7 +93,7 @@ def real_loader(args: argparse.Namespace, turn: ForwardTurn, dashboard):
         engine = served.async_llm.engine
         return Handle(app, resident_bytes(engine), start, stop, served.async_llm.health_problem,
                       {"root": served.path, "max_model_len": config.max_model_len}, served.metrics,
-                      lambda: tuple(app.state.tokenloom.loras))
+                      lambda: {name: r.lora_path for name, r in app.state.tokenloom.loras.items()})
 
     return load
 
@@ -138,7 +138,7 @@ def _forget_endpoints() -> None:
 def resident_bytes(engine) -> int:
     """What the model holds once loaded: its weights (parameters and buffers) and KV pool (device and
     host-swap tensors), a draft model's weights and KV pool, and the adapters loaded by then (its
-    `lora_modules`; adapters first used later are not counted until its next load)."""
+    `lora_modules`; one loaded at run time is not counted: it goes with the model when that unloads)."""
     from ..model.load import weight_bytes
 
     def pool(runner) -> int:
@@ -173,10 +173,11 @@ class MultiModelApp:
                 return
             await self.front(scope, receive, send)
             return
-        name, replay, keep_alive = None, receive, None
+        name, replay, body = None, receive, {}
         generation = scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in ROUTED_POSTS
         if generation:
-            name, replay, keep_alive = await _model_field(receive)
+            body, replay = await _json_body(receive)
+            name = body.get("model") if isinstance(body.get("model"), str) else None
             if name in self.cascades:
                 await self._cascade(scope, replay, send)
                 return
@@ -185,18 +186,38 @@ class MultiModelApp:
         try:
             if self.front.state.tokenloom.shutting_down:
                 raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+            if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/load_lora_adapter":
+                body, replay = await _json_body(receive)
+                self._check_new_adapter(body.get("lora_name"))
             # Only a generation request (behind the API key) loads a model: a dashboard or an unknown
             # path, which the key does not guard, must not make the server load and evict.
-            keep_alive = parse_keep_alive(keep_alive)
+            keep_alive = parse_keep_alive(body.get("keep_alive"))
             slot = await self.models.acquire(name, autoload=generation)
         except APIError as err:
             if scope["type"] == "http":
                 await err.response()(scope, replay, send)
             return
+        if scope["path"].startswith("/dashboard"):
+            # A viewer is no request in flight: it must not keep its model from eviction or sleep (an
+            # unloaded model's stream ends, saying the model is shutting down).
+            await self.models.release(slot)
+            await slot.handle.app(scope, replay, send)
+            return
         try:
             await slot.handle.app(scope, replay, send)
         finally:
             await self.models.release(slot, keep_alive)
+
+    def _check_new_adapter(self, name) -> None:
+        """An adapter loaded at run time must not take a name that routes elsewhere: a model's, an alias,
+        another model's adapter or a cascade's (its model's own app refuses its own names)."""
+        if not isinstance(name, str):
+            return  # the model's app answers a bad body
+        taken = (name in self.models.names or name in self.cascades
+                 or any(s.handle is not None and name in s.handle.adapters() for s in self.models.slots.values()))
+        if taken:
+            raise APIError(400, f"lora_name: {name!r} is already served by this server (a model, an adapter or a "
+                           "cascade); give the adapter a name of its own", param="lora_name")
 
     async def _cascade(self, scope, receive, send) -> None:
         """A request for a cascade: cascade.py runs it, acquiring each tier's model through `TierAccess`
@@ -245,28 +266,24 @@ def _unauthorized() -> Response:
                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()
 
 
-async def _model_field(receive):
-    """The body's `model` (None when absent or not JSON: the model's own app answers a bad body), a
-    receive that replays the body, and the body's `keep_alive` as sent (None when absent). The body is
-    already bounded by the size-limit middleware."""
+async def _json_body(receive):
+    """The request's body parsed as a JSON object ({} when it is not one: the model's own app answers a
+    bad body) and a receive that replays it. The body is already bounded by the size-limit middleware."""
     chunks = []
     while True:
         message = await receive()
         chunks.append(message)
         if message["type"] != "http.request" or not message.get("more_body", False):
             break
-    body = b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request")
     try:
-        parsed = json.loads(body)
+        parsed = json.loads(b"".join(m.get("body", b"") for m in chunks if m["type"] == "http.request"))
     except ValueError:
         parsed = None
-    name = parsed.get("model") if isinstance(parsed, dict) else None
-    keep_alive = parsed.get("keep_alive") if isinstance(parsed, dict) else None
 
     async def replay():
         return chunks.pop(0) if chunks else await receive()
 
-    return (name if isinstance(name, str) else None), replay, keep_alive
+    return (parsed if isinstance(parsed, dict) else {}), replay
 
 
 _DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ms|s|m|h)?")
@@ -329,7 +346,7 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
 
     registry = CollectorRegistry()
     gauges = {
-        "resident": Gauge("tokenloom:model_resident_bytes", "Bytes a model holds (weights and KV pool).",
+        "resident": Gauge("tokenloom:model_resident_bytes", "Bytes a model holds (weights, KV pool, draft, adapters).",
                           ["model_name"], registry=registry),
         "loaded": Gauge("tokenloom:model_loaded", "1 while a model is resident.", ["model_name"], registry=registry),
         "loads": Gauge("tokenloom:model_loads", "Loads of a model since start.", ["model_name"], registry=registry),
@@ -443,7 +460,8 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
 def overview(models: ModelSet, cascades: dict[str, Cascade], cascade_metrics: CascadeMetrics | None) -> dict:
     """What every model's dashboard shows of the whole server: each configured model (its status, bytes,
     requests in flight and, when resident, its batch as its engine last published it) and each cascade's
-    counters. Read on the event loop, between any model's steps."""
+    counters. Read on the event loop; only `EngineMetrics.latest` comes from an engine thread (one
+    reference, replaced whole)."""
     rows = []
     for s in models.slots.values():
         latest = getattr(s.handle.metrics, "latest", None) if s.handle is not None else None
@@ -486,13 +504,17 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
             raise ValueError(f"--models-preset {args.models_preset}: only cascades; give their models too "
                              "(a [NAME] table with `source`, or MODEL on the command line)")
     configs = {s.name: engine_config_from_args(spec_args(args, s)) for s in specs}  # each model's flags checked now
-    for spec in specs:
+    for spec in specs:  # a bad adapter fails now, as `serve MODEL --lora-modules` fails at start
+        where = f"--models-preset {args.models_preset}: [{spec.name}]"
         if spec.lora_modules and not configs[spec.name].enable_lora:
-            raise ValueError(f"--models-preset: [{spec.name}] has lora_modules; adapters need enable_lora = true "
-                             "(in its table, or --enable-lora for every model)")
+            raise ValueError(f"{where}: lora_modules need enable_lora = true (in its table, or --enable-lora)")
+        for lora in spec.lora_modules:
+            if not os.path.isdir(lora.lora_path):
+                raise ValueError(f"{where}: adapter {lora.lora_name!r}: {lora.lora_path} is not a directory")
     for spec in specs:
         catalog.missing_pull(spec.source)  # a bad source fails now, in one line
-    sources = {name: s.source for s in specs for name in s.names}  # aliases too: a cascade may not take one
+    # every served name (aliases, adapters too): a cascade may not take one; a tier may be any
+    sources = {name: s.source for s in specs for name in (*s.names, *s.adapters)}
     cascade_specs = parse_cascades(args.cascade, sources, preset_cascades)  # a bad one fails now, before the port
     if not cascade_specs and (args.cascade_config or args.cascade_k is not None or args.cascade_threshold is not None
                               or args.cascade_signal is not None):
