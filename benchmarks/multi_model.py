@@ -362,6 +362,8 @@ def swap(llama_server: str | None) -> dict:
 def markdown(rec: dict, command: str) -> str:
     lines = ["# Several models behind one server (benchmarks/multi_model.py)", "", f"    {command}", "",
              f"{rec['machine']}; {rec['when']}", ""]
+    for section, error in rec.get("failed", {}).items():
+        lines += [f"**{section} failed**: `{error}`", ""]
     if "exact" in rec:
         lines += ["## Exact", "", "| model | alone = its own server | all asked at once = its own server | resident MiB |",
                   "|---|---|---|---|"]
@@ -418,18 +420,12 @@ def main() -> int:
     with holding_lock():
         for section in args.sections:
             started = time.perf_counter()
-            if section == "exact":
-                rec["exact"] = exact()
-            elif section == "budget":
-                sizes = ({m: c["resident_bytes"] for m, c in rec["exact"]["models"].items()} if "exact" in rec
-                         else measured_sizes())
-                rec["budget"] = budget(sizes)
-            elif section == "resident":
-                rec["resident"] = resident()
-            elif section == "together":
-                rec["together"] = together()
-            elif section == "swap":
-                rec["swap"] = swap(args.llama_server)
+            try:
+                run_section(section, rec, args)
+            except Exception as exc:  # noqa: BLE001 - one section's failure is reported; the others still run
+                rec.setdefault("failed", {})[section] = repr(exc)
+                print(f"{section} FAILED: {exc!r}", flush=True)
+                continue
             print(f"{section} done in {time.perf_counter() - started:.0f} s: "
                   f"{json.dumps(rec[section], default=str)[:600]}", flush=True)
     text = markdown(rec, "python benchmarks/multi_model.py " + " ".join(sys.argv[1:]))
@@ -438,6 +434,21 @@ def main() -> int:
         args.out.write_text(text)
         args.out.with_suffix(".json").write_text(json.dumps(rec, indent=1, default=str))
     return 0
+
+
+def run_section(section: str, rec: dict, args) -> None:
+    if section == "exact":
+        rec["exact"] = exact()
+    elif section == "budget":
+        sizes = ({m: c["resident_bytes"] for m, c in rec["exact"]["models"].items()} if "exact" in rec
+                 else measured_sizes())
+        rec["budget"] = budget(sizes)
+    elif section == "resident":
+        rec["resident"] = resident()
+    elif section == "together":
+        rec["together"] = together()
+    elif section == "swap":
+        rec["swap"] = swap(args.llama_server)
 
 
 def measured_sizes() -> dict[str, int]:
