@@ -371,8 +371,19 @@
     if (!overview) return;
     const MiB = (bytes) => fmt(bytes / 1048576, 0);
     const shown = lastSnap.model;
-    const rows = overview.models.map((m) => {
+    // One table row: a cell per value (text), then `first` (a cell node) before them when given.
+    const row = (values, data, first) => {
       const tr = document.createElement("tr");
+      if (first) tr.append(first);
+      for (const value of values) {
+        const td = document.createElement("td");
+        td.textContent = value;
+        tr.append(td);
+      }
+      Object.assign(tr.dataset, data);
+      return tr;
+    };
+    const rows = overview.models.map((m) => {
       const name = document.createElement("td");
       if (m.status === "loaded") {
         const a = document.createElement("a");
@@ -380,31 +391,17 @@
         a.textContent = m.name;
         name.append(a);
       } else name.textContent = m.name;
+      const tr = row([m.status + (m.pinned ? " (pinned)" : ""), MiB(m.resident_bytes), m.in_flight,
+        m.running ?? "", m.waiting ?? "", m.kv_usage === undefined ? "" : Math.round(100 * m.kv_usage) + "%",
+        m.loads], {name: m.name, status: m.status}, name);
       if (m.name === shown) tr.className = "selected";
-      tr.append(name);
-      for (const value of [m.status + (m.pinned ? " (pinned)" : ""), MiB(m.resident_bytes), m.in_flight,
-        m.running ?? "", m.waiting ?? "", m.kv_usage === undefined ? "" : Math.round(100 * m.kv_usage) + "%", m.loads]) {
-        const td = document.createElement("td");
-        td.textContent = value;
-        tr.append(td);
-      }
-      tr.dataset.name = m.name;
-      tr.dataset.status = m.status;
       return tr;
     });
     $("models").tBodies[0].replaceChildren(...rows);
     const pairs = (o) => Object.entries(o || {}).map(([k, v]) => k + " " + v).join(", ");
-    const cascades = overview.cascades.map((c) => {
-      const tr = document.createElement("tr");
-      for (const value of [c.name, c.tiers.join(" → "), c.requests, pairs(c.answered), pairs(c.escalations)]) {
-        const td = document.createElement("td");
-        td.textContent = value;
-        tr.append(td);
-      }
-      tr.dataset.name = c.name;
-      tr.dataset.requests = c.requests;
-      return tr;
-    });
+    const cascades = overview.cascades.map((c) => row(
+      [c.name, c.tiers.join(" → "), c.requests, pairs(c.answered), pairs(c.escalations)],
+      {name: c.name, requests: c.requests}));
     $("cascades").tBodies[0].replaceChildren(...cascades);
     $("cascades").hidden = !cascades.length;
     $("models-caption").textContent = "(" + MiB(overview.resident_bytes) + " MiB resident" +
