@@ -213,8 +213,11 @@ class MultiModelApp:
         another model's adapter or a cascade's (its model's own app refuses its own names)."""
         if not isinstance(name, str):
             return  # the model's app answers a bad body
-        taken = (name in self.models.names or name in self.cascades
-                 or any(s.handle is not None and name in s.handle.adapters() for s in self.models.slots.values()))
+        try:
+            self.models.slot(name)  # the set's own lookup: names, aliases, adapters (run-time ones too)
+            taken = True
+        except APIError:
+            taken = name in self.cascades
         if taken:
             raise APIError(400, f"lora_name: {name!r} is already served by this server (a model, an adapter or a "
                            "cascade); give the adapter a name of its own", param="lora_name")
