@@ -226,9 +226,11 @@ def test_a_multi_model_server_shows_every_model_and_cascade(browser):
             r = httpx.post(f"{srv.url}/v1/completions", headers=AUTH, timeout=120,
                            json={"model": "both", "prompt": "The capital of France is", "max_tokens": 8})
             assert r.status_code == 200, r.text
-            tab.page.wait_for_selector("#cascades tr[data-name=both][data-requests='1']", timeout=30_000)
-            answered = tab.page.inner_text("#cascades tr[data-name=both] td:nth-child(4)")
-            assert answered == f"{r.json()['served_by']} 1", answered
+            # A frame may have been built while the request ran (counted, not yet answered): wait for its answer.
+            answered = f"{r.json()['served_by']} 1"
+            cell = "#cascades tr[data-name=both][data-requests='1'] td:nth-child(4)"
+            tab.page.wait_for_function("([sel, want]) => document.querySelector(sel)?.textContent === want",
+                                       arg=[cell, answered], timeout=30_000)
             # a viewer is no request in flight: it keeps no model from eviction or sleep
             listed = httpx.get(f"{srv.url}/v1/models", headers=AUTH, timeout=10).json()["data"]
             assert {m["id"]: m["requests_in_flight"] for m in listed if "cascade" not in m} == {"a": 0, "b": 0}
