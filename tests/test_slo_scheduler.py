@@ -1,5 +1,5 @@
 """`--scheduling-policy slo` (engine/slo_policy.py) rule by rule, on the scheduler alone with a fake clock:
-least slack first, rows about to miss their TPOT kept, prefill sized from the tightest TPOT, late requests
+least slack first, rows about to miss their TPOT kept, prefill sized from the decoding rows' slack, late requests
 yield (never dropped), shedding with Retry-After."""
 
 from __future__ import annotations
@@ -122,6 +122,22 @@ def test_prefill_allowance_is_sized_from_the_tightest_tpot():
     budget.observe(StepShape([*decodes, (64, 64)], 2, 0), 40 * MS, decodes, 64)  # 2x over the 20 ms target
     assert budget.allowance == int(64 / 2 * 0.9)
     assert dict(run_step(s, 0.05))["prompt"] <= budget.allowance
+
+
+def test_rows_ahead_of_their_tpot_let_a_step_run_longer():
+    sl = SLOScheduling()
+    ahead = seq("ahead", 4, 0.0, tpot_ms=20)
+    ahead.times.first_token = 0.0
+    ahead.token_ids += [7] * 10  # 10 tokens by 0.05 s: its 10th gap is due at 0.2 s
+    pressed = seq("pressed", 4, 0.0, tpot_ms=50)
+    pressed.times.first_token = 0.0
+    pressed.token_ids += [7] * 2  # due at 0.1 s
+    no_tpot = seq("no-tpot", 4, 0.0, ttft_ms=100)
+    no_tpot.times.first_token = 0.0
+    assert sl.tpot_cap([ahead], 0.05) == pytest.approx(0.15)
+    assert sl.tpot_cap([ahead, pressed, no_tpot], 0.05) == pytest.approx(0.05)  # the most pressed row's
+    assert sl.tpot_cap([ahead], 0.5) == pytest.approx(0.020)  # behind: never tighter than its own target
+    assert sl.tpot_cap([no_tpot], 0.05) is None
 
 
 def test_shedding_refuses_requests_predicted_to_miss_by_far():

@@ -100,7 +100,7 @@ class Scheduler:
         yielded = self._yield_seats(out, now) if self.slo is not None else 0
         yielded += self._fair_seat(out) if self.vtc is not None else 0
         if self.slo is not None and self.stall_free is not None:
-            self.stall_free.tpot_cap = self.slo.tpot_cap(self.running)
+            self.stall_free.tpot_cap = self.slo.tpot_cap(self.running, now)
         self._decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in self.running)
 
         i = 0

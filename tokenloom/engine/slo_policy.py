@@ -13,9 +13,10 @@ inside their SLOs (slo.py; issue 56). The rules, all in the scheduler's terms:
   admitted last, preempted first, and, while the batch is full (max_num_seqs) and a request that can still
   make it waits, preempted to give up its seat (`Scheduler._yield_seats`). It is never dropped: it runs
   when there is room and finishes, late.
-- **Prefill sized from the tightest TPOT.** While rows decode, the stall-free allowance (stall_free.py)
-  steers each step to at most the tightest `tpot_ms` among the decoding rows (and its factor x the
-  decode-only step), and every prompt is sliced by it, not only those longer than a step's budget.
+- **Prefill sized from the decoding rows' slack.** While rows decode, the stall-free allowance
+  (stall_free.py) steers each step to at most the time until the most pressed decoding row's next token
+  is due for its TPOT to hold (never less than its `tpot_ms`; and its factor x the decode-only step), and
+  every prompt is sliced by it, not only those longer than a step's budget.
 - **Shedding** (`--slo-shed`): a new request whose predicted TTFT (the prompt tokens ahead of it by the
   policy order, and its own, at the measured seconds per token) exceeds SHED_MARGIN x its target is
   refused at once (`SLOShedError`, a 429 with Retry-After: the predicted time to clear the work ahead).
@@ -34,6 +35,11 @@ from ..step import Sequence
 SHED_MARGIN = 2.0  # shed a request predicted to take more than this times its TTFT target
 _EMA = 0.2
 _NO_DEADLINE = 1e18
+
+
+def _tpot_s(seq: Sequence) -> float | None:
+    slo = seq.params.slo
+    return slo.tpot_ms / 1000 if slo is not None and slo.tpot_ms is not None else None
 
 
 class SLOShedError(RuntimeError):
@@ -105,10 +111,13 @@ class SLOScheduling:
         """The policy key (policies.py): on-time first, least slack first, then arrival."""
         return (self.late(seq, now), self.slack(seq, now), seq.times.arrival)
 
-    def tpot_cap(self, running: list[Sequence]) -> float | None:
-        """The tightest TPOT target (seconds) among the rows decoding, or None."""
-        caps = [s.params.slo.tpot_ms / 1000 for s in running
-                if s.times.first_token is not None and s.params.slo is not None and s.params.slo.tpot_ms is not None]
+    def tpot_cap(self, running: list[Sequence], now: float) -> float | None:
+        """Seconds this step may take and every decoding row with a TPOT target still keeps it: the least,
+        over those rows, of the time until its next token is due (first token + tpot x tokens so far - now),
+        but never less than the row's own target, or None when no row has one. A row ahead of its TPOT
+        has banked time, and a step that spends it carries more prompt."""
+        caps = [max(s.times.first_token + tpot * s.num_output_tokens - now, tpot) for s in running
+                if s.times.first_token is not None and (tpot := _tpot_s(s)) is not None]
         return min(caps) if caps else None
 
     # -- shedding ---------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ grows with the prompt's context (attention), and a long slice switches its matmu
 kernel (runner.SHORT_CHUNK). The decoding streams' inter-token gap thus grows by about `factor` while
 a long prompt prefills in slices; the prompt moves on by at least `min_chunk` tokens a step.
 
-Under `--scheduling-policy slo` the scheduler sets `tpot_cap` each step, the tightest TPOT target among
-the rows decoding: the step's target is then at most that many seconds (a factor of infinity: only it).
+Under `--scheduling-policy slo` the scheduler sets `tpot_cap` each step from the rows decoding (the time
+until the most pressed one's next token is due, never under its TPOT target; slo_policy.py): the step's
+target is then at most that many seconds (a factor of infinity: only it).
 
 Until the engine has seen enough decode-only steps to fit their cost there is no cap (the fixed token
 budget applies): a workload that always has prompts waiting never stops to teach it, and then keeps
