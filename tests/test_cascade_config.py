@@ -28,7 +28,8 @@ MODELS = {"small": SMOL, "large": SMOL, "other": SMOL}
 
 
 def flags(**kw) -> argparse.Namespace:
-    base = {"cascade_config": None, "cascade_k": None, "cascade_threshold": None, "cascade_signal": None}
+    base = {"cascade_config": None, "cascade_k": None, "cascade_threshold": None, "cascade_signal": None,
+            "cascade_target_escalation": None}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -111,6 +112,33 @@ def test_another_signal_of_a_calibration_brings_its_own_threshold(tmp_path):
     assert rule.threshold == 0.7
     own = parse_cascades([f"c=small,large;config={path};signal=min_top1"], MODELS)[0]
     assert build_rule(flags(), own, MODELS).threshold == 0.31
+
+
+def test_a_target_escalation_follows_the_traffic_from_the_calibrations_dev_set(tmp_path):
+    path = str(tmp_path / "cal.json")
+    dev = [{"task_id": str(i), "p10_top1": i / 99} for i in range(100)]  # the dev set: uniform on [0, 1]
+    write_config(path, [SMOL, SMOL], CascadeRule(signal="p10_top1", threshold=0.3), {"per_problem": dev})
+    spec = parse_cascades([f"c=small,large;config={path};target_escalation=0.25"], MODELS)[0]
+    rule = build_rule(flags(), spec, MODELS)
+    assert rule.current_threshold() == pytest.approx(0.25, abs=0.02)  # the dev set's quantile to start
+    for _ in range(200):  # the traffic is surer than the dev set: [0.8, 1]
+        for c in np.linspace(0.8, 1.0, 9):
+            rule.observe(float(c))
+    assert 0.8 < rule.current_threshold() < 0.9
+    served = np.random.default_rng(0).uniform(0.8, 1.0, size=400)
+    assert abs(np.mean([rule.escalates(float(c)) for c in served]) - 0.25) < 0.08
+    # without a calibration: the fixed threshold until the window has enough requests
+    bare = build_rule(flags(cascade_target_escalation=0.5), parse_cascades(["c=small,large"], MODELS)[0], MODELS)
+    assert bare.current_threshold() == bare.threshold
+    for c in np.linspace(0, 1, 64):
+        bare.observe(float(c))
+    assert bare.current_threshold() == pytest.approx(0.5, abs=0.02)
+    calibrated = parse_cascades([f"c=small,large;config={path}"], MODELS)[0]
+    assert build_rule(flags(cascade_target_escalation=1.0), calibrated, MODELS).escalates(1.0)  # 1: always
+    assert not build_rule(flags(cascade_target_escalation=0.0), calibrated, MODELS).escalates(0.0)  # 0: never
+    for bad in (-0.1, 1.5, math.nan):
+        with pytest.raises(ValueError, match="--cascade-target-escalation .*cascade c.*in \\[0, 1\\]"):
+            build_rule(flags(cascade_target_escalation=bad), calibrated, MODELS)
 
 
 def test_signals_from_logprobs():

@@ -160,8 +160,11 @@ class Cascade:
                 signals["probe"] = 1.0 - self.rule.probe.p_fail(pooled) if pooled is not None else 1.0
             confidence = signals[self.rule.signal]
             run.confidence, run.signals = confidence, signals
+            threshold = self.rule.current_threshold()
             low = self.rule.escalates(confidence)
-            run.why = f"{tier}: {self.rule.signal} {confidence:.3f} {'<' if low else '>='} {self.rule.threshold}"
+            if i == 0:
+                self.rule.observe(confidence)
+            run.why = f"{tier}: {self.rule.signal} {confidence:.3f} {'<' if low else '>='} {threshold:.4g}"
             # The next tier is acquired before this one is aborted: if none can load, this answer stands.
             found = await self._next_tier(tiers, i + 1, run) if low else None
             if low and found is None:

@@ -11,6 +11,13 @@ sha256, catalog.sample_sha256). Without a file, a calibration shipped for the sa
 The rule: a tier's answer stands when its confidence (cascade_signals.py) over its first k tokens is at
 least the threshold; threshold 0 never escalates, and 1.0 always does (a confidence can reach 1.0 in
 float32, so "always" is stated, not left to `<`).
+
+With `target_escalation` (`--cascade-target-escalation RATE`) the threshold is not fixed: it is the
+RATE-quantile of the first tier's confidence over the last BUDGET_WINDOW requests, so about that share
+of the traffic actually served goes on to the next tier, whatever the dev set was like (a threshold
+fitted on one set of prompts escalates another set's at another rate). The window starts from the
+calibration's own dev-set confidences, spread over their range, so the first requests are judged by the
+calibrated threshold's quantile; without a calibration, by the fixed threshold until the window fills.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import json
 import math
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +35,32 @@ from .cascade_signals import SIGNALS, LogisticProbe
 DEFAULT_K = 16  # a few lines of code: enough tokens to see the answer's start, few to waste on escalation
 DEFAULT_SIGNAL = "p10_top1"
 DEFAULT_THRESHOLD = 0.8  # the seed text's "top token < 0.8", on the 10th percentile over the first k
+BUDGET_WINDOW = 64  # recent requests the running threshold is the quantile of: it follows a shift in traffic
+BUDGET_MIN = 16  # observations before the running threshold replaces the fixed one (no calibration to start)
 CONFIG_VERSION = 1
 SHIPPED = Path(__file__).with_name("cascade_defaults")
+
+
+class EscalationBudget:
+    """The running threshold of `target_escalation`: the `rate`-quantile of recent confidences."""
+
+    def __init__(self, rate: float, seed: list[float] = ()):
+        self.rate = rate
+        seed = sorted(seed)  # spread over the seed's range: its quantiles, not its last rows
+        n = min(len(seed), BUDGET_WINDOW)
+        self.window: deque[float] = deque((seed[round(i * (len(seed) - 1) / max(n - 1, 1))] for i in range(n)),
+                                          maxlen=BUDGET_WINDOW)
+
+    def threshold(self, fixed: float) -> float:
+        if self.rate >= 1.0:
+            return 1.0  # always
+        if len(self.window) < BUDGET_MIN:
+            return fixed
+        ranked = sorted(self.window)
+        return ranked[min(round(self.rate * len(ranked)), len(ranked) - 1)] if self.rate > 0 else 0.0
+
+    def observe(self, confidence: float) -> None:
+        self.window.append(confidence)
 
 
 @dataclass
@@ -39,6 +71,9 @@ class CascadeRule:
     probe: LogisticProbe | None = None  # signal "probe" (from a calibration file)
     probe_pool: str = "prompt"  # what the probe's hidden state is pooled over: "prompt" or "prompt+k"
     thresholds: dict = field(default_factory=dict)  # a calibration's threshold per signal (the same target)
+    target_escalation: float | None = None  # the share of requests to escalate: a running threshold
+    dev_confidences: dict = field(default_factory=dict)  # a calibration's dev-set confidences per signal
+    budget: EscalationBudget | None = None  # made by build_rule when target_escalation is set
 
     @property
     def hold(self) -> int:
@@ -46,8 +81,17 @@ class CascadeRule:
         prompt ran), else k."""
         return 1 if self.signal == "probe" and self.probe_pool == "prompt" else self.k
 
+    def current_threshold(self) -> float:
+        return self.threshold if self.budget is None else self.budget.threshold(self.threshold)
+
     def escalates(self, confidence: float) -> bool:
-        return self.threshold >= 1.0 or confidence < self.threshold
+        threshold = self.current_threshold()
+        return threshold >= 1.0 or confidence < threshold
+
+    def observe(self, confidence: float) -> None:
+        """The first tier's confidence for one request (the running threshold's window)."""
+        if self.budget is not None:
+            self.budget.observe(confidence)
 
 
 @dataclass
@@ -58,7 +102,7 @@ class CascadeSpec:
     options: dict = field(default_factory=dict)  # this cascade's own threshold / k / signal (`;key=value`)
 
 
-OPTION_TYPES = {"threshold": float, "k": int, "signal": str, "config": str}
+OPTION_TYPES = {"threshold": float, "k": int, "signal": str, "config": str, "target_escalation": float}
 TOML_KINDS = {float: "a number", int: "an integer", str: "a string"}
 
 
@@ -67,13 +111,18 @@ def add_cascade_args(p: argparse.ArgumentParser) -> None:
                    help="with several models: a request for `model: NAME` runs the tiers in order; each answers "
                         "unless its confidence over its first --cascade-k tokens is below --cascade-threshold, "
                         "then the next answers from scratch (repeat the flag for more cascades; `;threshold=T`, "
-                        "`;k=N`, `;signal=S`, `;config=FILE` set one cascade's own, over the flags)")
+                        "`;k=N`, `;signal=S`, `;config=FILE`, `;target_escalation=R` set one cascade's own, over "
+                        "the flags)")
     p.add_argument("--cascade-k", type=int, default=None,
                    help=f"tokens a tier writes before its answer is judged (default: {DEFAULT_K}, or the calibration "
                         "file's)")
     p.add_argument("--cascade-threshold", type=float, default=None,
                    help=f"in [0, 1]: a tier escalates when its confidence is below it; 0 never, 1 always (default: "
                         f"{DEFAULT_THRESHOLD}, or the calibration file's)")
+    p.add_argument("--cascade-target-escalation", type=float, default=None, metavar="RATE",
+                   help="in [0, 1]: instead of a fixed threshold, escalate about this share of the requests served: "
+                        f"the threshold is the RATE-quantile of the first tier's confidence over the last {BUDGET_WINDOW} "
+                        "requests (starting from the calibration's dev set)")
     p.add_argument("--cascade-signal", choices=SIGNALS, default=None,
                    help=f"the confidence signal (default: {DEFAULT_SIGNAL}, or the calibration file's, whose "
                         "threshold for another signal comes with it; `probe` needs a calibration file)")
@@ -167,10 +216,14 @@ def build_rule(args: argparse.Namespace, spec: CascadeSpec, sources: dict[str, s
         rule.signal, rule.threshold = signal, rule.thresholds.get(signal, rule.threshold)
     if args.cascade_threshold is not None:
         rule.threshold = args.cascade_threshold
+    if args.cascade_target_escalation is not None:
+        rule.target_escalation = args.cascade_target_escalation
     for key, value in spec.options.items():
         if key not in ("config", "signal"):
             setattr(rule, key, value)
     check_rule(rule, spec.name)
+    if rule.target_escalation is not None:
+        rule.budget = EscalationBudget(rule.target_escalation, rule.dev_confidences.get(rule.signal, []))
     return rule
 
 
@@ -178,6 +231,9 @@ def check_rule(rule: CascadeRule, name: str = "") -> None:
     where = f" (cascade {name})" if name else ""
     if not (isinstance(rule.threshold, int | float) and not math.isnan(rule.threshold) and 0 <= rule.threshold <= 1):
         raise ValueError(f"--cascade-threshold{where}: must be a number in [0, 1], got {rule.threshold}")
+    rate = rule.target_escalation
+    if rate is not None and not (isinstance(rate, int | float) and not math.isnan(rate) and 0 <= rate <= 1):
+        raise ValueError(f"--cascade-target-escalation{where}: must be a number in [0, 1], got {rate}")
     if rule.k < 1:
         raise ValueError(f"--cascade-k{where}: must be at least 1, got {rule.k}")
     if rule.signal not in SIGNALS:
@@ -243,6 +299,8 @@ def load_config(path: str, sources: list[str]) -> CascadeRule:
     rule = CascadeRule(k=int(data.get("k", DEFAULT_K)), signal=data.get("signal", DEFAULT_SIGNAL),
                        threshold=data.get("threshold", DEFAULT_THRESHOLD), probe_pool=data.get("probe_pool", "prompt"),
                        thresholds=data.get("thresholds") or {})
+    rows = (data.get("calibration") or {}).get("per_problem") or []
+    rule.dev_confidences = {s: [float(r[s]) for r in rows if isinstance(r.get(s), int | float)] for s in SIGNALS}
     if data.get("probe"):
         rule.probe = LogisticProbe.from_json(data["probe"])
     return rule

@@ -519,9 +519,10 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
     # every served name (aliases, adapters too): a cascade may not take one; a tier may be any
     sources = {name: s.source for s in specs for name in (*s.names, *s.adapters)}
     cascade_specs = parse_cascades(args.cascade, sources, preset_cascades)  # a bad one fails now, before the port
-    if not cascade_specs and (args.cascade_config or args.cascade_k is not None or args.cascade_threshold is not None
-                              or args.cascade_signal is not None):
-        raise ValueError("--cascade-config/-k/-threshold/-signal: set for no cascade; add --cascade NAME=SMALL,LARGE")
+    if not cascade_specs and (args.cascade_config or any(v is not None for v in (
+            args.cascade_k, args.cascade_threshold, args.cascade_signal, args.cascade_target_escalation))):
+        raise ValueError("--cascade-config/-k/-threshold/-signal/-target-escalation: set for no cascade; add "
+                         "--cascade NAME=SMALL,LARGE")
     sockets = bind(args.host, args.port)
     for spec in specs:
         catalog.pull_missing(spec.source)
