@@ -57,6 +57,7 @@ def server(tmp_path_factory):
                           "--cascade", "up=smol,qwen;threshold=1.0",
                           "--cascade", "stay=smol,qwen;threshold=0.0",
                           "--cascade", "auto=smol,qwen",
+                          "--cascade", "budget=smol,qwen;k=4;threshold=0;target_escalation=0.5",
                           "--cascade", "tobad=smol,bad;threshold=1.0",
                           "--cascade", "frombad=bad,qwen",
                           "--cascade", "nobody=bad,bad2",
@@ -175,6 +176,29 @@ def test_default_rule_decides_by_its_threshold(server):
         listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
         assert listed["auto"]["cascade"] == {"tiers": ["smol", "qwen"], "k": 16, "signal": "p10_top1",
                                              "threshold": 0.8}
+
+
+def test_a_target_escalation_sends_on_the_share_asked_of_the_traffic_served(server):
+    from tokenloom.server.cascade_config import BUDGET_MIN
+
+    seen, escalated = [], []
+    with server.client() as http:
+        for i in range(BUDGET_MIN + 12):
+            r = http.post("/v1/completions", json={"model": "budget", "prompt": f"{i} times {i + 3} is",
+                                                   "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+            out = r.json()
+            if len(seen) >= BUDGET_MIN:  # the running threshold: the median of the confidences so far
+                median = sorted(seen)[round(0.5 * len(seen))]
+                assert out["escalated"] == (out["confidence"] < median), (i, out["confidence"], median)
+            else:  # until then the fixed threshold, 0: never
+                assert not out["escalated"]
+            seen.append(out["confidence"])
+            escalated.append(out["escalated"])
+        listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}["budget"]["cascade"]
+    assert listed["target_escalation"] == 0.5
+    assert listed["threshold"] == pytest.approx(sorted(seen)[round(0.5 * len(seen))], abs=1e-4)
+    assert 0 < sum(escalated[BUDGET_MIN:]) < len(escalated) - BUDGET_MIN
 
 
 def test_a_tier_that_cannot_load_is_skipped_and_named(server):

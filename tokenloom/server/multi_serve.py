@@ -401,7 +401,10 @@ def build_front(models: ModelSet, *, api_key, metrics_token, metrics_open, shutd
         paths = access.operator_token(request.headers.get("authorization", "").encode("latin-1", "replace"))
         listed = [{"id": c.spec.name, "object": "model", "created": now_s(), "owned_by": "tokenloom",
                    "cascade": {"tiers": list(c.spec.tiers), "k": c.rule.k, "signal": c.rule.signal,
-                               "threshold": c.rule.threshold}} for c in (cascades or {}).values()]
+                               "threshold": c.rule.current_threshold(),  # a running one's value now
+                               **({"target_escalation": c.rule.target_escalation}
+                                  if c.rule.target_escalation is not None else {})}}
+                  for c in (cascades or {}).values()]
         return {"object": "list", "data": models.describe(paths) + listed}
 
     async def _name(request: Request) -> str:
