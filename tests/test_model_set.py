@@ -90,6 +90,30 @@ def test_request_autoloads_and_evicts_lru_idle_within_budget():
     asyncio.run(main())
 
 
+def test_a_models_bytes_are_at_least_the_rss_its_load_added_and_loads_take_turns():
+    async def main():
+        fakes = Fakes({"a": 500, "b": 400, "c": 300})
+        rss = {"now": 10_000, "loading": 0}
+        loader = fakes.loader
+
+        def growing(spec):  # "a" takes 700 bytes more than its tensors (its tokenizer, say)
+            rss["loading"] += 1
+            assert rss["loading"] == 1, "two loads at once: neither's RSS growth would be its own"
+            time.sleep(0.02)
+            handle = loader(spec)
+            rss["now"] += handle.bytes + (700 if spec.name == "a" else 0)
+            rss["loading"] -= 1
+            return handle
+
+        models = fakes.model_set(budget=2000, rss=lambda: rss["now"])
+        models.loader = growing
+        await asyncio.gather(*(models.load(n) for n in ("a", "b", "c")))
+        assert {n: s.resident_bytes for n, s in models.slots.items()} == {"a": 1200, "b": 400, "c": 300}
+        assert models.slots["a"].estimate == 1200  # its next load reserves what it really took
+
+    asyncio.run(main())
+
+
 def test_busy_and_pinned_models_are_never_evicted_and_a_load_waits_for_room():
     async def main():
         fakes = Fakes({"a": 600, "b": 600, "p": 100})

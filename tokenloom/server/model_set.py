@@ -7,8 +7,9 @@ Statuses (llama.cpp router's names): `unloaded` (configured, not in memory), `lo
 until its in-flight requests drained; requests arriving meanwhile wait and then load it again.
 
 Residency: every resident model counts its bytes (its weights and KV pool, a draft model's and the
-adapters loaded with it, measured once loaded; before, the estimate of `estimate_bytes`: the weight
-files plus the KV pool the flags give). Loading a
+adapters loaded with it, measured once loaded, and at least the process's RSS growth over its load,
+which also holds its tokenizer; before, the estimate of `estimate_bytes`: the weight files plus the KV
+pool the flags give). Loading a
 model evicts least-recently-used idle models (`plan_evictions`) until the resident bytes plus its own
 fit the memory budget and at most `models_max` are resident; a pinned model, or one with requests in
 flight (or in a load or unload), is never evicted. When not enough can be evicted now, the load waits
@@ -273,9 +274,11 @@ class ModelSet:
                  estimates: dict[str, int] | None = None, budget: int | None = None,
                  models_max: int | None = None, autoload: bool = True, drain_timeout: float = 30.0,
                  pinned: tuple[str, ...] = (), load_wait_s: float = LOAD_WAIT_S, collect: Callable | None = None,
-                 sleep_idle_s: float | None = None):
+                 sleep_idle_s: float | None = None, rss: Callable[[], int] | None = None):
         """`collect`: run in a worker thread once a stopped model's handle is dropped (the real server's
-        garbage collection of the engine, multi_serve.py)."""
+        garbage collection of the engine, multi_serve.py). `rss`: the process's resident bytes now; a
+        model's bytes are then at least what its load added to them (its tokenizer, its engine's other
+        buffers: more than the tensors `Handle.bytes` counts)."""
         self.slots = {s.name: ModelSlot(s, (estimates or {}).get(s.name, 0), pinned=s.name in pinned or s.pin)
                       for s in specs}
         # every served name, alias and adapter -> its model's slot (a request for an adapter loads its model)
@@ -286,6 +289,8 @@ class ModelSet:
         self.collect, self.sleep_idle_s, self.sleeps = collect, sleep_idle_s, 0
         self._room = asyncio.Lock()  # one eviction decision at a time
         self._changed = asyncio.Condition()  # a model went idle or left memory
+        self._memory = asyncio.Lock()  # one load or freeing at a time, so a load's RSS growth is its own
+        self.rss = rss
         for slot in self.slots.values():
             self.check_fits(slot, slot.estimate)
 
@@ -416,12 +421,16 @@ class ModelSet:
             slot.status, slot.reason = "loading", None
             started = time.monotonic()
             try:
-                handle = await asyncio.to_thread(self.loader, slot.spec)
-                try:
-                    await handle.start()
-                except BaseException:
-                    await handle.stop(0.0)
-                    raise
+                async with self._memory:
+                    before = self.rss() if self.rss is not None else 0
+                    handle = await asyncio.to_thread(self.loader, slot.spec)
+                    try:
+                        await handle.start()
+                    except BaseException:
+                        await handle.stop(0.0)
+                        raise
+                    if self.rss is not None:
+                        handle.bytes = max(handle.bytes, self.rss() - before)
             except Exception as exc:  # noqa: BLE001 - the model is `failed`, the others keep serving
                 slot.status, slot.reason = "failed", f"{type(exc).__name__}: {exc}"
                 logger.error("model %s failed to load: %s", slot.name, slot.reason)
@@ -477,10 +486,11 @@ class ModelSet:
         handle, slot.handle = slot.handle, None
         slot.status = "unloaded"
         if handle is not None:
-            await handle.stop(timeout)
-            del handle  # the last reference to the model's app and engine
-            if self.collect is not None:
-                await asyncio.to_thread(self.collect)
+            async with self._memory:
+                await handle.stop(timeout)
+                del handle  # the last reference to the model's app and engine
+                if self.collect is not None:
+                    await asyncio.to_thread(self.collect)
         await self._notify()
         logger.info("model %s unloaded (%d bytes resident in all)", slot.name, self.resident_bytes)
 

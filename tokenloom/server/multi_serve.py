@@ -32,6 +32,7 @@ from fastapi.responses import Response
 
 from .. import __version__
 from ..engine.forward_turn import ForwardTurn
+from ..process_memory import release_free_heap, rss_bytes
 from .cascade import Cascade, CascadeMetrics, build_cascade_app
 from .cascade_config import build_rule, parse_cascades
 from .errors import APIError, install_error_handlers
@@ -121,6 +122,7 @@ def _collect_frozen() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+    release_free_heap()  # the unloaded model's pages back to the OS: the next load's bytes are its own
 
 
 def _forget_endpoints() -> None:
@@ -546,7 +548,7 @@ def build_models_app(args: argparse.Namespace, fleet, bind) -> tuple:
     try:
         models = ModelSet(specs, real_loader(args, ForwardTurn(), dashboard), estimates=estimates, budget=budget,
                           models_max=args.models_max, autoload=args.models_autoload,
-                          drain_timeout=args.shutdown_timeout, collect=_collect_frozen,
+                          drain_timeout=args.shutdown_timeout, collect=_collect_frozen, rss=rss_bytes,
                           sleep_idle_s=args.sleep_idle_seconds)
     except ModelTooLarge as exc:
         for sock in sockets:
