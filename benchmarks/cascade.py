@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -138,7 +139,9 @@ def write(args, rows: list[dict], summary: dict) -> None:
             "max_tokens": args.max_tokens, "serve_args": args.serve_args, "machine": platform.platform()}
     out.write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1, default=float))
     p = summary["pass@1"]
+    command = " ".join(["python", "benchmarks/cascade.py", *sys.argv[1:]])
     lines = [f"# Cascade {args.small} -> {args.large} on HumanEval ({summary['problems']} problems)", "",
+             f"    {command}", "", f"{platform.machine()}, {os.cpu_count()} cores; {time.strftime('%Y-%m-%d %H:%M')}", "",
              "| | pass@1 | wall s |", "|---|---|---|",
              *(f"| {m} | {p[m]:.3f} | {summary['wall_seconds'][m]:.1f} |" for m in ("small", "large", "cascade")),
              "", (f"escalation rate {summary['escalation_rate']:.2f}; random routing at that rate "
