@@ -238,7 +238,7 @@ def token_times(results) -> list[float]:
     return times
 
 
-def resident(rounds: int = 2) -> dict:
+def resident(rounds: int) -> dict:
     cells: dict[str, list] = {"single": [], "multi": []}
     for order in ["single", "multi", "multi", "single"] * (rounds // 2):
         proc = serve([CODER] if order == "single" else [CODER, SMOL], name=f"resident-{order}")
@@ -414,6 +414,8 @@ def main() -> int:
     ap.add_argument("--sections", nargs="+", default=["exact", "budget", "resident", "together", "swap"])
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--resident-rounds", type=int, default=2, help="servers started per side in `resident` "
+                    "(ABBA: an even number; TPOT moves a few percent between starts of one server)")
     args = ap.parse_args()
     rec: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                  "when": time.strftime("%Y-%m-%d %H:%M")}
@@ -444,7 +446,7 @@ def run_section(section: str, rec: dict, args) -> None:
                  else measured_sizes())
         rec["budget"] = budget(sizes)
     elif section == "resident":
-        rec["resident"] = resident()
+        rec["resident"] = resident(args.resident_rounds)
     elif section == "together":
         rec["together"] = together()
     elif section == "swap":

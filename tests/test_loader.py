@@ -267,7 +267,8 @@ def test_gguf_file_reads_what_ggufs_own_reader_reads(tmp_path):
         assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
 
     data = path.read_bytes()
-    for cut in (3, 30, len(data) // 3, len(data) - 1):
+    inside_strings = data.index("Ġthe".encode()) + 2  # in an array of strings, mid-string and at a length
+    for cut in (3, 30, inside_strings, inside_strings + 4, len(data) // 3, len(data) - 1):
         (tmp_path / "cut.gguf").write_bytes(data[:cut])
         with pytest.raises(ValueError, match="truncated"):
             GGUFFile(str(tmp_path / "cut.gguf"))

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 
+_U64 = struct.Struct("<Q")
 _SCALARS = {  # value type -> (struct format, numpy dtype) of one little-endian item
     GGUFValueType.UINT8: ("<B", np.uint8), GGUFValueType.INT8: ("<b", np.int8),
     GGUFValueType.UINT16: ("<H", np.uint16), GGUFValueType.INT16: ("<h", np.int16),
@@ -119,7 +120,26 @@ class GGUFFile:
             self._at += count * dtype.itemsize
             return values.tolist()
         self._fits(count * 8, "an array")  # strings and arrays: at least a length each
+        if item == GGUFValueType.STRING:
+            return self._strings(count)
         return [self._value(item) for _ in range(count)]
+
+    def _strings(self, count: int) -> list[str]:
+        """An array of strings (a vocabulary, its merges: 150k-260k of them) in one loop: the per-item
+        `_value` calls were most of a warm model load's time."""
+        buf, at, end, out = self._buf, self._at, len(self._buf), []
+        length, append = _U64.unpack_from, out.append
+        for _ in range(count):
+            if at + 8 > end:
+                raise ValueError(f"truncated: a string runs past the end of the file ({end} bytes)")
+            (n,) = length(buf, at)
+            at += 8
+            if at + n > end:
+                raise ValueError(f"truncated: a string runs past the end of the file ({end} bytes)")
+            append(str(buf[at : at + n], "utf-8"))
+            at += n
+        self._at = at
+        return out
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int]:
         name = self._string()
