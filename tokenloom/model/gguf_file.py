@@ -126,7 +126,7 @@ class GGUFFile:
 
     def _strings(self, count: int) -> list[str]:
         """An array of strings (a vocabulary, its merges: 150k-260k of them) in one loop: the per-item
-        `_value` calls were most of a warm model load's time."""
+        `_value` calls were a large part of a warm model load."""
         buf, at, end, out = self._buf, self._at, len(self._buf), []
         length, append = _U64.unpack_from, out.append
         for _ in range(count):

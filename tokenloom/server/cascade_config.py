@@ -27,6 +27,7 @@ import json
 import math
 import os
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +45,7 @@ SHIPPED = Path(__file__).with_name("cascade_defaults")
 class EscalationBudget:
     """The running threshold of `target_escalation`: the `rate`-quantile of recent confidences."""
 
-    def __init__(self, rate: float, seed: list[float] = ()):
+    def __init__(self, rate: float, seed: Sequence[float] = ()):
         self.rate = rate
         seed = sorted(seed)  # spread over the seed's range: its quantiles, not its last rows
         n = min(len(seed), BUDGET_WINDOW)

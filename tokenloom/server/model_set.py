@@ -435,7 +435,8 @@ class ModelSet:
                 slot.status, slot.reason = "failed", f"{type(exc).__name__}: {exc}"
                 logger.error("model %s failed to load: %s", slot.name, slot.reason)
                 if self.collect is not None:  # what the failed load built (frozen by the engine build) goes
-                    await asyncio.to_thread(self.collect)
+                    async with self._memory:
+                        await asyncio.to_thread(self.collect)
                 await self._notify()
                 raise APIError(503, f"model `{slot.name}` failed to load: {slot.reason}", "server_error",
                                "model", "model_load_failed") from None
