@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # modules, so it is here, importing its public names (LLM, ...) only when they are first used.
     ("base", ("tokenloom", "tokenloom.config", "tokenloom.sampling_params", "tokenloom.outputs",
               "tokenloom.structured_output", "tokenloom.token_sets", "tokenloom.faults",
-              "tokenloom.request_checks", "tokenloom.slo")),
+              "tokenloom.request_checks", "tokenloom.slo", "tokenloom.process_memory")),
     ("step", ("tokenloom.step",)),  # the runner seam: Sequence, StepPlan, StepResult
     ("model", ("tokenloom.model",)),
     ("runner", ("tokenloom.runner",)),
