@@ -67,9 +67,22 @@ def test_a_second_load_maps_what_the_first_packed(cache, gguf):
     assert greedy(warm) == greedy(cold)
 
 
+def test_an_entry_checked_once_is_mapped_again_unread(cache, gguf, monkeypatch):
+    load_model(ModelSource.resolve(gguf), quantization="int4")
+    checks = []
+    crc = packed_cache._crc
+    monkeypatch.setattr(packed_cache, "_crc", lambda *a: checks.append(1) or crc(*a))
+    for _ in range(3):
+        assert FROM_CACHE in load_model(ModelSource.resolve(gguf), quantization="int4").plan.line()
+    assert checks == [1]  # the first of the three read it all; the others found it as it was then
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
 def test_a_damaged_entry_is_found_and_rebuilt(cache, gguf, damage, caplog):
     load_model(ModelSource.resolve(gguf), quantization="int4")
+    # Mapped once (its CRC checked, so this process maps it again unread while it stays as it was), then
+    # written over: the next load checks it again.
+    assert FROM_CACHE in load_model(ModelSource.resolve(gguf), quantization="int4").plan.line()
     (entry,) = cache.glob("*.safetensors")
     data = bytearray(entry.read_bytes())
     if damage == "flip":

@@ -57,3 +57,12 @@ def test_an_hf_directory_stops_at_generation_config_eos_ids(tmp_path, tokenizer)
     assert True not in [i for i in wrapper.eos_token_ids if isinstance(i, bool)]
     (tmp_path / "generation_config.json").write_text("[1, 2]")  # valid JSON, not an object: ignored
     assert 7 not in TokenizerWrapper.from_hf_dir(str(tmp_path)).eos_token_ids
+
+
+def test_the_longest_token_read_from_the_gguf_list_is_the_tokenizers_own(tokenizer):
+    # The server bounds a prompt's characters by it; the GGUF's list gives it without a pass over the
+    # built tokenizer (which costs a large vocabulary's build time again on every model load).
+    from tokenloom.model.tokenizer import TokenizerWrapper
+
+    asked = TokenizerWrapper(tokenizer.tokenizer, tokenizer.eos_token_ids)  # no list: asks every token
+    assert tokenizer.max_token_chars == asked.max_token_chars > 1

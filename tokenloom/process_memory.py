@@ -1,4 +1,5 @@
-"""This process's memory as the OS counts it: resident bytes now, and freed heap handed back.
+"""This process's memory as the OS counts it: resident bytes now, freed heap handed back, and large
+zeroed buffers that take no time to make.
 
 glibc keeps freed memory for reuse, and its dynamic mmap threshold moves large allocations onto the
 heap after the first frees, so freed buffers (a grammar job's, an unloaded model's) stay in RSS until
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import os
+
+import torch
 
 
 def rss_bytes() -> int:
@@ -21,3 +25,17 @@ def rss_bytes() -> int:
 def release_free_heap() -> None:
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to hand back this way
         ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor on fresh anonymous pages: the OS gives them zeroed when first touched, so a large
+    pool (a KV cache of hundreds of MiB) is made at once instead of written through by `torch.zeros`, and
+    its pages become resident as they are used. The tensor keeps the mapping; it is unmapped with it."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)

@@ -21,6 +21,7 @@ from .model.decoder import DecoderModel, ForwardBatch, GroupSlots, PrefillSpan
 from .model.kv_layout import KVLayout, window_start
 from .model.lora import LoRABatch, LoRAStacks
 from .model.sampler import Sampler, top_logprobs
+from .process_memory import zeroed
 from .step import Runner, StepPlan, StepResult, is_decode, samples
 
 # A prefill chunk shorter than this runs with the decode rows through the kernel built for few rows (int4:
@@ -56,7 +57,8 @@ class ModelRunner(Runner):
         def cache(n: int, device) -> torch.Tensor:  # [layer slot, K/V, slot, kv head, head dim]
             shape = (self.layout.layers_per_page, 2, n * block_size, cfg.num_kv_heads,
                      kv_quant.row_elements(self.dtype, cfg.dim_per_head))  # int8: + each row's scale
-            return torch.zeros(shape, dtype=self.dtype, device=device)
+            return zeroed(shape, self.dtype) if torch.device(device).type == "cpu" else torch.zeros(
+                shape, dtype=self.dtype, device=device)
 
         self.kv_cache = cache(num_blocks, self.device)
         planes = [self.layout.place(layer)[1] for layer in range(cfg.num_layers)]

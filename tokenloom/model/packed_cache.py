@@ -144,7 +144,9 @@ def load(path: str, plan) -> tuple[dict, dict[str, torch.Tensor]] | None:
             meta = f.metadata() or {}
         manifest, crc = json.loads(meta["manifest"]), int(meta["crc32"])
         tensors = load_file(str(entry))
-        if not isinstance(manifest, dict) or _crc(tensors, meta["manifest"]) != crc:
+        if not isinstance(manifest, dict):
+            raise ValueError("its manifest is not a table")
+        if _identity(entry) not in _checked and _crc(tensors, meta["manifest"]) != crc:
             raise ValueError("its tensors' CRC-32 does not match")
     except Exception as exc:  # noqa: BLE001 - a damaged file can fail in the header, the JSON or the tensors
         logger.warning("packed-weight cache entry %s is damaged (%s: %s): rebuilt", entry.name, type(exc).__name__, exc)
@@ -152,7 +154,19 @@ def load(path: str, plan) -> tuple[dict, dict[str, torch.Tensor]] | None:
         return None
     with contextlib.suppress(OSError):  # another process may have evicted it since: its tensors are mapped
         os.utime(entry)  # recently used: evicted last
+        _checked.add(_identity(entry))
     return manifest, tensors
+
+
+# Entries whose CRC held in this process, as they were then: a model swapped out and back (a multi-model
+# server) maps its entry again without reading every page of it; an entry written or touched since is
+# another identity, checked again.
+_checked: set[tuple] = set()
+
+
+def _identity(entry: Path) -> tuple:
+    st = entry.stat()
+    return str(entry), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev
 
 
 def restore(model, cached: tuple[dict, dict[str, torch.Tensor]], kernel, head_rows) -> bool:

@@ -230,6 +230,7 @@ class Handle:
     info: dict = field(default_factory=dict)  # extra /v1/models fields (max_model_len, root)
     metrics: object | None = None
     adapters: Callable[[], dict[str, str]] = dict  # name -> path of the adapters it serves now (run-time ones too)
+    unfaulted: int = 0  # bytes it holds whose pages are not resident yet at its load (its KV pools')
 
 
 @dataclass
@@ -429,8 +430,8 @@ class ModelSet:
                     except BaseException:
                         await handle.stop(0.0)
                         raise
-                    if self.rss is not None:
-                        handle.bytes = max(handle.bytes, self.rss() - before)
+                    if self.rss is not None:  # what the load made resident, and the pages it will touch
+                        handle.bytes = max(handle.bytes, self.rss() - before + handle.unfaulted)
             except Exception as exc:  # noqa: BLE001 - the model is `failed`, the others keep serving
                 slot.status, slot.reason = "failed", f"{type(exc).__name__}: {exc}"
                 logger.error("model %s failed to load: %s", slot.name, slot.reason)
@@ -484,6 +485,7 @@ class ModelSet:
             return slot
 
     async def _stop(self, slot: ModelSlot, timeout: float) -> None:
+        started = time.monotonic()
         handle, slot.handle = slot.handle, None
         slot.status = "unloaded"
         if handle is not None:
@@ -493,7 +495,8 @@ class ModelSet:
                 if self.collect is not None:
                     await asyncio.to_thread(self.collect)
         await self._notify()
-        logger.info("model %s unloaded (%d bytes resident in all)", slot.name, self.resident_bytes)
+        logger.info("model %s unloaded in %.2fs (%d bytes resident in all)", slot.name, time.monotonic() - started,
+                    self.resident_bytes)
 
     async def _make_room(self, slot: ModelSlot, need: int) -> None:
         """Evict least-recently-used idle models until `need` more bytes fit (waits for busy ones)."""

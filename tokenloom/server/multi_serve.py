@@ -94,7 +94,8 @@ def real_loader(args: argparse.Namespace, turn: ForwardTurn, dashboard):
         engine = served.async_llm.engine
         return Handle(app, resident_bytes(engine), start, stop, served.async_llm.health_problem,
                       {"root": served.path, "max_model_len": config.max_model_len}, served.metrics,
-                      lambda: {name: r.lora_path for name, r in app.state.tokenloom.loras.items()})
+                      lambda: {name: r.lora_path for name, r in app.state.tokenloom.loras.items()},
+                      unfaulted=kv_pool_bytes(engine))
 
     return load
 
@@ -143,17 +144,24 @@ def resident_bytes(engine) -> int:
     `lora_modules`; one loaded at run time is not counted: it goes with the model when that unloads)."""
     from ..model.load import weight_bytes
 
+    total = (weight_bytes(engine.model) if engine.model is not None else 0) + kv_pool_bytes(engine)
+    draft = getattr(engine.speculation, "draft", None)
+    if getattr(draft, "model", None) is not None:
+        total += weight_bytes(draft.model)
+    if engine.adapters is not None:
+        total += sum(w.nbytes for w in engine.adapters.loaded.values())
+    return total
+
+
+def kv_pool_bytes(engine) -> int:
+    """The KV pools' bytes (device and host-swap, a draft model's too): made on untouched pages
+    (process_memory.zeroed), they become resident only as the cache fills."""
     def pool(runner) -> int:
         return sum(t.numel() * t.element_size() for t in (getattr(runner, "kv_cache", None),
                                                          getattr(runner, "host_cache", None)) if t is not None)
 
-    total = (weight_bytes(engine.model) if engine.model is not None else 0) + pool(engine.runner)
     draft = getattr(engine.speculation, "draft", None)
-    if getattr(draft, "model", None) is not None:
-        total += weight_bytes(draft.model) + pool(draft.runner)
-    if engine.adapters is not None:
-        total += sum(w.nbytes for w in engine.adapters.loaded.values())
-    return total
+    return pool(engine.runner) + (pool(draft.runner) if getattr(draft, "model", None) is not None else 0)
 
 
 class MultiModelApp:

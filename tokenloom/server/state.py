@@ -59,11 +59,10 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.async_llm.config.max_model_len
 
-    @cached_property
+    @property
     def max_token_bytes(self) -> int:
         """The longest token in bytes (a character is at least one byte, so also in characters)."""
-        tok = self.tokenizer.tokenizer
-        return max(len(tok.id_to_token(i) or "") for i in range(tok.get_vocab_size(with_added_tokens=True)))
+        return self.tokenizer.max_token_chars
 
     @property
     def max_prompt_chars(self) -> int:
