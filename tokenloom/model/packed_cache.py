@@ -144,9 +144,8 @@ def load(path: str, plan) -> tuple[dict, dict[str, torch.Tensor]] | None:
             meta = f.metadata() or {}
         manifest, crc = json.loads(meta["manifest"]), int(meta["crc32"])
         tensors = load_file(str(entry))
-        if not isinstance(manifest, dict):
-            raise ValueError("its manifest is not a table")
-        if _identity(entry) not in _checked and _crc(tensors, meta["manifest"]) != crc:
+        if not isinstance(manifest, dict) or (_identity(entry) not in _checked
+                                              and _crc(tensors, meta["manifest"]) != crc):
             raise ValueError("its tensors' CRC-32 does not match")
     except Exception as exc:  # noqa: BLE001 - a damaged file can fail in the header, the JSON or the tensors
         logger.warning("packed-weight cache entry %s is damaged (%s: %s): rebuilt", entry.name, type(exc).__name__, exc)
