@@ -323,17 +323,30 @@ def timed_trace(port: int, names: dict[str, str]) -> dict:
             "swaps": len(swaps)}
 
 
-def swap(llama_server: str | None) -> dict:
+def swap(llama_server: str | None, llama_first: bool = False) -> dict:
+    """Each server's two runs (one model resident at a time, then both); `llama_first` runs
+    llama-server's before tokenloom's (two invocations in opposite orders make an ABBA pair)."""
+    sides = [_swap_tokenloom, lambda: _swap_llama(llama_server)]
     out: dict = {}
+    for side in reversed(sides) if llama_first else sides:
+        out.update(side())
+    return out
+
+
+def _swap_tokenloom() -> dict:
+    out = {}
     for label, extra in (("tokenloom, --models-max 1", ["--models-max", "1"]), ("tokenloom, both resident", [])):
         proc = serve([SMOL, CODER, *extra], name=f"swap-tokenloom-{len(extra)}")
         try:
             out[label] = timed_trace(PORT, {m: m for m in SWAP_TRACE})
         finally:
             stop(proc)
+    return out
+
+
+def _swap_llama(llama_server: str | None) -> dict:
     if llama_server is None:
-        out["llama-server router"] = "not measured: no --llama-server given"
-        return out
+        return {"llama-server router": "not measured: no --llama-server given"}
     from tokenloom.model.load import model_path
 
     models_dir = RAW / "llama-models"
@@ -342,6 +355,7 @@ def swap(llama_server: str | None) -> dict:
         link = models_dir / f"{m}.gguf"
         link.unlink(missing_ok=True)
         link.symlink_to(model_path(m))
+    out = {}
     # llama.cpp's router mode: a child llama-server per model, as many resident as --models-max.
     for label, models_max in (("llama-server router, --models-max 1", "1"), ("llama-server router, both resident", "0")):
         cmd = [llama_server, "--models-dir", str(models_dir), "--models-max", models_max, "--port", str(PORT2),
@@ -416,6 +430,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--resident-rounds", type=int, default=2, help="servers started per side in `resident` "
                     "(ABBA: an even number; TPOT moves a few percent between starts of one server)")
+    ap.add_argument("--swap-order", choices=["tokenloom-first", "llama-first"], default="tokenloom-first",
+                    help="which server's swap runs go first (run both orders for an ABBA pair)")
     args = ap.parse_args()
     rec: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                  "when": time.strftime("%Y-%m-%d %H:%M")}
@@ -450,7 +466,7 @@ def run_section(section: str, rec: dict, args) -> None:
     elif section == "together":
         rec["together"] = together()
     elif section == "swap":
-        rec["swap"] = swap(args.llama_server)
+        rec["swap"] = swap(args.llama_server, args.swap_order == "llama-first")
 
 
 def measured_sizes() -> dict[str, int]:
