@@ -13,8 +13,10 @@ import contextlib
 import ctypes
 import mmap
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def rss_bytes() -> int:
@@ -31,6 +33,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor on fresh anonymous pages: the OS gives them zeroed when first touched, so a large
     pool (a KV cache of hundreds of MiB) is made at once instead of written through by `torch.zeros`, and
     its pages become resident as they are used. The tensor keeps the mapping; it is unmapped with it."""
+    import torch  # here: the CLI imports this module before it needs torch
     numel = 1
     for n in shape:
         numel *= n
