@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import mmap
 import os
 from typing import TYPE_CHECKING
@@ -34,10 +35,7 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     pool (a KV cache of hundreds of MiB) is made at once instead of written through by `torch.zeros`, and
     its pages become resident as they are used. The tensor keeps the mapping; it is unmapped with it."""
     import torch  # here: the CLI imports this module before it needs torch
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
